@@ -1,0 +1,178 @@
+"""Server configurations: `DispatcherConfig` and `WorkerConfig`.
+
+Field names and defaults follow `tf.data.experimental.service.DispatcherConfig`
+and `WorkerConfig`; units are in the field names (`_ms`, `_bytes`). Every field
+has a CLI flag of the same name in kebab-case (`dataservice dispatcher
+--job-gc-timeout-ms 600000`). Both are frozen dataclasses: thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DEFAULT_HEARTBEAT_INTERVAL_MS = 1_000
+DEFAULT_DISPATCHER_TIMEOUT_MS = 60 * 60 * 1_000
+DEFAULT_JOB_GC_CHECK_INTERVAL_MS = 10 * 60 * 1_000
+DEFAULT_JOB_GC_TIMEOUT_MS = 5 * 60 * 1_000
+DEFAULT_CLIENT_TIMEOUT_MS = 5 * 60 * 1_000
+DEFAULT_WORKER_TIMEOUT_MS = 5 * 60 * 1_000
+DEFAULT_HOST = "127.0.0.1"
+PROTOCOLS = ("grpc",)
+
+
+def _check_port(port: int) -> None:
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"`port` must be an int in [0, 65535], got {port!r}")
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value <= 0):
+        raise ValueError(f"`{name}` must be a positive int (milliseconds), got {value!r}")
+
+
+def _check_protocol(protocol: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {protocol!r}")
+
+
+@dataclass(frozen=True)
+class DispatcherConfig:
+    """Configuration of a `DispatchServer`, as tf.data service's DispatcherConfig.
+
+    Attributes:
+        port: TCP port to bind; 0 picks a free one (read it back from `.target`).
+        protocol: "grpc", the only one.
+        work_dir: Directory for the journal and registered datasets. Needed by
+            `fault_tolerant_mode`.
+        fault_tolerant_mode: Journal every state change in `work_dir` (fsync
+            before the RPC that caused it is answered) and replay it on restart.
+        worker_addresses: Fixed worker list for static sharding (FILE, DATA,
+            FILE_OR_DATA, HINT); a worker's index is its position. "%port%"
+            matches any port.
+        job_gc_check_interval_ms: How often to look for abandoned jobs (ms).
+        job_gc_timeout_ms: A job with no client heartbeat for this long is
+            collected (ms).
+        client_timeout_ms: A client missing heartbeats this long is dropped (ms).
+        worker_timeout_ms: A worker missing heartbeats this long is lost (ms).
+        host: Interface to bind, "127.0.0.1" unless told otherwise; "0.0.0.0"
+            serves every interface.
+        auth_token: When set, every RPC must carry it (metadata
+            "authorization: Bearer <token>") or is refused UNAUTHENTICATED.
+
+    Raises:
+        ValueError: On a bad field (message names it), or `fault_tolerant_mode`
+            without `work_dir`.
+    """
+
+    port: int = 0
+    protocol: str = "grpc"
+    work_dir: str | None = None
+    fault_tolerant_mode: bool = False
+    worker_addresses: list[str] | None = None
+    job_gc_check_interval_ms: int | None = None
+    job_gc_timeout_ms: int | None = None
+    client_timeout_ms: int | None = None
+    worker_timeout_ms: int | None = None
+    host: str = DEFAULT_HOST
+    auth_token: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_port(self.port)
+        _check_protocol(self.protocol)
+        if self.fault_tolerant_mode and not self.work_dir:
+            raise ValueError(
+                "`fault_tolerant_mode=True` needs a `work_dir` to journal the dispatcher's state in"
+            )
+        for name in (
+            "job_gc_check_interval_ms",
+            "job_gc_timeout_ms",
+            "client_timeout_ms",
+            "worker_timeout_ms",
+        ):
+            _check_positive(name, getattr(self, name))
+        if self.worker_addresses is not None:
+            object.__setattr__(self, "worker_addresses", list(self.worker_addresses))
+
+    @property
+    def job_gc_check_interval_ms_or_default(self) -> int:
+        return self.job_gc_check_interval_ms or DEFAULT_JOB_GC_CHECK_INTERVAL_MS
+
+    @property
+    def job_gc_timeout_ms_or_default(self) -> int:
+        return self.job_gc_timeout_ms or DEFAULT_JOB_GC_TIMEOUT_MS
+
+    @property
+    def client_timeout_ms_or_default(self) -> int:
+        return self.client_timeout_ms or DEFAULT_CLIENT_TIMEOUT_MS
+
+    @property
+    def worker_timeout_ms_or_default(self) -> int:
+        return self.worker_timeout_ms or DEFAULT_WORKER_TIMEOUT_MS
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Configuration of a `WorkerServer`, as tf.data service's WorkerConfig.
+
+    Attributes:
+        dispatcher_address: "host:port" (or "grpc://host:port") of the dispatcher.
+        worker_address: The address advertised to the dispatcher and clients,
+            exactly as given ("%port%" is replaced by the bound port). Default
+            "127.0.0.1:%port%" (or "<host>:%port%" when `host` is set).
+        port: TCP port to bind; 0 picks a free one.
+        protocol: "grpc".
+        heartbeat_interval_ms: Time between heartbeats to the dispatcher (ms).
+        dispatcher_timeout_ms: How long to retry an unreachable dispatcher (ms).
+        data_transfer_protocol: None/"auto" (shared memory to same-host clients,
+            gRPC otherwise), "grpc" or "shm".
+        shm_ring_bytes: Size of each shared-memory ring (bytes).
+        cross_trainer_cache_size_bytes: Bound of the cross-trainer cache (bytes).
+        host: Interface to bind, "127.0.0.1" unless told otherwise.
+        auth_token: Token this worker requires of every RPC and sends to the dispatcher.
+
+    Raises:
+        ValueError: On a bad field; the message names it.
+    """
+
+    dispatcher_address: str
+    worker_address: str | None = None
+    port: int = 0
+    protocol: str = "grpc"
+    heartbeat_interval_ms: int | None = None
+    dispatcher_timeout_ms: int | None = None
+    data_transfer_protocol: str | None = None
+    shm_ring_bytes: int | None = None
+    cross_trainer_cache_size_bytes: int | None = None
+    host: str = DEFAULT_HOST
+    auth_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dispatcher_address, str) or not self.dispatcher_address:
+            raise ValueError(
+                f"`dispatcher_address` must be a non-empty string, got {self.dispatcher_address!r}"
+            )
+        _check_port(self.port)
+        _check_protocol(self.protocol)
+        _check_positive("heartbeat_interval_ms", self.heartbeat_interval_ms)
+        _check_positive("dispatcher_timeout_ms", self.dispatcher_timeout_ms)
+        _check_positive("shm_ring_bytes", self.shm_ring_bytes)
+        _check_positive("cross_trainer_cache_size_bytes", self.cross_trainer_cache_size_bytes)
+        if self.data_transfer_protocol not in (None, "auto", "grpc", "shm"):
+            raise ValueError(
+                "`data_transfer_protocol` must be None, 'auto', 'grpc' or 'shm', "
+                f"got {self.data_transfer_protocol!r}"
+            )
+
+    @property
+    def heartbeat_interval_ms_or_default(self) -> int:
+        return self.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
+
+    @property
+    def dispatcher_timeout_ms_or_default(self) -> int:
+        return self.dispatcher_timeout_ms or DEFAULT_DISPATCHER_TIMEOUT_MS
+
+
+def config_fields(cls: type) -> list[dataclasses.Field]:  # type: ignore[type-arg]
+    """The fields of a config class, in order (the CLI makes a flag of each)."""
+    return list(dataclasses.fields(cls))

@@ -1,0 +1,120 @@
+"""Exception hierarchy of dataservice, named after TensorFlow's status codes.
+
+`except` clauses written for `tf.errors.*` carry over: `DataLossError` for a
+damaged TFRecord, `UnavailableError` for an unreachable server, and so on.
+Bad arguments caught at call time raise the builtin `ValueError`, as tf.data's
+Python layer does.
+"""
+
+from __future__ import annotations
+
+
+class DataServiceError(Exception):
+    """Base class of every error raised by the data service at run time."""
+
+
+class CancelledError(DataServiceError):
+    """An operation was cancelled (for example the iterator was closed)."""
+
+
+class InvalidArgumentError(DataServiceError, ValueError):
+    """A request was malformed or inconsistent with existing state.
+
+    Also a `ValueError`, so callers that catch `ValueError` see it too.
+    """
+
+
+class NotFoundError(DataServiceError):
+    """A dataset id, job, iteration or task is unknown to the server."""
+
+
+class AlreadyExistsError(DataServiceError):
+    """Something with the same identity already exists."""
+
+
+class FailedPreconditionError(DataServiceError):
+    """The system is not in a state the operation needs (e.g. the dispatcher
+    restarted without fault tolerance and lost the state the caller knew)."""
+
+
+class DispatcherRestartedError(FailedPreconditionError):
+    """The dispatcher restarted without `fault_tolerant_mode` and its state
+    (datasets, jobs, iterations) was lost; the caller's ids no longer exist."""
+
+
+class OutOfRangeError(DataServiceError):
+    """Iteration past the end of a sequence."""
+
+
+class UnavailableError(DataServiceError):
+    """A server could not be reached within the configured timeout."""
+
+
+class DeadlineExceededError(DataServiceError):
+    """An operation did not finish within its deadline."""
+
+
+class ResourceExhaustedError(DataServiceError):
+    """A size or memory limit was exceeded."""
+
+
+class ElementTooLargeError(ResourceExhaustedError):
+    """An element is larger than the transport's limit; the message names both sizes."""
+
+
+class DataLossError(DataServiceError):
+    """Unrecoverable data loss or corruption, e.g. a TFRecord whose length or
+    data CRC32C does not match; the message names the file and byte offset."""
+
+
+class InternalError(DataServiceError):
+    """An invariant of the service was broken: a bug, please report it."""
+
+
+class UnimplementedError(DataServiceError):
+    """The operation is not supported."""
+
+
+class WorkerError(DataServiceError):
+    """A user function raised on a worker.
+
+    Attributes:
+        type_name: The original exception's qualified type name, e.g. "ZeroDivisionError".
+        worker_address: The "host:port" of the worker that ran the function.
+    """
+
+    def __init__(self, message: str, type_name: str = "", worker_address: str = "") -> None:
+        super().__init__(message)
+        self.type_name = type_name
+        self.worker_address = worker_address
+
+
+_BY_NAME: dict[str, type[DataServiceError]] = {
+    cls.__name__: cls
+    for cls in (
+        DataServiceError,
+        CancelledError,
+        InvalidArgumentError,
+        NotFoundError,
+        AlreadyExistsError,
+        FailedPreconditionError,
+        DispatcherRestartedError,
+        OutOfRangeError,
+        UnavailableError,
+        DeadlineExceededError,
+        ResourceExhaustedError,
+        ElementTooLargeError,
+        DataLossError,
+        InternalError,
+        UnimplementedError,
+        WorkerError,
+    )
+}
+
+
+def error_class(name: str) -> type[DataServiceError]:
+    """Returns the error class called `name`, or `DataServiceError` if unknown."""
+    return _BY_NAME.get(name, DataServiceError)
+
+
+__all__ = [name for name in _BY_NAME] + ["error_class"]

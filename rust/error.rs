@@ -1,0 +1,168 @@
+//! The one error type of the Rust core, and its single mapping to Python exceptions.
+//!
+//! Rust code returns `Result<T, Error>`; only [`From<Error> for PyErr`] below decides which
+//! Python class a failure becomes. Classes of `dataservice.errors` are looked up by name at
+//! raise time, so this crate never duplicates the Python hierarchy.
+
+use std::io;
+use std::path::Path;
+
+/// Everything that can go wrong in the Rust core.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A record's length or data does not match its masked CRC32C.
+    #[error("corrupted record at offset {offset} of {path}: {what}")]
+    CorruptedRecord {
+        path: String,
+        /// Byte offset of the record's first header byte, in the uncompressed stream.
+        offset: u64,
+        what: String,
+    },
+    /// The file (or the decompressed stream) ends inside a record.
+    #[error("truncated record at offset {offset} of {path}: {what}")]
+    TruncatedRecord {
+        path: String,
+        /// Byte offset of the record's first header byte, in the uncompressed stream.
+        offset: u64,
+        what: String,
+    },
+    /// The GZIP or ZLIB stream itself is damaged, so no record can be recovered from it.
+    #[error("corrupted {compression} stream at offset {offset} of {path}: {what}")]
+    CorruptedStream {
+        path: String,
+        compression: &'static str,
+        /// Offset, in the uncompressed stream, of the record being read when it failed.
+        offset: u64,
+        what: String,
+    },
+    /// `compression_type` is not one of None, "", "GZIP", "ZLIB".
+    #[error("unknown compression_type {0:?}: expected None, \"\", \"GZIP\" or \"ZLIB\"")]
+    UnknownCompression(String),
+    /// The file (or a directory on its path) does not exist.
+    #[error("{path}: no such file or directory")]
+    NotFound { path: String },
+    /// Any other operating-system error while `op` (e.g. "reading") `path`.
+    #[error("error {op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    /// A method was called on a reader or writer after `close()`.
+    #[error("I/O operation on closed {what} for {path}")]
+    Closed { what: &'static str, path: String },
+}
+
+impl Error {
+    /// Wraps an OS error that happened while `op` the file at `path`; a missing file becomes
+    /// [`Error::NotFound`].
+    pub fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        let path = path.display().to_string();
+        if source.kind() == io::ErrorKind::NotFound {
+            Error::NotFound { path }
+        } else {
+            Error::Io { op, path, source }
+        }
+    }
+
+    /// True for the errors TensorFlow reports as `DataLossError`.
+    pub fn is_data_loss(&self) -> bool {
+        matches!(
+            self,
+            Error::CorruptedRecord { .. }
+                | Error::TruncatedRecord { .. }
+                | Error::CorruptedStream { .. }
+        )
+    }
+}
+
+impl Clone for Error {
+    /// A copy with the same variant and message (an `io::Error` is rebuilt from its kind and
+    /// text), so a failed reader can report its first error again.
+    fn clone(&self) -> Self {
+        match self {
+            Error::CorruptedRecord { path, offset, what } => Error::CorruptedRecord {
+                path: path.clone(),
+                offset: *offset,
+                what: what.clone(),
+            },
+            Error::TruncatedRecord { path, offset, what } => Error::TruncatedRecord {
+                path: path.clone(),
+                offset: *offset,
+                what: what.clone(),
+            },
+            Error::CorruptedStream {
+                path,
+                compression,
+                offset,
+                what,
+            } => Error::CorruptedStream {
+                path: path.clone(),
+                compression,
+                offset: *offset,
+                what: what.clone(),
+            },
+            Error::UnknownCompression(name) => Error::UnknownCompression(name.clone()),
+            Error::NotFound { path } => Error::NotFound { path: path.clone() },
+            Error::Io { op, path, source } => Error::Io {
+                op,
+                path: path.clone(),
+                source: match source.raw_os_error() {
+                    Some(code) => io::Error::from_raw_os_error(code),
+                    None => io::Error::new(source.kind(), source.to_string()),
+                },
+            },
+            Error::Closed { what, path } => Error::Closed {
+                what,
+                path: path.clone(),
+            },
+        }
+    }
+}
+
+#[cfg(feature = "python")]
+mod python {
+    use super::Error;
+    use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+    use pyo3::prelude::*;
+    use pyo3::types::PyType;
+
+    /// An instance of `dataservice.errors.<class_name>(message)`; if that module cannot be
+    /// imported (a broken install), a `RuntimeError` saying so, with the message.
+    fn dataservice_error(class_name: &str, message: String) -> PyErr {
+        Python::attach(|py| {
+            let class = py
+                .import("dataservice.errors")
+                .and_then(|module| module.getattr(class_name))
+                .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
+            match class {
+                Ok(class) => PyErr::from_type(class, message),
+                Err(import_error) => PyRuntimeError::new_err(format!(
+                    "{message} (and dataservice.errors.{class_name} is unavailable: \
+                     {import_error})"
+                )),
+            }
+        })
+    }
+
+    impl From<Error> for PyErr {
+        fn from(error: Error) -> PyErr {
+            let message = error.to_string();
+            match error {
+                Error::CorruptedRecord { .. }
+                | Error::TruncatedRecord { .. }
+                | Error::CorruptedStream { .. } => dataservice_error("DataLossError", message),
+                Error::NotFound { .. } => dataservice_error("NotFoundError", message),
+                Error::UnknownCompression(_) | Error::Closed { .. } => {
+                    PyValueError::new_err(message)
+                }
+                Error::Io { source, .. } => match source.raw_os_error() {
+                    // OSError(errno, strerror) picks the subclass (PermissionError, ...).
+                    Some(code) => PyOSError::new_err((code, message)),
+                    None => PyOSError::new_err(message),
+                },
+            }
+        }
+    }
+}

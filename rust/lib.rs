@@ -1,0 +1,20 @@
+//! The Rust core of dataservice, imported as `dataservice._core` (private: users import
+//! `dataservice`). This file only registers; logic lives in the modules below.
+
+pub mod error;
+#[cfg(feature = "python")]
+mod py;
+pub mod tfrecord;
+
+#[cfg(feature = "python")]
+#[pyo3::pymodule]
+fn _core(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+    use pyo3::prelude::*;
+
+    m.add_class::<py::tfrecord::PyTFRecordReader>()?;
+    m.add_class::<py::tfrecord::PyTFRecordWriter>()?;
+    m.add_function(wrap_pyfunction!(py::tfrecord::read_tfrecord_file, m)?)?;
+    m.add_function(wrap_pyfunction!(py::tfrecord::crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(py::tfrecord::masked_crc32c, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,3 @@
+//! Thin #[pyclass] wrappers over the pure-Rust modules; the GIL is released while they block.
+
+pub mod tfrecord;

@@ -1,0 +1,465 @@
+"""The client API: `distribute`, `register_dataset`, `from_dataset_id`, as
+`tf.data.experimental.service`'s functions of the same names.
+
+A distributed dataset is a `Dataset` whose elements come from the service:
+ops applied after `distribute` run in the consumer's process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dataservice.client.reader import DataServiceIterator, ReadOptions
+from dataservice.data import serialize
+from dataservice.data.dataset import (
+    INFINITE_CARDINALITY,
+    UNKNOWN_CARDINALITY,
+    Dataset,
+    IterContext,
+)
+from dataservice.rpc import service_pb2 as pb
+from dataservice.rpc import util as rpc_util
+from dataservice.sharding import ShardingPolicy, to_sharding_policy
+
+CLIENT_TIMEOUT_ENV = "DATASERVICE_CLIENT_TIMEOUT_MS"
+DEFAULT_CLIENT_TIMEOUT_MS = 60_000
+_COMPRESSIONS = ("AUTO", "NONE")
+_TARGET_WORKERS = ("AUTO", "ANY", "LOCAL")
+
+
+class CrossTrainerCache:
+    """Marks a read as one trainer of a cross-trainer cache (tf.data service's
+    CrossTrainerCache): trainers with different `trainer_id`s share one
+    sliding window of a job's elements on each worker.
+
+    Args:
+        trainer_id: Non-empty string naming this trainer.
+
+    Raises:
+        ValueError: `trainer_id` is empty or not a string.
+    """
+
+    def __init__(self, trainer_id: str) -> None:
+        if not isinstance(trainer_id, str) or not trainer_id:
+            raise ValueError(f"`trainer_id` must be a non-empty string, got {trainer_id!r}")
+        self.trainer_id = trainer_id
+
+
+# ---------------------------------------------------------------- validation
+def _service_address(service: Any) -> str:
+    target = getattr(service, "target", None)
+    if target is not None and not isinstance(service, str):
+        return rpc_util.parse_address(target)
+    if not isinstance(service, str):
+        raise ValueError(
+            f"`service` must be a string (\"grpc://host:port\" or \"host:port\") or a "
+            f"DispatchServer, got {service!r}"
+        )
+    return rpc_util.parse_address(service)
+
+
+def _check_job_name(job_name: Any) -> str:
+    if job_name is None:
+        return ""
+    if not isinstance(job_name, str):
+        raise ValueError(f"`job_name` must be a string, got {job_name!r}")
+    if not job_name:
+        raise ValueError("`job_name` must not be empty")
+    return job_name
+
+
+def _check_compression(compression: Any) -> None:
+    if compression is None:
+        return
+    if not isinstance(compression, str) or compression.upper() not in _COMPRESSIONS:
+        raise ValueError(
+            f"Invalid `compression` argument: {compression!r}. Must be one of "
+            f"{list(_COMPRESSIONS)} or None."
+        )
+
+
+def _check_consumers(job_name: str, consumer_index: Any, num_consumers: Any) -> int:
+    if (consumer_index is None) != (num_consumers is None):
+        raise ValueError(
+            "Must either set both `consumer_index` and `num_consumers`, or neither. "
+            f"Got consumer_index={consumer_index!r}, num_consumers={num_consumers!r}"
+        )
+    if num_consumers is None:
+        return 0
+    if not isinstance(num_consumers, int) or num_consumers <= 0:
+        raise ValueError(f"`num_consumers` must be a positive int, got {num_consumers!r}")
+    if not isinstance(consumer_index, int) or not 0 <= consumer_index < num_consumers:
+        raise ValueError(
+            f"`consumer_index` must be an int in [0, num_consumers={num_consumers}), "
+            f"got {consumer_index!r}"
+        )
+    if not job_name:
+        raise ValueError("`job_name` must be set when using `num_consumers` (coordinated reads)")
+    return num_consumers
+
+
+def _check_target_workers(target_workers: Any) -> str:
+    if not isinstance(target_workers, str) or target_workers.upper() not in _TARGET_WORKERS:
+        raise ValueError(
+            f"`target_workers` must be one of {list(_TARGET_WORKERS)} (case-insensitive), "
+            f"got {target_workers!r}"
+        )
+    return target_workers.upper()
+
+
+def _check_max_outstanding(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`max_outstanding_requests` must be a positive int, got {value!r}")
+    return value
+
+
+def _client_timeout_ms(value: int | None) -> int:
+    if value is not None:
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"`client_timeout_ms` must be a positive int, got {value!r}")
+        return value
+    env = os.environ.get(CLIENT_TIMEOUT_ENV)
+    return int(env) if env else DEFAULT_CLIENT_TIMEOUT_MS
+
+
+def _dispatcher_call(
+    address: str, method: str, request: Any, timeout_ms: int, auth_token: str | None = None
+) -> Any:
+    from dataservice.rpc import service_pb2_grpc
+
+    channel = rpc_util.make_channel(address)
+    try:
+        stub = service_pb2_grpc.DispatcherServiceStub(channel)
+        metadata = rpc_util.call_metadata(rpc_util.token_from_env(auth_token))
+        fn = getattr(stub, method)
+        return rpc_util.call_with_retries(
+            lambda: fn(request, timeout=10.0, metadata=metadata),
+            address=address,
+            what=f"{method} to the dispatcher",
+            timeout_ms=timeout_ms,
+        )
+    finally:
+        channel.close()
+
+
+def _check_splittable(dataset: Dataset) -> None:
+    """Raises ValueError naming the first op of `dataset` that cannot be split."""
+    dataset._check_splittable()
+
+
+# ---------------------------------------------------------------- the dataset
+class DistributedDataset(Dataset):
+    """A dataset read from the data service (the result of `distribute` or
+    `from_dataset_id`). Iterating it joins the next repetition of its job: the
+    k-th iterator of this object joins iteration k of a named job (tf.data's
+    rule), and an anonymous job is new each time.
+
+    Iterators have `.stats()` (see `DataServiceIterator.stats`).
+    """
+
+    _op_name = "distribute"
+    _split_op_name = "distribute"
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        processing_mode: ShardingPolicy,
+        job_name: str,
+        num_consumers: int,
+        consumer_index: int,
+        max_outstanding_requests: int | None,
+        data_transfer_protocol: str | None,
+        target_workers: str,
+        client_timeout_ms: int,
+        cross_trainer_cache: CrossTrainerCache | None,
+        compression: str | None,
+        input_dataset: Dataset | None = None,
+        dataset_id: str | None = None,
+        element_spec: Any = None,
+    ) -> None:
+        super().__init__()
+        self._address = address
+        self._processing_mode = processing_mode
+        self._job_name = job_name
+        self._num_consumers = num_consumers
+        self._consumer_index = consumer_index
+        self._max_outstanding_requests = max_outstanding_requests
+        self._data_transfer_protocol = data_transfer_protocol
+        self._target_workers = target_workers
+        self._client_timeout_ms = client_timeout_ms
+        self._cross_trainer_cache = cross_trainer_cache
+        self._compression = compression
+        self._input_dataset = input_dataset
+        self._dataset_id = dataset_id
+        self._given_spec = element_spec
+        self._mu = threading.Lock()
+        self._repetition = 0  # guarded by self._mu
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_mu"] = None
+        state["_repetition"] = 0
+        if self._input_dataset is not None:
+            state["_dataset_id"] = None  # registered again from wherever it is read
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._mu = threading.Lock()
+
+    def _inputs(self) -> list[Dataset]:
+        return []
+
+    def _check_splittable(self) -> None:
+        raise ValueError(
+            "Cannot split the pipeline for DYNAMIC sharding: `distribute` (a dataset read "
+            "from the data service) has no split provider; distribute the source pipeline "
+            "directly, or use ShardingPolicy.OFF"
+        )
+
+    def _split_provider(self, seed: int | None) -> Any:
+        self._check_splittable()
+
+    def _compute_cardinality(self) -> int:
+        if self._input_dataset is None:
+            return UNKNOWN_CARDINALITY
+        card = self._input_dataset.cardinality()
+        if card == 0:
+            return 0
+        if card == INFINITE_CARDINALITY and self._processing_mode in (
+            ShardingPolicy.OFF,
+            ShardingPolicy.DYNAMIC,
+        ):
+            return INFINITE_CARDINALITY
+        return UNKNOWN_CARDINALITY
+
+    def _static_element_spec(self) -> Any:
+        if self._given_spec is not None:
+            return self._given_spec
+        if self._input_dataset is not None:
+            spec = self._input_dataset._static_element_spec()
+            if spec is not None:
+                return spec
+        if self._dataset_id is not None:
+            response = _dispatcher_call(
+                self._address,
+                "GetElementSpec",
+                pb.GetElementSpecRequest(dataset_id=self._dataset_id),
+                self._client_timeout_ms,
+            )
+            if response.element_spec:
+                return pickle.loads(response.element_spec)
+        return None
+
+    def _ensure_registered(self) -> str:
+        with self._mu:
+            if self._dataset_id is None:
+                assert self._input_dataset is not None
+                self._dataset_id = _register(
+                    self._address, self._input_dataset, self._compression, None,
+                    self._client_timeout_ms,
+                )
+            return self._dataset_id
+
+    def _make_iterator(self, ctx: IterContext) -> DataServiceIterator:
+        dataset_id = self._ensure_registered()
+        with self._mu:
+            repetition = self._repetition
+            if self._job_name:
+                self._repetition += 1
+        options = ReadOptions(
+            dispatcher_address=self._address,
+            processing_mode=int(self._processing_mode),
+            job_name=self._job_name,
+            num_consumers=self._num_consumers,
+            consumer_index=self._consumer_index,
+            max_outstanding_requests=self._max_outstanding_requests,
+            data_transfer_protocol=self._data_transfer_protocol,
+            target_workers=self._target_workers,
+            client_timeout_ms=self._client_timeout_ms,
+        )
+        return DataServiceIterator(options, dataset_id, repetition)
+
+
+def _register(
+    address: str,
+    dataset: Dataset,
+    compression: str | None,
+    dataset_id: str | None,
+    timeout_ms: int,
+) -> str:
+    data = serialize.serialize(dataset)
+    spec = dataset._static_element_spec()
+    request = pb.RegisterDatasetRequest(
+        dataset=data,
+        element_spec=pickle.dumps(spec) if spec is not None else b"",
+        dataset_id=dataset_id or "",
+        fingerprint=hashlib.sha256(data).hexdigest(),
+        compression=compression or "",
+        cardinality=dataset.cardinality(),
+    )
+    return _dispatcher_call(address, "RegisterDataset", request, timeout_ms).dataset_id
+
+
+# ---------------------------------------------------------------- public API
+def distribute(
+    processing_mode: Any,
+    service: Any,
+    job_name: str | None = None,
+    consumer_index: int | None = None,
+    num_consumers: int | None = None,
+    max_outstanding_requests: int | None = None,
+    data_transfer_protocol: str | None = None,
+    compression: str | None = "AUTO",
+    cross_trainer_cache: CrossTrainerCache | None = None,
+    target_workers: str = "AUTO",
+    *,
+    client_timeout_ms: int | None = None,
+) -> Callable[[Dataset], Dataset]:
+    """A transformation that runs a dataset on the data service, for `Dataset.apply`.
+
+    As `tf.data.experimental.service.distribute`: the pipeline before this
+    point is shipped to the workers (cloudpickle), the ops after it run here.
+
+    Args:
+        processing_mode: A `ShardingPolicy`, or "parallel_epochs" (OFF) /
+            "distributed_epoch" (DYNAMIC).
+        service: "grpc://host:port", "host:port", or a `DispatchServer`.
+        job_name: Consumers with the same name share one job, first come first served.
+        consumer_index, num_consumers: Coordinated reads (both or neither; needs `job_name`).
+        max_outstanding_requests: Most concurrent element requests (default: one per worker).
+        data_transfer_protocol: None/"auto", "grpc", or another registered protocol.
+        compression: "AUTO" or None (elements are not compressed yet).
+        cross_trainer_cache: A `CrossTrainerCache` to share a job's elements between trainers.
+        target_workers: "AUTO", "ANY" or "LOCAL" (case-insensitive).
+        client_timeout_ms: How long to retry an unreachable dispatcher (ms); default
+            $DATASERVICE_CLIENT_TIMEOUT_MS or 60,000.
+
+    Returns:
+        A function `Dataset -> Dataset` for `dataset.apply(...)`.
+
+    Raises:
+        ValueError: A bad argument (the message names it), or a DYNAMIC read of a
+            pipeline that cannot be split (the message names the op, e.g. `from_generator`).
+    """
+    policy = to_sharding_policy(processing_mode)
+    address = _service_address(service)
+    name = _check_job_name(job_name)
+    consumers = _check_consumers(name, consumer_index, num_consumers)
+    outstanding = _check_max_outstanding(max_outstanding_requests)
+    _check_compression(compression)
+    target = _check_target_workers(target_workers)
+    timeout_ms = _client_timeout_ms(client_timeout_ms)
+    if cross_trainer_cache is not None and not isinstance(cross_trainer_cache, CrossTrainerCache):
+        raise ValueError(
+            f"`cross_trainer_cache` must be a CrossTrainerCache, got {cross_trainer_cache!r}"
+        )
+
+    def _apply(dataset: Dataset) -> Dataset:
+        if not isinstance(dataset, Dataset):
+            raise ValueError(f"distribute() applies to a Dataset, got {dataset!r}")
+        if policy == ShardingPolicy.DYNAMIC:
+            _check_splittable(dataset)
+        serialize.serialize(dataset)  # fails now, naming a function that cannot be shipped
+        return DistributedDataset(
+            address=address,
+            processing_mode=policy,
+            job_name=name,
+            num_consumers=consumers,
+            consumer_index=consumer_index if consumer_index is not None else -1,
+            max_outstanding_requests=outstanding,
+            data_transfer_protocol=data_transfer_protocol,
+            target_workers=target,
+            client_timeout_ms=timeout_ms,
+            cross_trainer_cache=cross_trainer_cache,
+            compression=compression,
+            input_dataset=dataset,
+        )
+
+    return _apply
+
+
+def register_dataset(
+    service: Any,
+    dataset: Dataset,
+    compression: str | None = "AUTO",
+    dataset_id: str | None = None,
+    *,
+    client_timeout_ms: int | None = None,
+) -> str:
+    """Registers `dataset` with the dispatcher, as tf.data service's `register_dataset`.
+
+    Registering an equal pipeline again returns the same id. Registering under
+    an existing `dataset_id` a dataset of another structure is an error.
+
+    Returns:
+        The dataset id (str): `dataset_id` if given, else one the dispatcher assigned.
+
+    Raises:
+        ValueError: A bad argument, or a function in the pipeline that cannot
+            be pickled (the message names it).
+        InvalidArgumentError: `dataset_id` exists with a different structure.
+        UnavailableError: The dispatcher cannot be reached within the client timeout.
+    """
+    address = _service_address(service)
+    _check_compression(compression)
+    if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
+        raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
+    if not isinstance(dataset, Dataset):
+        raise ValueError(f"register_dataset() needs a Dataset, got {dataset!r}")
+    return _register(address, dataset, compression, dataset_id, _client_timeout_ms(client_timeout_ms))
+
+
+def from_dataset_id(
+    processing_mode: Any,
+    service: Any,
+    dataset_id: str,
+    element_spec: Any = None,
+    job_name: str | None = None,
+    consumer_index: int | None = None,
+    num_consumers: int | None = None,
+    max_outstanding_requests: int | None = None,
+    data_transfer_protocol: str | None = None,
+    cross_trainer_cache: CrossTrainerCache | None = None,
+    target_workers: str = "AUTO",
+    *,
+    client_timeout_ms: int | None = None,
+) -> Dataset:
+    """Reads a registered dataset, as tf.data service's `from_dataset_id`.
+
+    The job name is scoped by the dataset id ("dataset_id=<id>/<job_name>"),
+    as tf.data does, so one name over two datasets makes two jobs.
+
+    Raises:
+        ValueError: A bad argument.
+        NotFoundError: (when iterated) `dataset_id` is not registered.
+    """
+    policy = to_sharding_policy(processing_mode)
+    address = _service_address(service)
+    name = _check_job_name(job_name)
+    consumers = _check_consumers(name, consumer_index, num_consumers)
+    if not isinstance(dataset_id, str) or not dataset_id:
+        raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
+    return DistributedDataset(
+        address=address,
+        processing_mode=policy,
+        job_name=f"dataset_id={dataset_id}/{name}" if name else "",
+        num_consumers=consumers,
+        consumer_index=consumer_index if consumer_index is not None else -1,
+        max_outstanding_requests=_check_max_outstanding(max_outstanding_requests),
+        data_transfer_protocol=data_transfer_protocol,
+        target_workers=_check_target_workers(target_workers),
+        client_timeout_ms=_client_timeout_ms(client_timeout_ms),
+        cross_trainer_cache=cross_trainer_cache,
+        compression=None,
+        dataset_id=dataset_id,
+        element_spec=element_spec,
+    )

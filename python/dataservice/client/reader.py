@@ -1,0 +1,414 @@
+"""One iteration of a distributed dataset, read by one consumer.
+
+`DataServiceIterator` joins (or creates) the iteration at the dispatcher,
+heartbeats to learn the iteration's tasks, runs one fetch thread per task
+(bounded by `max_outstanding_requests` concurrent requests and by a results
+buffer), and yields elements as they arrive. The iteration ends when the
+dispatcher says it is finished and every buffered element was yielded.
+
+Threads hold only `_Reader` (not the iterator), so an abandoned iterator is
+garbage collected, which releases its iteration client and stops its threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from dataservice import errors
+from dataservice.locality import host_id
+from dataservice.rpc import service_pb2 as pb
+from dataservice.rpc import service_pb2_grpc
+from dataservice.rpc import util as rpc_util
+from dataservice.transfer import base as transfer
+from dataservice.transfer import grpc as _grpc_transfer  # noqa: F401  (registers "grpc")
+
+log = logging.getLogger(__name__)
+
+_FETCH_WAIT_S = 1.0
+_MAX_ELEMENTS_PER_FETCH = 1024
+_MAX_BYTES_PER_FETCH = 16 << 20
+_RESULT_BUFFER_ELEMENTS = 8192
+_RESULT_BUFFER_BYTES = 128 << 20
+
+
+@dataclass
+class ReadOptions:
+    """What the consumer asked for (from `distribute` / `from_dataset_id`)."""
+
+    dispatcher_address: str
+    processing_mode: int
+    job_name: str
+    num_consumers: int
+    consumer_index: int
+    max_outstanding_requests: int | None
+    data_transfer_protocol: str | None
+    target_workers: str
+    client_timeout_ms: int
+    auth_token: str | None = None
+
+
+@dataclass
+class _WorkerStats:
+    transfer_protocol: str
+    elements: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class _TaskState:
+    endpoint: transfer.TaskEndpoint
+    thread: threading.Thread | None = None
+    finished: bool = False  # read to end of sequence
+    removed: bool = False  # the dispatcher dropped it (worker lost)
+    protocol: str = ""
+
+
+@dataclass
+class _Stats:
+    elements: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    workers: dict[str, _WorkerStats] = field(default_factory=dict)
+
+
+class _Reader:
+    """The shared state of one iterator's threads. Thread-safe (self._cv)."""
+
+    def __init__(self, options: ReadOptions) -> None:
+        self.options = options
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._wake_heartbeat = threading.Event()
+        self._channel = rpc_util.make_channel(options.dispatcher_address)
+        self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
+        self._metadata = rpc_util.call_metadata(rpc_util.token_from_env(options.auth_token))
+        limit = options.max_outstanding_requests
+        self._outstanding = threading.Semaphore(limit) if limit else None
+        self.incarnation = ""
+        self.client_id = 0
+        self.heartbeat_s = 0.5
+        # guarded by self._cv:
+        self._results: collections.deque[tuple[Any, int, str]] = collections.deque()
+        self._buffered_bytes = 0
+        self._tasks: dict[int, _TaskState] = {}
+        self._iteration_finished = False
+        self._error: BaseException | None = None
+        self._heartbeat_thread: threading.Thread | None = None
+        self.stats = _Stats()
+
+    # ------------------------------------------------------------ dispatcher calls
+    def call(self, method: str, request: Any, timeout_ms: int | None = None) -> Any:
+        fn = getattr(self._stub, method)
+        return rpc_util.call_with_retries(
+            lambda: fn(request, timeout=10.0, metadata=self._metadata),
+            address=self.options.dispatcher_address,
+            what=f"{method} to the dispatcher",
+            timeout_ms=timeout_ms or self.options.client_timeout_ms,
+            stop=self._stop,
+        )
+
+    def start(self, dataset_id: str, repetition: int) -> bool:
+        """Joins the iteration; returns False if it was already read to its end."""
+        info = self.call("GetDispatcherInfo", pb.DispatcherInfoRequest())
+        self.incarnation = info.incarnation_id
+        self.heartbeat_s = max(0.05, min(0.5, info.client_timeout_ms / 5000))
+        job = self.call(
+            "GetOrCreateJob",
+            pb.GetOrCreateJobRequest(
+                dataset_id=dataset_id,
+                job_name=self.options.job_name,
+                processing_mode=self.options.processing_mode,
+                num_consumers=self.options.num_consumers,
+                target_workers=self.options.target_workers,
+                client_host_id=host_id(),
+                incarnation_id=self.incarnation,
+            ),
+        )
+        iteration = self.call(
+            "GetOrCreateIteration",
+            pb.GetOrCreateIterationRequest(
+                job_id=job.job_id, repetition=repetition, incarnation_id=self.incarnation
+            ),
+        )
+        self.client_id = iteration.iteration_client_id
+        if iteration.already_finished:
+            self.release()
+            return False
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_loop, name="ds-client-heartbeat", daemon=True
+        )
+        self._heartbeat_thread.start()
+        return True
+
+    def release(self) -> None:
+        if not self.client_id:
+            return
+        client_id, self.client_id = self.client_id, 0
+        try:
+            self._stub.ReleaseIterationClient(
+                pb.ReleaseIterationClientRequest(
+                    iteration_client_id=client_id, incarnation_id=self.incarnation
+                ),
+                timeout=2.0,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError:
+            pass  # the dispatcher times the client out instead
+
+    # ------------------------------------------------------------ heartbeats
+    def _heartbeat_loop(self) -> None:
+        last_ok = time.monotonic()
+        while not self._stop.is_set():
+            with self._cv:
+                finished = [t for t, s in self._tasks.items() if s.finished]
+            request = pb.ClientHeartbeatRequest(
+                iteration_client_id=self.client_id,
+                incarnation_id=self.incarnation,
+                finished_tasks=finished,
+            )
+            try:
+                response = self._stub.ClientHeartbeat(
+                    request, timeout=10.0, metadata=self._metadata
+                )
+                last_ok = time.monotonic()
+                self._on_heartbeat(response)
+            except grpc.RpcError as err:
+                if err.code() in rpc_util.RETRYABLE:  # type: ignore[attr-defined]
+                    timeout_s = self.options.client_timeout_ms / 1000
+                    if time.monotonic() - last_ok > timeout_s:
+                        self._fail(
+                            errors.UnavailableError(
+                                f"lost the dispatcher at {self.options.dispatcher_address}: no "
+                                f"answer for {timeout_s:.1f} s ({err.details()})"  # type: ignore[attr-defined]
+                            )
+                        )
+                        return
+                else:
+                    self._fail(
+                        rpc_util.to_error(err, self.options.dispatcher_address, "ClientHeartbeat")
+                    )
+                    return
+            if self._wake_heartbeat.wait(self.heartbeat_s):
+                self._wake_heartbeat.clear()
+
+    def _on_heartbeat(self, response: Any) -> None:
+        live = {t.task_id for t in response.tasks}
+        to_start = []
+        with self._cv:
+            for info in response.tasks:
+                if info.task_id not in self._tasks:
+                    endpoint = transfer.TaskEndpoint(
+                        info.task_id, info.worker_address, info.transfer_address, info.host_id
+                    )
+                    state = _TaskState(endpoint)
+                    self._tasks[info.task_id] = state
+                    to_start.append(state)
+            for task_id, state in self._tasks.items():
+                if task_id not in live and not state.finished:
+                    state.removed = True
+            self._iteration_finished = response.iteration_finished
+            self._cv.notify_all()
+        for state in to_start:
+            state.thread = threading.Thread(
+                target=self._fetch_loop,
+                args=(state,),
+                name=f"ds-client-fetch-{state.endpoint.task_id}",
+                daemon=True,
+            )
+            state.thread.start()
+
+    # ------------------------------------------------------------ fetching
+    def _fetch_loop(self, state: _TaskState) -> None:
+        endpoint = state.endpoint
+        try:
+            protocol = transfer.resolve_protocol(self.options.data_transfer_protocol, endpoint)
+            client = transfer.make_client(protocol, endpoint, self.options.auth_token)
+        except errors.DataServiceError as err:
+            self._fail(err)
+            return
+        state.protocol = protocol
+        backoff = rpc_util.Backoff(0.05, 1.0)
+        try:
+            while not self._stop.is_set():
+                with self._cv:
+                    while not self._stop.is_set() and (
+                        len(self._results) >= _RESULT_BUFFER_ELEMENTS
+                        or self._buffered_bytes >= _RESULT_BUFFER_BYTES
+                    ):
+                        self._cv.wait(0.5)
+                    if state.removed or self._stop.is_set():
+                        return
+                if self._outstanding is not None:
+                    while not self._outstanding.acquire(timeout=0.5):
+                        if self._stop.is_set() or state.removed:
+                            return
+                try:
+                    result = client.get_elements(
+                        _MAX_ELEMENTS_PER_FETCH, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S
+                    )
+                except (errors.UnavailableError, errors.NotFoundError,
+                        errors.DeadlineExceededError, errors.CancelledError) as err:
+                    # The worker may be restarting, or lost: the heartbeat decides.
+                    log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
+                    if self._outstanding is not None:
+                        self._outstanding.release()
+                    backoff.sleep(time.monotonic() + 1.0, self._stop)
+                    continue
+                if self._outstanding is not None:
+                    self._outstanding.release()
+                backoff = rpc_util.Backoff(0.05, 1.0)
+                with self._cv:
+                    if result.elements:
+                        per = result.nbytes // len(result.elements)
+                        for element in result.elements:
+                            self._results.append((element, per, endpoint.worker_address))
+                        self._buffered_bytes += result.nbytes
+                        w = self.stats.workers.setdefault(
+                            endpoint.worker_address, _WorkerStats(protocol)
+                        )
+                        w.elements += len(result.elements)
+                        w.bytes += result.nbytes
+                    if result.end_of_sequence:
+                        state.finished = True
+                    self._cv.notify_all()
+                if result.end_of_sequence:
+                    self._wake_heartbeat.set()
+                    return
+        except BaseException as err:  # e.g. WorkerError: the pipeline raised
+            self._fail(err)
+        finally:
+            client.close()
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = err
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------ consuming
+    def next(self) -> Any:
+        start = time.monotonic()
+        with self._cv:
+            while True:
+                if self._results:
+                    element, nbytes, _ = self._results.popleft()
+                    self._buffered_bytes -= nbytes
+                    self.stats.elements += 1
+                    self.stats.bytes += nbytes
+                    self.stats.wait_s += time.monotonic() - start
+                    if len(self._results) < _RESULT_BUFFER_ELEMENTS // 2:
+                        self._cv.notify_all()
+                    return element
+                if self._error is not None:
+                    raise self._error
+                if self._iteration_finished and all(
+                    s.finished or s.removed for s in self._tasks.values()
+                ):
+                    self.stats.wait_s += time.monotonic() - start
+                    raise StopIteration
+                if self._tasks and all(s.finished or s.removed for s in self._tasks.values()):
+                    self._wake_heartbeat.set()  # ask the dispatcher whether it is over
+                self._cv.wait(0.1)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake_heartbeat.set()
+        with self._cv:
+            self._cv.notify_all()
+            threads = [s.thread for s in self._tasks.values() if s.thread is not None]
+        if self._heartbeat_thread is not None:
+            threads.append(self._heartbeat_thread)
+        self.release()
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout=2.0)
+        self._channel.close()
+
+
+class DataServiceIterator:
+    """Iterator over one iteration of a distributed dataset.
+
+    Yields the elements the workers produce (numpy values and nested structures
+    of them), in each worker's order, interleaved across workers.
+
+    Raises (from `__next__`):
+        WorkerError: The pipeline raised on a worker (type name, message and
+            worker address kept).
+        UnavailableError: The dispatcher could not be reached within the
+            client timeout; the message names the address.
+        DispatcherRestartedError: The dispatcher restarted without fault
+            tolerance and lost this iteration.
+        InvalidArgumentError / NotFoundError: Rejected by the dispatcher.
+    """
+
+    def __init__(self, options: ReadOptions, dataset_id: str, repetition: int) -> None:
+        self._reader = _Reader(options)
+        self._finalizer = weakref.finalize(self, self._reader.close)
+        self.skip_empty_epoch = False
+        try:
+            if not self._reader.start(dataset_id, repetition):
+                # A named job's repetition that other consumers read to the end.
+                self.skip_empty_epoch = True
+                self._done = True
+            else:
+                self._done = False
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def __iter__(self) -> DataServiceIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._reader.next()
+        except StopIteration:
+            self._done = True
+            self._finalizer()
+            raise
+        except BaseException:
+            self._done = True
+            self._finalizer()
+            raise
+
+    def close(self) -> None:
+        """Stops fetching and releases the iteration (also done on garbage collection)."""
+        self._done = True
+        self._finalizer()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this read.
+
+        Returns:
+            {"elements": int, "bytes": int (encoded bytes received),
+             "wait_ms": float (time `__next__` spent blocked),
+             "workers": {worker_address: {"transfer_protocol": "grpc" | "shm",
+                                          "elements": int, "bytes": int}}}
+        """
+        s = self._reader.stats
+        with self._reader._cv:
+            return {
+                "elements": s.elements,
+                "bytes": s.bytes,
+                "wait_ms": s.wait_s * 1000,
+                "workers": {
+                    addr: {
+                        "transfer_protocol": w.transfer_protocol,
+                        "elements": w.elements,
+                        "bytes": w.bytes,
+                    }
+                    for addr, w in s.workers.items()
+                },
+            }

@@ -1,0 +1,662 @@
+"""The dispatcher: registers datasets, creates jobs, iterations and tasks,
+hands out splits (DYNAMIC), tracks workers and clients by heartbeat, and
+collects abandoned jobs. As tf.data service's dispatcher.
+
+Every decision becomes a `state.Update` applied through `_apply_locked`, which
+journals it first when `fault_tolerant_mode` is on. RPC handlers take
+`self._mu`; nothing but the journal write does I/O under it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from dataservice import errors
+from dataservice.config import DispatcherConfig
+from dataservice.dispatcher import state as st
+from dataservice.dispatcher.journal import Journal
+from dataservice.rpc import service_pb2 as pb
+from dataservice.rpc import service_pb2_grpc
+from dataservice.rpc import util as rpc_util
+from dataservice.sharding import ShardingPolicy
+
+log = logging.getLogger(__name__)
+
+_MAX_SPLITS_PER_RPC = 4096
+
+
+@dataclass
+class _Worker:
+    """A registered worker (runtime only: workers register again after a restart)."""
+
+    address: str
+    transfer_address: str
+    host_id: str
+    uid: str
+    last_heartbeat: float
+
+
+class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
+    def __init__(self, dispatcher: DispatchServer) -> None:
+        self._d = dispatcher
+
+    def _call(self, fn: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(request)
+        except (errors.DataServiceError, ValueError) as err:
+            rpc_util.abort_with(context, err)
+        except Exception as err:  # a bug: report it as INTERNAL, with its type
+            log.exception("dispatcher RPC failed")
+            rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
+
+    def GetDispatcherInfo(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._get_info, request, context)
+
+    def WorkerHeartbeat(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._worker_heartbeat, request, context)
+
+    def RegisterDataset(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._register_dataset, request, context)
+
+    def GetDatasetDef(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._get_dataset_def, request, context)
+
+    def GetElementSpec(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._get_element_spec, request, context)
+
+    def GetOrCreateJob(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._get_or_create_job, request, context)
+
+    def GetOrCreateIteration(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._get_or_create_iteration, request, context)
+
+    def ClientHeartbeat(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._client_heartbeat, request, context)
+
+    def ReleaseIterationClient(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._release_iteration_client, request, context)
+
+    def GetSplits(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._get_splits, request, context)
+
+
+class DispatchServer:
+    """A dispatcher, as `tf.data.experimental.service.DispatchServer`.
+
+    Thread-safe. Serves gRPC on `config.host` (127.0.0.1 unless told
+    otherwise) and `config.port` (0 picks a free port).
+
+    Args:
+        config: The `DispatcherConfig`; defaults to `DispatcherConfig()`.
+        start: Start serving now (else call `start()`).
+
+    Raises:
+        ValueError: A bad config (e.g. `fault_tolerant_mode` without `work_dir`).
+        DataLossError: The journal in `work_dir` is damaged beyond a torn tail.
+    """
+
+    def __init__(self, config: DispatcherConfig | None = None, start: bool = True) -> None:
+        self._config = config or DispatcherConfig()
+        self._mu = threading.RLock()
+        self._server: grpc.Server | None = None
+        self._port = self._config.port
+        self._stop_event = threading.Event()
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # guarded by self._mu:
+        self._state = st.DispatcherState()
+        self._journal: Journal | None = None
+        self._datasets: dict[str, bytes] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._client_seen: dict[st.IterationClientId, float] = {}
+        self._job_last_used: dict[st.JobId, float] = {}
+        self._split_providers: dict[st.IterationId, Any] = {}
+        self._dataset_objects: dict[str, Any] = {}
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def target(self) -> str:
+        """"grpc://host:port" of this dispatcher (the bound port once started)."""
+        host = self._config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "localhost"
+        return f"grpc://{host}:{self._port}"
+
+    def start(self) -> None:
+        """Starts serving (replaying the journal first in fault-tolerant mode).
+
+        Raises:
+            UnavailableError: The port cannot be bound.
+        """
+        if self._server is not None:
+            return
+        self._stop_event.clear()
+        self._stopped.clear()
+        self._recover()
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="ds-dispatcher"),
+            options=rpc_util.SERVER_OPTIONS,
+            interceptors=(
+                [rpc_util.AuthInterceptor(self._config.auth_token)]
+                if self._config.auth_token
+                else []
+            ),
+        )
+        service_pb2_grpc.add_DispatcherServiceServicer_to_server(_Servicer(self), server)
+        try:
+            port = server.add_insecure_port(f"{self._config.host}:{self._config.port}")
+        except RuntimeError as err:
+            raise errors.UnavailableError(
+                f"dispatcher cannot bind {self._config.host}:{self._config.port}: {err}"
+            ) from err
+        if port == 0:
+            raise errors.UnavailableError(
+                f"dispatcher cannot bind {self._config.host}:{self._config.port}"
+            )
+        self._port = port
+        server.start()
+        self._server = server
+        t = threading.Thread(target=self._maintenance_loop, name="ds-dispatcher-gc", daemon=True)
+        t.start()
+        self._threads = [t]
+        log.info("dispatcher serving on %s", self.target)
+
+    def stop(self) -> None:
+        """Stops serving, after in-flight RPCs finish (grace 1 s). Idempotent."""
+        self._stop_event.set()
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace=1.0).wait()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads = []
+        with self._mu:
+            if self._journal is not None:
+                self._journal.close()
+                self._journal = None
+        self._stopped.set()
+
+    def join(self) -> None:
+        """Blocks until `stop()` is called."""
+        self._stopped.wait()
+
+    def num_workers(self) -> int:
+        """The number of registered, live workers."""
+        with self._mu:
+            return len(self._workers)
+
+    def __enter__(self) -> DispatchServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _recover(self) -> None:
+        """Fresh state, or the journal's in fault-tolerant mode."""
+        with self._mu:
+            self._state = st.DispatcherState()
+            self._datasets = {}
+            self._workers = {}
+            self._client_seen = {}
+            self._job_last_used = {}
+            self._split_providers = {}
+            self._dataset_objects = {}
+            self._journal = None
+            if self._config.fault_tolerant_mode:
+                assert self._config.work_dir
+                journal = Journal(self._config.work_dir)
+                for update in journal.replay():
+                    self._state.apply(update)
+                for dataset_id in self._state.datasets:
+                    self._datasets[dataset_id] = journal.read_dataset(dataset_id)
+                self._journal = journal
+            now = time.monotonic()
+            for client_id, iteration_id in self._state.clients.items():
+                self._client_seen[client_id] = now
+            for job_id in self._state.jobs:
+                self._job_last_used[job_id] = now
+            if not self._state.incarnation_id:
+                self._apply_locked(st.SetIncarnation(uuid.uuid4().hex))
+
+    def _apply_locked(self, update: st.Update) -> None:
+        """Journal first (in fault-tolerant mode), then mutate: the only write path."""
+        if self._journal is not None:
+            self._journal.append(update)
+        self._state.apply(update)
+
+    # ------------------------------------------------------------ helpers
+    def _check_incarnation_locked(self, incarnation_id: str) -> None:
+        if incarnation_id and incarnation_id != self._state.incarnation_id:
+            raise errors.DispatcherRestartedError(
+                f"the dispatcher at {self.target} restarted without fault tolerance and lost "
+                f"its state (incarnation {incarnation_id} is gone, now "
+                f"{self._state.incarnation_id}); datasets, jobs and iterations must be "
+                "created again (run the dispatcher with work_dir and fault_tolerant_mode=True "
+                "to keep them across restarts)"
+            )
+
+    def _worker_serves_job_locked(self, worker: _Worker, job: st.Job) -> bool:
+        if job.target_workers == "LOCAL":
+            return worker.host_id == job.client_host_id
+        return True
+
+    def _create_task_locked(self, iteration: st.Iteration, worker: _Worker) -> None:
+        task_id = st.TaskId(self._state.next_task_id)
+        self._apply_locked(st.CreateTask(task_id, iteration.iteration_id, worker.address, -1))
+
+    def _assign_tasks_to_worker_locked(self, worker: _Worker) -> None:
+        """Gives a (re)registered worker a task in every unfinished iteration it serves."""
+        for iteration in self._state.unfinished_iterations():
+            job = self._state.jobs[iteration.job_id]
+            if job.garbage_collected or not self._worker_serves_job_locked(worker, job):
+                continue
+            if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
+                continue
+            if any(
+                t.worker_address == worker.address and not t.removed
+                for t in iteration.tasks.values()
+            ):
+                continue
+            self._create_task_locked(iteration, worker)
+
+    def _dataset_object(self, dataset_id: str) -> Any:
+        from dataservice.data import serialize
+
+        obj = self._dataset_objects.get(dataset_id)
+        if obj is None:
+            obj = serialize.deserialize(self._datasets[dataset_id])
+            self._dataset_objects[dataset_id] = obj
+        return obj
+
+    # ------------------------------------------------------------ RPCs
+    def _get_info(self, request: Any) -> Any:
+        with self._mu:
+            return pb.DispatcherInfoResponse(
+                incarnation_id=self._state.incarnation_id,
+                fault_tolerant_mode=self._config.fault_tolerant_mode,
+                client_timeout_ms=self._config.client_timeout_ms_or_default,
+                worker_timeout_ms=self._config.worker_timeout_ms_or_default,
+            )
+
+    def _worker_heartbeat(self, request: Any) -> Any:
+        now = time.monotonic()
+        with self._mu:
+            address = request.worker_address
+            worker = self._workers.get(address)
+            if worker is None or worker.uid != request.worker_uid:
+                if worker is None:
+                    log.info("worker %s registered", address)
+                else:
+                    log.info("worker %s restarted", address)
+                worker = _Worker(
+                    address, request.transfer_address or address, request.host_id,
+                    request.worker_uid, now,
+                )
+                self._workers[address] = worker
+                self._assign_tasks_to_worker_locked(worker)
+            worker.last_heartbeat = now
+            for task_id in request.finished_tasks:
+                task = self._state.tasks.get(st.TaskId(task_id))
+                if task is not None and not task.finished and not task.removed:
+                    self._apply_locked(st.FinishTask(task.task_id))
+            current = set(request.current_tasks)
+            assigned = self._state.tasks_of_worker(address)
+            assigned_ids = {t.task_id for t in assigned}
+            response = pb.WorkerHeartbeatResponse(incarnation_id=self._state.incarnation_id)
+            for task in assigned:
+                if task.task_id in current:
+                    continue
+                iteration = self._state.iterations[task.iteration_id]
+                job = self._state.jobs[iteration.job_id]
+                response.new_tasks.add(
+                    task_id=task.task_id,
+                    iteration_id=iteration.iteration_id,
+                    job_id=job.job_id,
+                    dataset_id=job.dataset_id,
+                    processing_mode=job.processing_mode,
+                    repetition=iteration.repetition,
+                    num_consumers=job.num_consumers,
+                    worker_index=task.worker_index,
+                    num_workers=0,
+                    job_name=job.job_name,
+                )
+            response.tasks_to_delete.extend(sorted(current - assigned_ids))
+            return response
+
+    def _register_dataset(self, request: Any) -> Any:
+        with self._mu:
+            requested = request.dataset_id
+            if requested:
+                existing = self._state.datasets.get(requested)
+                if existing is not None:
+                    if (
+                        existing.element_spec
+                        and request.element_spec
+                        and existing.element_spec != request.element_spec
+                    ):
+                        raise errors.InvalidArgumentError(
+                            f"Datasets with the same ID should have the same structure: "
+                            f"dataset ID {requested!r} is registered with a different "
+                            "structure (element_spec) than the dataset given now"
+                        )
+                    return pb.RegisterDatasetResponse(dataset_id=requested)
+                dataset_id, auto = requested, False
+            else:
+                found = self._state.datasets_by_fingerprint.get(request.fingerprint)
+                if found is not None:
+                    return pb.RegisterDatasetResponse(dataset_id=found)
+                dataset_id = str(self._state.next_dataset_number)
+                while dataset_id in self._state.datasets:
+                    dataset_id = str(int(dataset_id) + 1)
+                auto = True
+            if self._journal is not None:
+                self._journal.write_dataset(dataset_id, request.dataset)
+            self._datasets[dataset_id] = request.dataset
+            self._apply_locked(
+                st.RegisterDataset(
+                    dataset_id, request.fingerprint, request.element_spec,
+                    request.cardinality, auto,
+                )
+            )
+            return pb.RegisterDatasetResponse(dataset_id=dataset_id)
+
+    def _get_dataset_def(self, request: Any) -> Any:
+        with self._mu:
+            data = self._datasets.get(request.dataset_id)
+            if data is None:
+                raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
+            return pb.GetDatasetDefResponse(dataset=data)
+
+    def _get_element_spec(self, request: Any) -> Any:
+        with self._mu:
+            dataset = self._state.datasets.get(request.dataset_id)
+            if dataset is None:
+                raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
+            return pb.GetElementSpecResponse(element_spec=dataset.element_spec)
+
+    def _get_or_create_job(self, request: Any) -> Any:
+        mode = request.processing_mode
+        if mode == ShardingPolicy.DYNAMIC:
+            # Build a split provider now, outside the lock, so a pipeline that
+            # cannot be split fails here, naming its first unsplittable op.
+            with self._mu:
+                self._check_incarnation_locked(request.incarnation_id)
+                if request.dataset_id not in self._datasets:
+                    raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
+            try:
+                self._dataset_object(request.dataset_id)._split_provider(0)
+            except errors.DataServiceError:
+                raise
+            except ValueError as err:
+                raise errors.InvalidArgumentError(str(err)) from err
+        with self._mu:
+            self._check_incarnation_locked(request.incarnation_id)
+            if request.dataset_id not in self._state.datasets:
+                raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
+            if mode not in (ShardingPolicy.OFF, ShardingPolicy.DYNAMIC):
+                raise errors.UnimplementedError(
+                    f"processing mode {ShardingPolicy(mode).name} is not implemented yet; "
+                    "use OFF or DYNAMIC"
+                )
+            if request.num_consumers:
+                if request.target_workers == "LOCAL":
+                    raise errors.InvalidArgumentError(
+                        "Coordinated reads require non-local workers: target_workers=LOCAL "
+                        "cannot be used with num_consumers"
+                    )
+                raise errors.UnimplementedError(
+                    "coordinated reads (num_consumers/consumer_index) are not implemented yet"
+                )
+            target = request.target_workers or "AUTO"
+            if request.job_name:
+                job = self._state.live_job_named(request.job_name)
+                if job is not None:
+                    diffs = []
+                    if job.dataset_id != request.dataset_id:
+                        diffs.append(f"dataset id (existing: {job.dataset_id}, "
+                                     f"requested: {request.dataset_id})")
+                    if job.processing_mode != mode:
+                        diffs.append(
+                            "processing mode (existing: "
+                            f"{ShardingPolicy(job.processing_mode).name}, requested: "
+                            f"{ShardingPolicy(mode).name})"
+                        )
+                    if job.target_workers != target:
+                        diffs.append(f"target_workers (existing: {job.target_workers}, "
+                                     f"requested: {target})")
+                    if job.num_consumers != request.num_consumers:
+                        diffs.append(f"num_consumers (existing: {job.num_consumers}, "
+                                     f"requested: {request.num_consumers})")
+                    if diffs:
+                        raise errors.InvalidArgumentError(
+                            f"Tried to create job with name {request.job_name}, but found an "
+                            f"existing job with different parameters: {'; '.join(diffs)} differ"
+                        )
+                    self._job_last_used[job.job_id] = time.monotonic()
+                    return pb.GetOrCreateJobResponse(job_id=job.job_id)
+            job_id = st.JobId(self._state.next_job_id)
+            self._apply_locked(
+                st.CreateJob(
+                    job_id, request.dataset_id, request.job_name, mode,
+                    request.num_consumers, target, request.client_host_id,
+                )
+            )
+            self._job_last_used[job_id] = time.monotonic()
+            return pb.GetOrCreateJobResponse(job_id=job_id)
+
+    def _get_or_create_iteration(self, request: Any) -> Any:
+        with self._mu:
+            self._check_incarnation_locked(request.incarnation_id)
+            job = self._state.jobs.get(st.JobId(request.job_id))
+            if job is None:
+                raise errors.NotFoundError(f"Job {request.job_id} not found")
+            if job.garbage_collected:
+                raise errors.NotFoundError(
+                    f"Job {request.job_id} ({job.job_name or 'anonymous'}) was garbage "
+                    "collected: no client read it for job_gc_timeout_ms"
+                )
+            iteration_id = job.iterations.get(request.repetition)
+            already_finished = False
+            if iteration_id is None:
+                if job.target_workers == "LOCAL" and self._workers and not any(
+                    w.host_id == job.client_host_id for w in self._workers.values()
+                ):
+                    raise errors.InvalidArgumentError(
+                        "Local reads require local workers, but no local worker is found: "
+                        f"{len(self._workers)} workers are registered, none on the client's host"
+                    )
+                iteration_id = st.IterationId(self._state.next_iteration_id)
+                self._apply_locked(
+                    st.CreateIteration(
+                        iteration_id, job.job_id, request.repetition, random.getrandbits(62)
+                    )
+                )
+                iteration = self._state.iterations[iteration_id]
+                for worker in list(self._workers.values()):
+                    if self._worker_serves_job_locked(worker, job):
+                        self._create_task_locked(iteration, worker)
+            else:
+                already_finished = self._state.iterations[iteration_id].finished
+            client_id = st.IterationClientId(self._state.next_client_id)
+            self._apply_locked(st.AcquireIterationClient(client_id, iteration_id))
+            now = time.monotonic()
+            self._client_seen[client_id] = now
+            self._job_last_used[job.job_id] = now
+            return pb.GetOrCreateIterationResponse(
+                iteration_client_id=client_id,
+                iteration_id=iteration_id,
+                already_finished=already_finished,
+            )
+
+    def _client_heartbeat(self, request: Any) -> Any:
+        with self._mu:
+            self._check_incarnation_locked(request.incarnation_id)
+            client_id = st.IterationClientId(request.iteration_client_id)
+            iteration_id = self._state.clients.get(client_id)
+            if iteration_id is None:
+                raise errors.NotFoundError(
+                    f"Unknown iteration client id {client_id}: it was released or timed out "
+                    "(no heartbeat for client_timeout_ms), or its job was garbage collected"
+                )
+            now = time.monotonic()
+            self._client_seen[client_id] = now
+            iteration = self._state.iterations[iteration_id]
+            self._job_last_used[iteration.job_id] = now
+            for task_id in request.finished_tasks:
+                task = iteration.tasks.get(st.TaskId(task_id))
+                if task is not None and not task.finished and not task.removed:
+                    self._apply_locked(st.FinishTask(task.task_id))
+            response = pb.ClientHeartbeatResponse(iteration_finished=iteration.finished)
+            for task in iteration.live_tasks():
+                worker = self._workers.get(task.worker_address)
+                response.tasks.add(
+                    task_id=task.task_id,
+                    worker_address=task.worker_address,
+                    transfer_address=worker.transfer_address if worker else task.worker_address,
+                    host_id=worker.host_id if worker else "",
+                )
+            return response
+
+    def _release_iteration_client(self, request: Any) -> Any:
+        with self._mu:
+            if request.incarnation_id and request.incarnation_id != self._state.incarnation_id:
+                return pb.ReleaseIterationClientResponse()
+            self._release_client_locked(st.IterationClientId(request.iteration_client_id))
+            return pb.ReleaseIterationClientResponse()
+
+    def _release_client_locked(self, client_id: st.IterationClientId) -> None:
+        iteration_id = self._state.clients.get(client_id)
+        if iteration_id is None:
+            return
+        self._apply_locked(st.ReleaseIterationClient(client_id))
+        self._client_seen.pop(client_id, None)
+        job = self._state.job_of_iteration(iteration_id)
+        iteration = self._state.iterations[iteration_id]
+        # Nobody else can join an anonymous job: free its tasks at once.
+        if not job.job_name and not iteration.clients and not job.garbage_collected:
+            self._apply_locked(st.GarbageCollectJob(job.job_id))
+            self._split_providers.pop(iteration_id, None)
+
+    def _get_splits(self, request: Any) -> Any:
+        iteration_id = st.IterationId(request.iteration_id)
+        max_splits = max(1, min(request.max_splits or 1, _MAX_SPLITS_PER_RPC))
+        with self._mu:
+            self._check_incarnation_locked(request.incarnation_id)
+            iteration = self._state.iterations.get(iteration_id)
+            if iteration is None:
+                raise errors.NotFoundError(f"Iteration {iteration_id} not found")
+            response = pb.GetSplitsResponse()
+            if iteration.finished or iteration.splits_ended:
+                response.end_of_splits = True
+                return response
+            provider = self._split_providers.get(iteration_id)
+            if provider is None:
+                job = self._state.jobs[iteration.job_id]
+                provider = self._dataset_object(job.dataset_id)._split_provider(iteration.seed)
+                for _ in range(iteration.splits_produced):  # replay: skip what was handed out
+                    if provider.get_next() is None:
+                        break
+                self._split_providers[iteration_id] = provider
+            splits = []
+            end = False
+            for _ in range(max_splits):
+                split = provider.get_next()
+                if split is None:
+                    end = True
+                    break
+                splits.append(split)
+            self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end))
+            if splits and isinstance(splits[0], str):
+                response.str_splits.extend(splits)
+            else:
+                response.int_splits.extend(int(s) for s in splits)
+            response.end_of_splits = end
+            return response
+
+    # ------------------------------------------------------------ maintenance
+    def _maintenance_loop(self) -> None:
+        cfg = self._config
+        period_s = min(
+            cfg.worker_timeout_ms_or_default / 4,
+            cfg.client_timeout_ms_or_default / 4,
+            cfg.job_gc_check_interval_ms_or_default,
+            500,
+        ) / 1000
+        next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
+        # Workers that held tasks before a restart get worker_timeout_ms to come back.
+        with self._mu:
+            self._restart_time = time.monotonic()
+        while not self._stop_event.wait(period_s):
+            try:
+                self._check_workers()
+                self._check_clients()
+                if time.monotonic() >= next_gc:
+                    self._collect_jobs()
+                    next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
+            except Exception:  # keep the dispatcher alive; the log has the bug
+                log.exception("dispatcher maintenance failed")
+
+    def _check_workers(self) -> None:
+        timeout_s = self._config.worker_timeout_ms_or_default / 1000
+        now = time.monotonic()
+        with self._mu:
+            for address, worker in list(self._workers.items()):
+                if now - worker.last_heartbeat > timeout_s:
+                    log.warning("worker %s lost: no heartbeat for %.1f s", address, timeout_s)
+                    del self._workers[address]
+                    self._remove_tasks_of_locked(address)
+            if now - self._restart_time > timeout_s:
+                # Tasks journaled for workers that never came back after a restart.
+                for task in list(self._state.tasks.values()):
+                    if (
+                        not task.finished
+                        and not task.removed
+                        and task.worker_address not in self._workers
+                        and not self._state.iterations[task.iteration_id].finished
+                    ):
+                        self._apply_locked(st.RemoveTask(task.task_id))
+
+    def _remove_tasks_of_locked(self, address: str) -> None:
+        for task in self._state.tasks_of_worker(address):
+            self._apply_locked(st.RemoveTask(task.task_id))
+
+    def _check_clients(self) -> None:
+        timeout_s = self._config.client_timeout_ms_or_default / 1000
+        now = time.monotonic()
+        with self._mu:
+            for client_id, seen in list(self._client_seen.items()):
+                if now - seen > timeout_s:
+                    log.info("iteration client %d timed out", client_id)
+                    self._release_client_locked(client_id)
+
+    def _collect_jobs(self) -> None:
+        timeout_s = self._config.job_gc_timeout_ms_or_default / 1000
+        now = time.monotonic()
+        with self._mu:
+            for job in list(self._state.jobs.values()):
+                if job.garbage_collected:
+                    continue
+                if job.processing_mode == ShardingPolicy.DYNAMIC and job.job_name:
+                    continue  # as tf.data service: DYNAMIC jobs are never collected
+                in_use = any(
+                    self._state.iterations[i].clients for i in job.iterations.values()
+                )
+                if in_use:
+                    self._job_last_used[job.job_id] = now
+                    continue
+                if now - self._job_last_used.get(job.job_id, now) > timeout_s:
+                    log.info("garbage collecting job %d (%s)", job.job_id, job.job_name)
+                    self._apply_locked(st.GarbageCollectJob(job.job_id))
+                    for i in job.iterations.values():
+                        self._split_providers.pop(i, None)

@@ -1,0 +1,301 @@
+"""The dispatcher's state: datasets, jobs, iterations, tasks, iteration clients.
+
+State changes only through `DispatcherState.apply(update)`, and every update
+is a small frozen dataclass, so the journal (journal.py) replays exactly what
+happened live: replaying the updates of a run rebuilds the same state.
+Thread-compatible: the dispatcher's lock guards it.
+
+Ids of each kind start in their own range (datasets are strings; jobs from
+1000, iterations from 2000, iteration clients from 3000, tasks from 4000) so a
+mixed-up id stands out in logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import NewType
+
+JobId = NewType("JobId", int)
+IterationId = NewType("IterationId", int)
+IterationClientId = NewType("IterationClientId", int)
+TaskId = NewType("TaskId", int)
+
+FIRST_JOB_ID = 1000
+FIRST_ITERATION_ID = 2000
+FIRST_CLIENT_ID = 3000
+FIRST_TASK_ID = 4000
+ID_STRIDE = 1_000_000  # each kind's range: [first, first + stride)
+
+
+# ------------------------------------------------------------------ updates
+@dataclass(frozen=True)
+class SetIncarnation:
+    incarnation_id: str
+
+
+@dataclass(frozen=True)
+class RegisterDataset:
+    dataset_id: str
+    fingerprint: str
+    element_spec: bytes
+    cardinality: int
+    auto_id: bool
+
+
+@dataclass(frozen=True)
+class CreateJob:
+    job_id: JobId
+    dataset_id: str
+    job_name: str
+    processing_mode: int
+    num_consumers: int
+    target_workers: str
+    client_host_id: str
+
+
+@dataclass(frozen=True)
+class CreateIteration:
+    iteration_id: IterationId
+    job_id: JobId
+    repetition: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class AcquireIterationClient:
+    client_id: IterationClientId
+    iteration_id: IterationId
+
+
+@dataclass(frozen=True)
+class ReleaseIterationClient:
+    client_id: IterationClientId
+
+
+@dataclass(frozen=True)
+class CreateTask:
+    task_id: TaskId
+    iteration_id: IterationId
+    worker_address: str
+    worker_index: int
+
+
+@dataclass(frozen=True)
+class FinishTask:
+    task_id: TaskId
+
+
+@dataclass(frozen=True)
+class RemoveTask:
+    """The task's worker was lost: its remaining elements will never come."""
+
+    task_id: TaskId
+
+
+@dataclass(frozen=True)
+class ProduceSplits:
+    """`count` more splits of the iteration were handed out; `end` once the
+    split provider is exhausted."""
+
+    iteration_id: IterationId
+    count: int
+    end: bool
+
+
+@dataclass(frozen=True)
+class GarbageCollectJob:
+    job_id: JobId
+
+
+Update = (
+    SetIncarnation
+    | RegisterDataset
+    | CreateJob
+    | CreateIteration
+    | AcquireIterationClient
+    | ReleaseIterationClient
+    | CreateTask
+    | FinishTask
+    | RemoveTask
+    | ProduceSplits
+    | GarbageCollectJob
+)
+
+
+# ------------------------------------------------------------------ entities
+@dataclass
+class Dataset:
+    dataset_id: str
+    fingerprint: str
+    element_spec: bytes
+    cardinality: int
+    auto_id: bool
+
+
+@dataclass
+class Job:
+    job_id: JobId
+    dataset_id: str
+    job_name: str
+    processing_mode: int
+    num_consumers: int
+    target_workers: str
+    client_host_id: str
+    iterations: dict[int, IterationId] = field(default_factory=dict)  # repetition -> id
+    garbage_collected: bool = False
+
+
+@dataclass
+class Iteration:
+    iteration_id: IterationId
+    job_id: JobId
+    repetition: int
+    seed: int
+    tasks: dict[TaskId, Task] = field(default_factory=dict)
+    clients: set[IterationClientId] = field(default_factory=set)
+    splits_produced: int = 0
+    splits_ended: bool = False
+    finished: bool = False
+    ever_had_client: bool = False
+
+    def live_tasks(self) -> list[Task]:
+        return [t for t in self.tasks.values() if not t.finished and not t.removed]
+
+
+@dataclass
+class Task:
+    task_id: TaskId
+    iteration_id: IterationId
+    worker_address: str
+    worker_index: int
+    finished: bool = False
+    removed: bool = False
+
+
+class DispatcherState:
+    """Everything the dispatcher knows that must survive a restart."""
+
+    def __init__(self) -> None:
+        self.incarnation_id = ""
+        self.datasets: dict[str, Dataset] = {}
+        self.datasets_by_fingerprint: dict[str, str] = {}  # auto-id datasets only
+        self.jobs: dict[JobId, Job] = {}
+        self.jobs_by_name: dict[str, JobId] = {}  # job_name -> its live (not collected) job
+        self.iterations: dict[IterationId, Iteration] = {}
+        self.clients: dict[IterationClientId, IterationId] = {}
+        self.tasks: dict[TaskId, Task] = {}
+        self.next_job_id = FIRST_JOB_ID
+        self.next_iteration_id = FIRST_ITERATION_ID
+        self.next_client_id = FIRST_CLIENT_ID
+        self.next_task_id = FIRST_TASK_ID
+        self.next_dataset_number = 1000
+
+    # The one write path.
+    def apply(self, update: Update) -> None:
+        handler = getattr(self, "_apply_" + type(update).__name__)
+        handler(update)
+
+    def _apply_SetIncarnation(self, u: SetIncarnation) -> None:
+        self.incarnation_id = u.incarnation_id
+
+    def _apply_RegisterDataset(self, u: RegisterDataset) -> None:
+        self.datasets[u.dataset_id] = Dataset(
+            u.dataset_id, u.fingerprint, u.element_spec, u.cardinality, u.auto_id
+        )
+        if u.auto_id:
+            self.datasets_by_fingerprint[u.fingerprint] = u.dataset_id
+            if u.dataset_id.isdigit():
+                self.next_dataset_number = max(self.next_dataset_number, int(u.dataset_id) + 1)
+
+    def _apply_CreateJob(self, u: CreateJob) -> None:
+        fields = {f.name: getattr(u, f.name) for f in dataclasses.fields(u)}
+        job = Job(**fields)
+        self.jobs[u.job_id] = job
+        if u.job_name:
+            self.jobs_by_name[u.job_name] = u.job_id
+        self.next_job_id = max(self.next_job_id, u.job_id + 1)
+
+    def _apply_CreateIteration(self, u: CreateIteration) -> None:
+        it = Iteration(u.iteration_id, u.job_id, u.repetition, u.seed)
+        self.iterations[u.iteration_id] = it
+        self.jobs[u.job_id].iterations[u.repetition] = u.iteration_id
+        self.next_iteration_id = max(self.next_iteration_id, u.iteration_id + 1)
+
+    def _apply_AcquireIterationClient(self, u: AcquireIterationClient) -> None:
+        self.clients[u.client_id] = u.iteration_id
+        it = self.iterations[u.iteration_id]
+        it.clients.add(u.client_id)
+        it.ever_had_client = True
+        self.next_client_id = max(self.next_client_id, u.client_id + 1)
+
+    def _apply_ReleaseIterationClient(self, u: ReleaseIterationClient) -> None:
+        iteration_id = self.clients.pop(u.client_id, None)
+        if iteration_id is not None and iteration_id in self.iterations:
+            self.iterations[iteration_id].clients.discard(u.client_id)
+
+    def _apply_CreateTask(self, u: CreateTask) -> None:
+        task = Task(u.task_id, u.iteration_id, u.worker_address, u.worker_index)
+        self.tasks[u.task_id] = task
+        self.iterations[u.iteration_id].tasks[u.task_id] = task
+        self.next_task_id = max(self.next_task_id, u.task_id + 1)
+
+    def _apply_FinishTask(self, u: FinishTask) -> None:
+        task = self.tasks.get(u.task_id)
+        if task is None:
+            return
+        task.finished = True
+        self._maybe_finish_iteration(self.iterations[task.iteration_id])
+
+    def _apply_RemoveTask(self, u: RemoveTask) -> None:
+        task = self.tasks.get(u.task_id)
+        if task is None:
+            return
+        task.removed = True
+        self._maybe_finish_iteration(self.iterations[task.iteration_id])
+
+    def _apply_ProduceSplits(self, u: ProduceSplits) -> None:
+        it = self.iterations[u.iteration_id]
+        it.splits_produced += u.count
+        it.splits_ended = it.splits_ended or u.end
+
+    def _apply_GarbageCollectJob(self, u: GarbageCollectJob) -> None:
+        job = self.jobs[u.job_id]
+        job.garbage_collected = True
+        if job.job_name and self.jobs_by_name.get(job.job_name) == u.job_id:
+            del self.jobs_by_name[job.job_name]
+        for iteration_id in job.iterations.values():
+            it = self.iterations[iteration_id]
+            it.finished = True
+            for client_id in list(it.clients):
+                self.clients.pop(client_id, None)
+            it.clients.clear()
+
+    def _maybe_finish_iteration(self, it: Iteration) -> None:
+        # Finished once some task ran to its end and no live task remains
+        # (an iteration whose workers were all lost waits for new workers).
+        if it.finished:
+            return
+        if any(t.finished for t in it.tasks.values()) and not it.live_tasks():
+            it.finished = True
+
+    # Queries (no mutation).
+    def job_of_iteration(self, iteration_id: IterationId) -> Job:
+        return self.jobs[self.iterations[iteration_id].job_id]
+
+    def live_job_named(self, job_name: str) -> Job | None:
+        job_id = self.jobs_by_name.get(job_name)
+        return self.jobs[job_id] if job_id is not None else None
+
+    def unfinished_iterations(self) -> list[Iteration]:
+        return [it for it in self.iterations.values() if not it.finished]
+
+    def tasks_of_worker(self, worker_address: str) -> list[Task]:
+        return [
+            t
+            for t in self.tasks.values()
+            if t.worker_address == worker_address
+            and not t.finished
+            and not t.removed
+            and not self.iterations[t.iteration_id].finished
+        ]

@@ -1,0 +1,199 @@
+"""gRPC plumbing shared by the dispatcher, workers and clients: channel and
+server options, the auth token, status <-> exception mapping, and retries.
+
+Message size limits are lifted to 2 GiB - 1 (gRPC's hard limit), so elements
+bigger than gRPC's 4 MiB default arrive in one message.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from dataservice import errors
+
+MAX_MESSAGE_BYTES = 2**31 - 1
+AUTH_ENV = "DATASERVICE_AUTH_TOKEN"
+ERROR_TYPE_KEY = "ds-error-type"
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 0),
+    # Reconnect quickly after a server restart (tests restart dispatchers).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+T = TypeVar("T")
+
+_STATUS_BY_ERROR: dict[type[errors.DataServiceError], grpc.StatusCode] = {
+    errors.InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.DispatcherRestartedError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.OutOfRangeError: grpc.StatusCode.OUT_OF_RANGE,
+    errors.UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DataLossError: grpc.StatusCode.DATA_LOSS,
+    errors.UnimplementedError: grpc.StatusCode.UNIMPLEMENTED,
+    errors.CancelledError: grpc.StatusCode.CANCELLED,
+}
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def parse_address(service: str) -> str:
+    """'grpc://host:port' or 'host:port' -> 'host:port'.
+
+    Raises:
+        ValueError: Empty, several '://', a protocol other than grpc, or no port.
+    """
+    if not isinstance(service, str):
+        raise ValueError(f"`service` must be a string, got {service!r}")
+    if not service:
+        raise ValueError("`service` must not be empty")
+    parts = service.split("://")
+    if len(parts) > 2:
+        raise ValueError(f"Malformed `service` string has multiple '://': {service}")
+    if len(parts) == 2:
+        protocol, address = parts
+        if protocol != "grpc":
+            raise ValueError(
+                f"Unknown protocol {protocol!r} in service {service!r}: "
+                "no credentials factory is registered for it; use 'grpc://host:port'"
+            )
+    else:
+        address = parts[0]
+    if ":" not in address or not address.rsplit(":", 1)[1].isdigit():
+        raise ValueError(f"`service` must be 'host:port' or 'grpc://host:port', got {service!r}")
+    return address
+
+
+def token_from_env(token: str | None = None) -> str | None:
+    """The auth token to send: the one given, else $DATASERVICE_AUTH_TOKEN."""
+    return token if token else os.environ.get(AUTH_ENV) or None
+
+
+def call_metadata(token: str | None) -> list[tuple[str, str]] | None:
+    return [("authorization", f"Bearer {token}")] if token else None
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses, UNAUTHENTICATED, every RPC that lacks the configured token."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization" and value == self._expected:
+                return continuation(handler_call_details)
+        return self._deny
+
+
+def make_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def abort_with(context: grpc.ServicerContext, err: BaseException) -> None:
+    """Ends an RPC with the status that matches `err`, keeping its class name."""
+    code = grpc.StatusCode.INTERNAL
+    for cls in type(err).__mro__:
+        if cls in _STATUS_BY_ERROR:
+            code = _STATUS_BY_ERROR[cls]  # type: ignore[index]
+            break
+    if isinstance(err, ValueError) and code is grpc.StatusCode.INTERNAL:
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    context.set_trailing_metadata(((ERROR_TYPE_KEY, type(err).__name__),))
+    context.abort(code, str(err))
+
+
+def to_error(err: grpc.RpcError, address: str, what: str) -> errors.DataServiceError:
+    """Turns a failed RPC into the matching `DataServiceError`, naming the address."""
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    type_name = ""
+    for key, value in (err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else ():
+        if key == ERROR_TYPE_KEY:
+            type_name = value
+    cls: type[errors.DataServiceError] = errors.error_class(type_name)
+    if cls is errors.DataServiceError:
+        for known, status in _STATUS_BY_ERROR.items():
+            if status == code:
+                cls = known
+                break
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        cls = errors.FailedPreconditionError
+    if code in RETRYABLE:
+        return cls(f"{what} at {address} failed: {details}")
+    return cls(details)
+
+
+class Backoff:
+    """Exponential backoff with jitter, from `initial_s` up to `max_s`."""
+
+    def __init__(self, initial_s: float = 0.05, max_s: float = 1.0) -> None:
+        self._next = initial_s
+        self._max = max_s
+
+    def sleep(self, deadline: float, stop: threading.Event | None = None) -> None:
+        delay = min(self._next * (0.5 + random.random()), max(0.0, deadline - time.monotonic()))
+        self._next = min(self._next * 2, self._max)
+        if stop is not None:
+            stop.wait(delay)
+        else:
+            time.sleep(delay)
+
+
+def call_with_retries(
+    fn: Callable[[], T],
+    *,
+    address: str,
+    what: str,
+    timeout_ms: int,
+    stop: threading.Event | None = None,
+) -> T:
+    """Calls `fn` (one RPC), retrying UNAVAILABLE / DEADLINE_EXCEEDED with
+    backoff for up to `timeout_ms` milliseconds.
+
+    Raises:
+        UnavailableError: Still unreachable after `timeout_ms`; names `address`.
+        CancelledError: `stop` was set while retrying.
+        DataServiceError: The RPC failed for another reason (matching subclass).
+    """
+    deadline = time.monotonic() + timeout_ms / 1000
+    backoff = Backoff()
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            if err.code() not in RETRYABLE:  # type: ignore[attr-defined]
+                raise to_error(err, address, what) from None
+            if time.monotonic() >= deadline:
+                raise errors.UnavailableError(
+                    f"{what}: could not reach {address} within {timeout_ms} ms "
+                    f"({err.details()})"  # type: ignore[attr-defined]
+                ) from None
+            if stop is not None and stop.is_set():
+                raise errors.CancelledError(f"{what} to {address} cancelled") from None
+            backoff.sleep(deadline, stop)

@@ -1,0 +1,1 @@
+"""Element transfer between workers and clients: a registry of protocols."""

@@ -1,0 +1,64 @@
+"""The gRPC transfer protocol: `WorkerService.GetElements` on the worker's port."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from dataservice import errors
+from dataservice.rpc import service_pb2, service_pb2_grpc
+from dataservice.rpc import util as rpc_util
+from dataservice.transfer import base, codec
+
+
+class GrpcTransferClient(base.TransferClient):
+    """Fetches a task's elements over gRPC; one caller thread at a time."""
+
+    protocol = "grpc"
+
+    def __init__(self, endpoint: base.TaskEndpoint, auth_token: str | None) -> None:
+        self._endpoint = endpoint
+        self._channel = rpc_util.make_channel(endpoint.transfer_address)
+        self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
+        self._metadata = rpc_util.call_metadata(rpc_util.token_from_env(auth_token))
+
+    def get_elements(
+        self,
+        max_elements: int,
+        max_bytes: int,
+        timeout_s: float,
+        consumer_index: int = -1,
+        round_index: int = -1,
+    ) -> base.ElementsResult:
+        request = service_pb2.GetElementsRequest(
+            task_id=self._endpoint.task_id,
+            max_elements=max_elements,
+            max_bytes=max_bytes,
+            consumer_index=consumer_index,
+            round_index=round_index,
+        )
+        try:
+            response = self._stub.GetElements(
+                request, timeout=timeout_s + 5.0, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise rpc_util.to_error(
+                err, self._endpoint.transfer_address, "GetElements"
+            ) from None
+        if response.error_type:
+            raise errors.WorkerError(
+                f"{response.error_type}: {response.error_message} "
+                f"(raised on worker {self._endpoint.worker_address})",
+                type_name=response.error_type,
+                worker_address=self._endpoint.worker_address,
+            )
+        elements: list[Any] = [codec.decode(e) for e in response.elements]
+        nbytes = sum(len(e) for e in response.elements)
+        return base.ElementsResult(elements, nbytes, response.end_of_sequence)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+base.register_protocol("grpc", GrpcTransferClient)

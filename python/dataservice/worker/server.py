@@ -1,0 +1,362 @@
+"""The worker: registers with the dispatcher by heartbeat, runs the tasks it is
+given, and serves their elements (as tf.data service's worker).
+
+The worker's gRPC server on `config.port` serves `WorkerService.GetElements`
+(the "grpc" transfer protocol). A heartbeat thread reports the worker's tasks
+every `heartbeat_interval_ms` and receives new tasks and tasks to delete; a
+worker holding a task the dispatcher no longer knows drops it (reconciles) on
+the next heartbeat. If the dispatcher goes away, the worker keeps serving the
+tasks it has and retries heartbeats until it comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from dataservice import errors
+from dataservice.config import WorkerConfig
+from dataservice.locality import host_id
+from dataservice.rpc import service_pb2 as pb
+from dataservice.rpc import service_pb2_grpc
+from dataservice.rpc import util as rpc_util
+from dataservice.sharding import ShardingPolicy
+from dataservice.worker.task_runner import TaskRunner
+
+log = logging.getLogger(__name__)
+
+_GET_ELEMENTS_WAIT_S = 1.0
+_FIRST_SPLIT_BATCH = 16
+_MAX_SPLIT_BATCH = 1024
+
+
+class _SplitFetcher:
+    """A DYNAMIC task's split source: fetches splits from the dispatcher in
+    growing batches (16, 32, ... 1024 per RPC), not one RPC per element.
+    One consumer thread (the task's producer)."""
+
+    def __init__(self, worker: WorkerServer, task: Any) -> None:
+        self._worker = worker
+        self._task = task
+        self._splits: list[Any] = []
+        self._pos = 0
+        self._batch = _FIRST_SPLIT_BATCH
+        self._end = False
+
+    def get_next(self) -> Any:
+        if self._pos < len(self._splits):
+            self._pos += 1
+            return self._splits[self._pos - 1]
+        if self._end:
+            return None
+        request = pb.GetSplitsRequest(
+            iteration_id=self._task.iteration_id,
+            task_id=self._task.task_id,
+            max_splits=self._batch,
+            incarnation_id=self._worker._incarnation,
+        )
+        try:
+            response = self._worker._call_dispatcher("GetSplits", request)
+        except errors.NotFoundError:
+            self._end = True
+            return None
+        self._batch = min(self._batch * 2, _MAX_SPLIT_BATCH)
+        self._splits = list(response.int_splits) or list(response.str_splits)
+        self._pos = 0
+        self._end = response.end_of_splits
+        return self.get_next() if self._splits else None
+
+
+class _Servicer(service_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, worker: WorkerServer) -> None:
+        self._w = worker
+
+    def GetElements(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return self._w._get_elements(request)
+        except (errors.DataServiceError, ValueError) as err:
+            rpc_util.abort_with(context, err)
+        except Exception as err:
+            log.exception("GetElements failed")
+            rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
+
+
+class WorkerServer:
+    """A worker, as `tf.data.experimental.service.WorkerServer`. Thread-safe.
+
+    Args:
+        config: The `WorkerConfig`.
+        start: Start serving now (else call `start()`).
+
+    Raises:
+        UnavailableError: The port cannot be bound.
+    """
+
+    def __init__(self, config: WorkerConfig, start: bool = True) -> None:
+        self._config = config
+        self._dispatcher_address = rpc_util.parse_address(config.dispatcher_address)
+        self._token = rpc_util.token_from_env(config.auth_token)
+        self._metadata = rpc_util.call_metadata(self._token)
+        self._mu = threading.Lock()
+        self._wake = threading.Event()
+        self._stop_event = threading.Event()
+        self._stopped = threading.Event()
+        self._server: grpc.Server | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: service_pb2_grpc.DispatcherServiceStub | None = None
+        self._heartbeat_thread: threading.Thread | None = None
+        self._address = ""
+        self._uid = ""
+        self._incarnation = ""
+        self._registration_error: BaseException | None = None
+        # guarded by self._mu:
+        self._tasks: dict[int, TaskRunner] = {}
+        self._deleted: OrderedDict[int, None] = OrderedDict()
+        self._reported_finished: set[int] = set()
+        self._datasets: dict[str, Any] = {}
+        if start:
+            self.start()
+
+    @property
+    def address(self) -> str:
+        """The "host:port" advertised to the dispatcher and clients, exactly as configured."""
+        return self._address
+
+    def num_tasks(self) -> int:
+        """The number of tasks this worker runs now."""
+        with self._mu:
+            return len(self._tasks)
+
+    def start(self) -> None:
+        """Binds the port, starts serving and heartbeating (returns at once;
+        registration happens on the heartbeat thread)."""
+        if self._server is not None:
+            return
+        self._stop_event.clear()
+        self._stopped.clear()
+        self._registration_error = None
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ds-worker"),
+            options=rpc_util.SERVER_OPTIONS,
+            interceptors=(
+                [rpc_util.AuthInterceptor(self._config.auth_token)]
+                if self._config.auth_token
+                else []
+            ),
+        )
+        service_pb2_grpc.add_WorkerServiceServicer_to_server(_Servicer(self), server)
+        bind = f"{self._config.host}:{self._config.port}"
+        try:
+            port = server.add_insecure_port(bind)
+        except RuntimeError as err:
+            raise errors.UnavailableError(f"worker cannot bind {bind}: {err}") from err
+        if port == 0:
+            raise errors.UnavailableError(f"worker cannot bind {bind}")
+        if self._config.worker_address:
+            self._address = self._config.worker_address.replace("%port%", str(port))
+        else:
+            host = self._config.host
+            if host in ("0.0.0.0", "::", ""):
+                import socket
+
+                host = socket.getfqdn()
+            self._address = f"{host}:{port}"
+        self._uid = uuid.uuid4().hex
+        server.start()
+        self._server = server
+        self._channel = rpc_util.make_channel(self._dispatcher_address)
+        self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_loop, name="ds-worker-heartbeat", daemon=True
+        )
+        self._heartbeat_thread.start()
+
+    def stop(self) -> None:
+        """Stops serving and heartbeating; returns promptly. Idempotent."""
+        self._stop_event.set()
+        self._wake.set()
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace=0.5).wait()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
+            self._heartbeat_thread = None
+        with self._mu:
+            runners = list(self._tasks.values())
+            self._tasks.clear()
+        for runner in runners:
+            runner.stop()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._stopped.set()
+
+    def join(self) -> None:
+        """Blocks until `stop()`.
+
+        Raises:
+            UnavailableError: The dispatcher could not be reached to register
+                within `dispatcher_timeout_ms`; the worker has stopped.
+        """
+        self._stopped.wait()
+        if self._registration_error is not None:
+            raise self._registration_error
+
+    def __enter__(self) -> WorkerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ dispatcher
+    def _call_dispatcher(self, method: str, request: Any) -> Any:
+        stub = self._stub
+        if stub is None:
+            raise errors.CancelledError("worker stopped")
+        fn = getattr(stub, method)
+        return rpc_util.call_with_retries(
+            lambda: fn(request, timeout=10.0, metadata=self._metadata),
+            address=self._dispatcher_address,
+            what=f"{method} to the dispatcher",
+            timeout_ms=self._config.dispatcher_timeout_ms_or_default,
+            stop=self._stop_event,
+        )
+
+    def _heartbeat_loop(self) -> None:
+        interval_s = self._config.heartbeat_interval_ms_or_default / 1000
+        registered = False
+        first_try = time.monotonic()
+        backoff = rpc_util.Backoff(0.05, interval_s)
+        while not self._stop_event.is_set():
+            try:
+                self._heartbeat()
+                registered = True
+                backoff = rpc_util.Backoff(0.05, interval_s)
+                self._wake.wait(interval_s)
+                self._wake.clear()
+            except grpc.RpcError as err:
+                timeout_ms = self._config.dispatcher_timeout_ms_or_default
+                if not registered and time.monotonic() - first_try > timeout_ms / 1000:
+                    self._registration_error = errors.UnavailableError(
+                        f"worker {self._address} could not register with the dispatcher at "
+                        f"{self._dispatcher_address} within {timeout_ms} ms: {err.details()}"  # type: ignore[attr-defined]
+                    )
+                    log.error("%s", self._registration_error)
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    return
+                if registered:
+                    log.debug("heartbeat to %s failed: %s", self._dispatcher_address, err)
+                backoff.sleep(time.monotonic() + interval_s, self._stop_event)
+            except Exception:
+                log.exception("worker heartbeat failed")
+                self._stop_event.wait(interval_s)
+
+    def _heartbeat(self) -> None:
+        with self._mu:
+            current = list(self._tasks)
+            finished = [
+                task_id
+                for task_id, runner in self._tasks.items()
+                if runner.finished
+            ]
+        request = pb.WorkerHeartbeatRequest(
+            worker_address=self._address,
+            transfer_address=self._address,
+            host_id=host_id(),
+            worker_uid=self._uid,
+            current_tasks=current,
+            finished_tasks=finished,
+            transfer_protocols=["grpc"],
+        )
+        stub = self._stub
+        if stub is None:
+            return
+        response = stub.WorkerHeartbeat(request, timeout=10.0, metadata=self._metadata)
+        self._incarnation = response.incarnation_id
+        for task_id in response.tasks_to_delete:
+            with self._mu:
+                runner = self._tasks.pop(task_id, None)
+                self._deleted[task_id] = None
+                while len(self._deleted) > 10_000:
+                    self._deleted.popitem(last=False)
+            if runner is not None:
+                runner.stop()
+        for task in response.new_tasks:
+            with self._mu:
+                if task.task_id in self._tasks:
+                    continue
+            self._start_task(task)
+
+    def _dataset(self, dataset_id: str) -> Any:
+        from dataservice.data import serialize
+
+        with self._mu:
+            dataset = self._datasets.get(dataset_id)
+        if dataset is None:
+            response = self._call_dispatcher(
+                "GetDatasetDef", pb.GetDatasetDefRequest(dataset_id=dataset_id)
+            )
+            dataset = serialize.deserialize(response.dataset)
+            with self._mu:
+                self._datasets[dataset_id] = dataset
+        return dataset
+
+    def _start_task(self, task: Any) -> None:
+        def make_iterator() -> Any:
+            from dataservice.data.dataset import IterContext
+
+            dataset = self._dataset(task.dataset_id)
+            if task.processing_mode == ShardingPolicy.DYNAMIC:
+                return dataset._make_iterator(IterContext(split_source=_SplitFetcher(self, task)))
+            return iter(dataset)
+
+        runner = TaskRunner(task.task_id, make_iterator, self._address)
+        with self._mu:
+            if task.task_id in self._tasks or self._stop_event.is_set():
+                runner.stop()
+                return
+            self._tasks[task.task_id] = runner
+            self._deleted.pop(task.task_id, None)
+        log.info("worker %s started task %d", self._address, task.task_id)
+
+    # ------------------------------------------------------------ serving
+    def _get_elements(self, request: Any) -> Any:
+        deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
+        with self._mu:
+            runner = self._tasks.get(request.task_id)
+            deleted = request.task_id in self._deleted
+        if runner is None and not deleted:
+            # The client heard of the task before this worker did: heartbeat now.
+            self._wake.set()
+            while runner is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+                with self._mu:
+                    runner = self._tasks.get(request.task_id)
+                    deleted = request.task_id in self._deleted
+                if deleted:
+                    break
+            if runner is None and not deleted:
+                return pb.GetElementsResponse()
+        if runner is None:
+            raise errors.NotFoundError(
+                f"worker {self._address} no longer runs task {request.task_id} "
+                "(the dispatcher deleted it)"
+            )
+        elements, end, error = runner.get_elements(
+            max(1, request.max_elements or 1),
+            request.max_bytes or (16 << 20),
+            max(0.0, deadline - time.monotonic()),
+        )
+        response = pb.GetElementsResponse(elements=elements, end_of_sequence=end)
+        if error is not None:
+            response.error_type, response.error_message = error
+        if end:
+            self._wake.set()  # report the finished task promptly
+        return response

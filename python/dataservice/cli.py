@@ -1,0 +1,375 @@
+"""The `dataservice` command: `dispatcher`, `worker` and `demo`.
+
+```
+dataservice dispatcher --port 5050 [--work-dir DIR --fault-tolerant]
+dataservice worker --dispatcher HOST:5050 [--port 0] [--worker-address HOST:PORT]
+dataservice demo [--workers 2 --epochs 2 --json]
+```
+
+`python -m dataservice ...` is the same program. Every `DispatcherConfig` /
+`WorkerConfig` field has a flag of the same name in kebab-case, built from
+`config_fields()`, so a new config field gets its flag without touching this
+file. Only flags given on the command line reach the config; the others keep
+the config's defaults.
+
+The server subcommands print one line when they serve, e.g.
+`dataservice dispatcher listening on 127.0.0.1:5050` (flushed; `LocalCluster`
+reads the address from it), then block. SIGTERM or SIGINT stops the server
+(in-flight RPCs finish) and exits 0; a second signal exits at once. With the
+hidden `--parent-pid PID` the server also stops when that process dies.
+
+Exit codes: 0 stopped by a signal, 1 a server error (e.g. the dispatcher was
+unreachable for `--dispatcher-timeout-ms`), 2 bad flags (argparse's message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from dataservice import _proc
+from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
+
+logger = logging.getLogger("dataservice.cli")
+
+PROG = "dataservice"
+
+STOP_TIMEOUT_S = 10.0
+"""After SIGTERM/SIGINT, how long `server.stop()` plus interpreter exit may take
+before the process exits anyway (code 1)."""
+
+ORPHAN_STOP_TIMEOUT_S = 3.0
+"""The same bound when the parent died (CASES C-23: orphans gone within 5 s)."""
+
+READY_RE = re.compile(r"^dataservice (dispatcher|worker) listening on (\S+)")
+"""Matches the ready line; group 2 is the address ("host:port")."""
+
+# Flags besides the field's own kebab-case name.
+_FLAG_ALIASES: dict[str, list[str]] = {
+    "fault_tolerant_mode": ["--fault-tolerant"],
+    "dispatcher_address": ["--dispatcher"],
+}
+
+_METAVARS = {"port": "PORT", "work_dir": "DIR", "host": "HOST", "auth_token": "TOKEN"}
+
+
+class _Server(Protocol):
+    def stop(self) -> None: ...
+    def join(self) -> None: ...
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The "Attributes:" section of a Google-style class docstring, by name."""
+    docs: dict[str, str] = {}
+    lines = (cls.__doc__ or "").splitlines()
+    in_attrs, current, indent = False, None, None
+    for line in lines:
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            in_attrs = True
+            continue
+        if not in_attrs:
+            continue
+        if not stripped:
+            current = None
+            continue
+        this_indent = len(line) - len(line.lstrip())
+        if stripped.endswith(":") and " " not in stripped:  # next section ("Raises:")
+            if indent is None or this_indent < indent:
+                break
+        m = re.match(r"^(\w+): (.*)$", stripped)
+        if m and (indent is None or this_indent == indent):
+            indent = this_indent
+            current = m.group(1)
+            docs[current] = m.group(2)
+        elif current is not None:
+            docs[current] += " " + stripped
+    return {k: v.replace("%", "%%") for k, v in docs.items()}
+
+
+def _comma_list(value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(
+            "expected a comma-separated list, e.g. host1:5051,host2:5051"
+        )
+    return items
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds a flag per field of config class `cls`; the dest is the field name,
+    absent unless given (default SUPPRESS), so the config's default applies."""
+    docs = _field_docs(cls)
+    for field in config_fields(cls):
+        name = field.name
+        flags = ["--" + name.replace("_", "-"), *_FLAG_ALIASES.get(name, [])]
+        annotation = str(field.type).replace(" ", "")
+        kwargs: dict[str, Any] = {"dest": name, "help": docs.get(name)}
+        required = field.default is dataclasses.MISSING and (
+            field.default_factory is dataclasses.MISSING
+        )
+        if required:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = argparse.SUPPRESS
+        base = annotation.removesuffix("|None").removeprefix("None|")
+        if base == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif base == "int":
+            kwargs["type"] = int
+            kwargs["metavar"] = _METAVARS.get(
+                name,
+                "MS" if name.endswith("_ms") else "BYTES" if name.endswith("_bytes") else "N",
+            )
+        elif base in ("list[str]", "Sequence[str]", "tuple[str,...]"):
+            kwargs["type"] = _comma_list
+            kwargs["metavar"] = "A,B,..."
+        else:  # str and anything else: passed through as a string
+            kwargs["metavar"] = _METAVARS.get(
+                name, "HOST:PORT" if name.endswith("_address") else "STR"
+            )
+        parser.add_argument(*flags, **kwargs)
+
+
+def _add_process_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level on stderr (default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the `dataservice` command and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="A data service for ML training: dispatcher and worker processes "
+        "run input pipelines and stream numpy elements to trainers.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{dispatcher,worker,demo}", required=True)
+
+    p = sub.add_parser(
+        "dispatcher",
+        help="run a dispatcher (tracks workers, jobs and splits)",
+        description="Run a dispatcher. Prints 'dataservice dispatcher listening on HOST:PORT' "
+        "when it serves; SIGTERM/SIGINT stop it.",
+    )
+    _add_config_flags(p, DispatcherConfig)
+    _add_process_flags(p)
+    p.set_defaults(subparser=p)
+
+    p = sub.add_parser(
+        "worker",
+        help="run a worker (runs pipelines, serves elements)",
+        description="Run a worker registered with a dispatcher. Prints "
+        "'dataservice worker listening on HOST:PORT' when it serves; SIGTERM/SIGINT stop it.",
+    )
+    _add_config_flags(p, WorkerConfig)
+    _add_process_flags(p)
+    p.set_defaults(subparser=p)
+
+    from dataservice import demo  # light: heavy imports happen in demo.run
+
+    p = sub.add_parser(
+        "demo",
+        help="the main job: an ImageNet-style pipeline feeding a training loop on a local cluster",
+        description=demo.__doc__.split("\n\n")[0] if demo.__doc__ else None,
+    )
+    demo.add_arguments(p)
+    p.set_defaults(subparser=p)
+    return parser
+
+
+def _config_kwargs(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in config_fields(cls) if hasattr(args, f.name)}
+
+
+class _Stop(BaseException):
+    """Raised by the signal handler while the server is still starting."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _serve(
+    kind: str, make_server: Callable[[], tuple[_Server, str]], parent_pid: int | None
+) -> int:
+    """Starts a server, prints the ready line, blocks until a signal, the
+    parent's death or the server's end, then stops it in bounded time."""
+    stop = threading.Event()
+    started = False
+    watchdog = _proc.ExitWatchdog()
+    orphaned = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not started:
+            raise _Stop(signum)
+        if stop.is_set():  # a second signal: no more waiting
+            os._exit(1)
+        stop.set()
+
+    def on_parent_death() -> None:
+        orphaned.set()
+        watchdog.arm(ORPHAN_STOP_TIMEOUT_S, code=1)
+        try:  # nobody reads our pipes any more: don't die of EPIPE on the way out
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if parent_pid is not None:
+        _proc.ParentWatch(parent_pid, on_parent_death).start()
+
+    try:
+        server, address = make_server()
+        started = True
+    except _Stop as e:
+        logger.info("%s: interrupted by signal %d while starting", kind, e.signum)
+        watchdog.arm(STOP_TIMEOUT_S, code=128 + e.signum)
+        return 128 + e.signum
+    print(f"dataservice {kind} listening on {address}", flush=True)
+
+    ended_by_itself = threading.Event()
+    join_error: list[BaseException] = []
+
+    def join_server() -> None:
+        try:
+            server.join()
+        except BaseException as e:  # e.g. a worker that could not register
+            join_error.append(e)
+        finally:
+            ended_by_itself.set()
+            stop.set()
+
+    threading.Thread(target=join_server, name=f"{kind}-join", daemon=True).start()
+    while not stop.wait(1.0):
+        pass
+
+    if ended_by_itself.is_set():
+        if join_error:
+            e = join_error[0]
+            print(f"{PROG} {kind}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        else:
+            logger.error("%s at %s stopped by itself", kind, address)
+        watchdog.arm(STOP_TIMEOUT_S, code=1)
+        return 1
+    timeout_s = ORPHAN_STOP_TIMEOUT_S if orphaned.is_set() else STOP_TIMEOUT_S
+    watchdog.arm(timeout_s, code=1)
+    reason = "parent process died" if orphaned.is_set() else "signal"
+    logger.info("%s at %s stopping (%s)", kind, address, reason)
+    stopper = threading.Thread(target=server.stop, name=f"{kind}-stop", daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
+    if stopper.is_alive():
+        logger.error("%s at %s did not stop within %.0f s; exiting", kind, address, timeout_s)
+        return 1
+    logger.info("%s at %s stopped", kind, address)
+    # Stopped: what remains is interpreter exit. Bound it too, now with success.
+    watchdog.arm(2.0, code=0)
+    return 0
+
+
+def _strip_scheme(target: str) -> str:
+    return target.split("://", 1)[1] if "://" in target else target
+
+
+def _wait_for_dispatcher(address: str, timeout_ms: int) -> None:
+    """Blocks until a TCP/HTTP2 connection to the dispatcher is up.
+
+    Raises:
+        UnavailableError: Not reachable within `timeout_ms` milliseconds.
+    """
+    import grpc
+
+    from dataservice.errors import UnavailableError
+
+    channel = grpc.insecure_channel(_strip_scheme(address))
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_ms / 1000)
+    except grpc.FutureTimeoutError:
+        raise UnavailableError(
+            f"cannot reach the dispatcher at {address} within {timeout_ms} ms "
+            "(--dispatcher-timeout-ms)"
+        ) from None
+    finally:
+        channel.close()
+
+
+def _run_dispatcher(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        config = DispatcherConfig(**_config_kwargs(args, DispatcherConfig))
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+
+    def make() -> tuple[_Server, str]:
+        from dataservice.dispatcher.server import DispatchServer
+
+        server = DispatchServer(config, start=True)
+        return server, _strip_scheme(server.target)
+
+    return _serve("dispatcher", make, args.parent_pid)
+
+
+def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        config = WorkerConfig(**_config_kwargs(args, WorkerConfig))
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+
+    def make() -> tuple[_Server, str]:
+        from dataservice.worker.server import WorkerServer
+
+        _wait_for_dispatcher(config.dispatcher_address, config.dispatcher_timeout_ms_or_default)
+        server = WorkerServer(config, start=True)
+        # Ready means registered, where the server can tell us (else the first
+        # heartbeat registers it right after start).
+        wait_registered = getattr(server, "wait_registered", None)
+        if callable(wait_registered):
+            wait_registered(config.dispatcher_timeout_ms_or_default / 1000)
+        return server, server.address
+
+    return _serve("worker", make, args.parent_pid)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `dataservice` and `python -m dataservice`.
+
+    Returns:
+        The exit code (bad flags exit 2 through argparse).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub: argparse.ArgumentParser = args.subparser
+    if args.command == "demo":
+        from dataservice import demo
+
+        return demo.run(args)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format=f"%(asctime)s {args.command}[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "dispatcher":
+            return _run_dispatcher(args, sub)
+        return _run_worker(args, sub)
+    except Exception as e:  # a server that failed to start: one clear line
+        logger.debug("failed", exc_info=True)
+        print(f"{PROG} {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1

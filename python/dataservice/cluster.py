@@ -1,0 +1,516 @@
+"""`LocalCluster`: a dispatcher and N worker *processes* on this host.
+
+Each server runs as `python -m dataservice dispatcher|worker ... --parent-pid
+<this pid>` (see `dataservice.cli`), binds 127.0.0.1, and prints a ready line
+with its address; the dispatcher binds port 0 and the cluster reads the chosen
+port from that line, so there is no port race.
+
+Lifecycle (CASES C-01, C-23, C-24):
+
+* `stop()` (also `__exit__`, interpreter exit through `atexit`, and SIGTERM of
+  this process when no other SIGTERM handler is installed) sends SIGTERM to
+  every server, waits `grace_period_s`, SIGKILLs what is left (with anything
+  those processes started) and reaps them. It is bounded even when a worker is
+  stuck in user code: at most about `grace_period_s` + 1 s in that case.
+* If this process dies without stopping them, even by SIGKILL, the servers
+  notice (parent-death signal on Linux, and a watcher thread polling the
+  parent) and exit within a few seconds.
+* Servers run in their own session, so Ctrl-C in a terminal reaches only this
+  process, which then tears the cluster down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+from dataservice import _proc
+from dataservice.cli import READY_RE
+from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRACE_PERIOD_S = 5.0
+DEFAULT_START_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass
+class _Proc:
+    """One server process and the threads draining its pipes."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    stdout: _proc.OutputPump
+    stderr: _proc.OutputPump
+    address: str = ""
+
+
+def _config_flags(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """CLI flags for the fields of `config` that differ from their defaults."""
+    flags: list[str] = []
+    for field in config_fields(type(config)):
+        if field.name in skip:
+            continue
+        value = getattr(config, field.name)
+        if field.default is not dataclasses.MISSING and value == field.default:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list | tuple):
+            flags += [flag, ",".join(str(v) for v in value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of a server process: ours, plus the import path of this
+    `dataservice` and the non-standard entries of our `sys.path`, so workers
+    can import the modules user functions were pickled by reference from."""
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    prefixes = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    paths = [pkg_root]
+    for p in sys.path:
+        ap = os.path.abspath(p) if p else os.getcwd()
+        if not os.path.isdir(ap) or any(ap == q or ap.startswith(q + os.sep) for q in prefixes):
+            continue
+        if ap not in paths:
+            paths.append(ap)
+    env = dict(os.environ)
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class LocalCluster:
+    """A dispatcher and `num_workers` worker processes on 127.0.0.1.
+
+    Example:
+        with ds.LocalCluster(num_workers=2) as cluster:
+            dataset = ds.Dataset.range(10).apply(ds.distribute("off", cluster.target))
+
+    Thread-safe: properties and `stop()` may be called from any thread.
+
+    Args:
+        num_workers: Number of worker processes (>= 0).
+        dispatcher_config: A `DispatcherConfig` for the dispatcher (port 0 by
+            default; the bound port is read back).
+        worker_options: `WorkerConfig` fields applied to every worker, e.g.
+            `{"heartbeat_interval_ms": 100, "data_transfer_protocol": "grpc"}`.
+            `dispatcher_address` is set by the cluster.
+        restart_workers: Start a monitor thread that restarts a worker process
+            that died, on the same port so its address stays the same.
+        start_timeout_s: How long each server may take to print its ready line.
+        grace_period_s: Seconds between SIGTERM and SIGKILL on teardown.
+        forward_output: Copy the servers' stdout/stderr lines to our stderr,
+            prefixed with the server's name (they are always drained, and the
+            last lines of a server that fails are part of the error).
+        log_level: Logging level of the server processes.
+        start: Start at once (else on `start()` or `__enter__`).
+
+    Raises:
+        ValueError: A bad argument (unknown worker option, invalid config).
+        RuntimeError: A server exited before it was ready; the message has the
+            end of its stderr.
+        TimeoutError: A server did not print its ready line within
+            `start_timeout_s` seconds.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        *,
+        dispatcher_config: DispatcherConfig | None = None,
+        worker_options: Mapping[str, Any] | None = None,
+        restart_workers: bool = False,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
+        forward_output: bool = False,
+        log_level: str = "WARNING",
+        start: bool = True,
+    ) -> None:
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+            raise ValueError(f"`num_workers` must be an int >= 0, got {num_workers!r}")
+        if dispatcher_config is None:
+            dispatcher_config = DispatcherConfig()
+        if not isinstance(dispatcher_config, DispatcherConfig):
+            raise ValueError(
+                f"`dispatcher_config` must be a DispatcherConfig, got {type(dispatcher_config)}"
+            )
+        options = dict(worker_options or {})
+        known = {f.name for f in config_fields(WorkerConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown `worker_options` {unknown}; WorkerConfig fields are {sorted(known)}"
+            )
+        if "dispatcher_address" in options:
+            raise ValueError("`worker_options` must not set `dispatcher_address`: the cluster does")
+        if num_workers > 1 and options.get("port", 0) != 0:
+            raise ValueError(f"{num_workers} workers cannot share `port={options['port']}`")
+        if (
+            num_workers > 1
+            and options.get("worker_address")
+            and ("%port%" not in options["worker_address"])
+        ):
+            raise ValueError("with several workers, `worker_address` must contain '%port%'")
+        # Validates the values (raises ValueError naming a bad field).
+        self._worker_template = WorkerConfig(dispatcher_address="127.0.0.1:1", **options)
+        if grace_period_s < 0 or start_timeout_s <= 0:
+            raise ValueError("`grace_period_s` must be >= 0 and `start_timeout_s` > 0")
+
+        self._num_workers = num_workers
+        self._dispatcher_config = dispatcher_config
+        self._restart_workers = restart_workers
+        self._start_timeout_s = start_timeout_s
+        self._grace_period_s = grace_period_s
+        self._forward = sys.stderr if forward_output else None
+        self._log_level = log_level
+
+        self._lock = threading.RLock()  # RLock: stop() may run in a signal handler
+        self._dispatcher: _Proc | None = None  # guarded by self._lock
+        self._workers: list[_Proc] = []  # guarded by self._lock
+        self._restarts = 0  # guarded by self._lock
+        self._started = False  # guarded by self._lock
+        self._stopped = False  # guarded by self._lock
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
+        if start:
+            self.start()
+
+    # ---------------------------------------------------------------- start
+
+    def _spawn(self, kind: str, name: str, flags: list[str]) -> _Proc:
+        argv = [
+            sys.executable,
+            "-m",
+            "dataservice",
+            kind,
+            *flags,
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            self._log_level,
+        ]
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_child_env(),
+            start_new_session=True,  # Ctrl-C reaches us, not them; killpg reaches their children
+            close_fds=True,
+        )
+        assert popen.stdout is not None and popen.stderr is not None
+        return _Proc(
+            name=name,
+            popen=popen,
+            stdout=_proc.OutputPump(popen.stdout, name, READY_RE, forward=self._forward),
+            stderr=_proc.OutputPump(popen.stderr, name, None, forward=self._forward),
+        )
+
+    def _wait_ready(self, proc: _Proc, deadline: float, interruptible: bool = False) -> str:
+        """Waits for `proc`'s ready line and returns the address in it.
+
+        Raises:
+            RuntimeError: The process exited first (message has its stderr tail).
+            TimeoutError: No ready line by `deadline`.
+        """
+        while True:
+            step = min(deadline, time.monotonic() + 0.2) if interruptible else deadline
+            match = proc.stdout.wait_ready(step)
+            if match is not None:
+                proc.address = match.group(2)
+                return proc.address
+            if interruptible and self._stopping.is_set():
+                raise RuntimeError(f"{proc.name}: cluster stopping")
+            if proc.popen.poll() is not None or time.monotonic() >= deadline:
+                break
+        try:  # EOF on stdout: the process is exiting; let it finish writing stderr
+            code = proc.popen.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        proc.stderr.join(1.0)
+        tail = proc.stderr.tail(20) or "(no output on stderr)"
+        if code is None:
+            raise TimeoutError(
+                f"{proc.name} (pid {proc.popen.pid}) did not report ready within "
+                f"{self._start_timeout_s:.0f} s; last lines of its stderr:\n{tail}"
+            )
+        raise RuntimeError(
+            f"{proc.name} (pid {proc.popen.pid}) exited with code {code} before it was "
+            f"ready; last lines of its stderr:\n{tail}"
+        )
+
+    def _worker_flags(self, port: int | None = None) -> list[str]:
+        assert self._dispatcher is not None
+        template = self._worker_template
+        if port is not None:
+            template = dataclasses.replace(template, port=port)
+        return [
+            "--dispatcher",
+            self._dispatcher.address,
+            *_config_flags(template, skip=("dispatcher_address",)),
+        ]
+
+    def start(self) -> None:
+        """Starts the dispatcher, then the workers, and waits until all serve.
+
+        Blocks up to `start_timeout_s` per stage. Idempotent.
+
+        Raises:
+            RuntimeError, TimeoutError: See the class. Whatever was started is
+                stopped again before the error propagates.
+        """
+        with self._lock:
+            if self._started:
+                return
+            if self._stopped:
+                raise RuntimeError("a stopped LocalCluster cannot be started again")
+            self._started = True
+            _register(self)
+        try:
+            dispatcher = self._spawn(
+                "dispatcher", "dispatcher", _config_flags(self._dispatcher_config)
+            )
+            with self._lock:
+                self._dispatcher = dispatcher
+            self._wait_ready(dispatcher, time.monotonic() + self._start_timeout_s)
+            workers = [
+                self._spawn("worker", f"worker-{i}", self._worker_flags())
+                for i in range(self._num_workers)
+            ]
+            with self._lock:
+                self._workers = workers
+            deadline = time.monotonic() + self._start_timeout_s
+            for w in workers:
+                self._wait_ready(w, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info(
+            "LocalCluster: dispatcher %s, workers %s", dispatcher.address, self.worker_addresses
+        )
+        if self._restart_workers:
+            self._monitor = threading.Thread(
+                target=self._monitor_workers, name="dataservice-cluster-monitor", daemon=True
+            )
+            self._monitor.start()
+
+    # -------------------------------------------------------------- monitor
+
+    def _monitor_workers(self) -> None:
+        """Restarts dead workers on their old port until the cluster stops."""
+        retry_after: dict[int, float] = {}
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                workers = list(self._workers)
+            for i, w in enumerate(workers):
+                code = w.popen.poll()
+                if code is None or self._stopping.is_set():
+                    continue
+                if time.monotonic() < retry_after.get(i, 0.0):
+                    continue
+                port = int(w.address.rsplit(":", 1)[1])
+                logger.warning(
+                    "LocalCluster: %s (pid %d, %s) exited with code %s; restarting it on port %d",
+                    w.name,
+                    w.popen.pid,
+                    w.address,
+                    code,
+                    port,
+                )
+                _proc.terminate_processes([w.popen], 0.0, own_groups=True)  # reap, and its group
+                try:
+                    new = self._spawn("worker", w.name, self._worker_flags(port=port))
+                except OSError as e:
+                    logger.error("LocalCluster: cannot restart %s: %s", w.name, e)
+                    retry_after[i] = time.monotonic() + 1.0
+                    continue
+                with self._lock:
+                    if self._stopped:  # raced with stop(): don't leave it behind
+                        _proc.terminate_processes([new.popen], 0.0, own_groups=True)
+                        return
+                    self._workers[i] = new
+                try:
+                    address = self._wait_ready(
+                        new, time.monotonic() + self._start_timeout_s, interruptible=True
+                    )
+                except (RuntimeError, TimeoutError) as e:
+                    if self._stopping.is_set():
+                        return
+                    logger.error("LocalCluster: restart of %s failed: %s", w.name, e)
+                    _proc.terminate_processes([new.popen], 0.0, own_groups=True)
+                    new.address = w.address  # keep the port for the next try
+                    retry_after[i] = time.monotonic() + 1.0
+                    continue
+                with self._lock:
+                    self._restarts += 1
+                if address != w.address:
+                    logger.warning(
+                        "LocalCluster: %s came back as %s, not %s", w.name, address, w.address
+                    )
+
+    # ----------------------------------------------------------------- stop
+
+    def stop(self, grace_period_s: float | None = None) -> None:
+        """Stops every server process and reaps it. Idempotent; thread-safe.
+
+        SIGTERM to all, wait up to `grace_period_s` (default: the cluster's),
+        then SIGKILL (with anything they started), then reap. Bounded.
+        """
+        grace = self._grace_period_s if grace_period_s is None else grace_period_s
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stopping.set()
+        monitor = self._monitor
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(2.0)
+        with self._lock:
+            procs = [*self._workers, *([self._dispatcher] if self._dispatcher else [])]
+        _proc.terminate_processes([p.popen for p in procs], grace, own_groups=True)
+        for p in procs:
+            p.stdout.join(1.0)
+            p.stderr.join(1.0)
+            for pump, stream in ((p.stdout, p.popen.stdout), (p.stderr, p.popen.stderr)):
+                if stream is not None and pump.done():  # else a reader blocks in it
+                    stream.close()
+        _unregister(self)
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def target(self) -> str:
+        """The dispatcher as "grpc://127.0.0.1:PORT", for `distribute(...)`."""
+        return f"grpc://{self.dispatcher_address}"
+
+    @property
+    def dispatcher_address(self) -> str:
+        """The dispatcher's "host:port"."""
+        with self._lock:
+            if self._dispatcher is None or not self._dispatcher.address:
+                raise RuntimeError("the LocalCluster is not started")
+            return self._dispatcher.address
+
+    @property
+    def dispatcher_pid(self) -> int:
+        with self._lock:
+            if self._dispatcher is None:
+                raise RuntimeError("the LocalCluster is not started")
+            return self._dispatcher.popen.pid
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        """The workers' addresses as they advertise them ("host:port"), by index."""
+        with self._lock:
+            return [w.address for w in self._workers]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The workers' current pids, by index (a restarted worker has a new one)."""
+        with self._lock:
+            return [w.popen.pid for w in self._workers]
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def num_restarts(self) -> int:
+        """How many worker processes the monitor restarted (`restart_workers=True`)."""
+        with self._lock:
+            return self._restarts
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        with self._lock:
+            state = "stopped" if self._stopped else "running" if self._started else "new"
+            dispatcher = self._dispatcher.address if self._dispatcher else None
+            return (
+                f"LocalCluster({state}, dispatcher={dispatcher!r}, "
+                f"workers={[w.address for w in self._workers]!r})"
+            )
+
+
+# ------------------------------------------------ every live cluster, for exit
+
+_live_mu = threading.RLock()  # RLock: _on_sigterm may interrupt a holder
+_refs: dict[int, LocalCluster] = {}  # guarded by _live_mu: a started cluster lives until stop
+_atexit_registered = False  # guarded by _live_mu
+_prev_sigterm: Any = None  # guarded by _live_mu: the handler ours replaced
+
+
+def _stop_all() -> None:
+    with _live_mu:
+        clusters = list(_refs.values())
+    for c in clusters:
+        try:
+            c.stop()
+        except Exception:  # at exit: keep stopping the others
+            logger.exception("LocalCluster: teardown failed")
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """Tears every cluster down, then dies of SIGTERM as we would have."""
+    _stop_all()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _register(cluster: LocalCluster) -> None:
+    global _atexit_registered, _prev_sigterm
+    with _live_mu:
+        _refs[id(cluster)] = cluster
+        if not _atexit_registered:
+            atexit.register(_stop_all)
+            _atexit_registered = True
+        if threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                    _prev_sigterm = signal.SIG_DFL
+                    signal.signal(signal.SIGTERM, _on_sigterm)
+            except ValueError:  # not the main interpreter
+                pass
+
+
+def _unregister(cluster: LocalCluster) -> None:
+    global _prev_sigterm
+    with _live_mu:
+        _refs.pop(id(cluster), None)
+        if (
+            not _refs
+            and _prev_sigterm is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            try:
+                if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                    signal.signal(signal.SIGTERM, _prev_sigterm)
+                    _prev_sigterm = None
+            except ValueError:
+                pass

@@ -1,0 +1,244 @@
+"""`LocalCluster`: processes start, serve, restart, and always go away
+(CASES C-01, C-23, C-24)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+
+import dataservice as ds
+import psutil
+import pytest
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if _alive(p.pid)]
+
+
+def _run_script(source: str, timeout_s: float = 60.0) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _read_json_line(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> dict:
+    """The first stdout line of `proc` as JSON, read in a thread with a deadline."""
+    assert proc.stdout is not None
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not box or not box[0]:
+        proc.kill()
+        pytest.fail(f"no line from the script; stderr: {proc.communicate()[1][-3000:]}")
+    return json.loads(box[0])
+
+
+@pytest.mark.timeout(120)
+def test_cluster_serves_and_leaves_no_process() -> None:
+    before = {p.pid for p in _children()}
+    with ds.LocalCluster(num_workers=2) as cluster:
+        assert cluster.target.startswith("grpc://127.0.0.1:")
+        assert cluster.target == f"grpc://{cluster.dispatcher_address}"
+        assert len(cluster.worker_addresses) == 2
+        assert all(a.startswith("127.0.0.1:") for a in cluster.worker_addresses)
+        assert len(set(cluster.worker_addresses)) == 2
+        pids = [cluster.dispatcher_pid, *cluster.worker_pids]
+        assert all(_alive(p) for p in pids)
+        dataset = ds.Dataset.range(10).apply(
+            ds.distribute(ds.ShardingPolicy.OFF, cluster.target, job_name="test-off")
+        )
+        elements = sorted(int(x) for x in dataset)
+        assert elements == sorted(list(range(10)) * 2)
+    assert not any(_alive(p) for p in pids)
+    assert {p.pid for p in _children()} <= before
+
+
+@pytest.mark.timeout(60)
+def test_bad_arguments_raise_value_error_and_start_nothing() -> None:
+    before = {p.pid for p in _children()}
+    with pytest.raises(ValueError, match="unknown `worker_options`"):
+        ds.LocalCluster(1, worker_options={"no_such_field": 1})
+    with pytest.raises(ValueError, match="dispatcher_address"):
+        ds.LocalCluster(1, worker_options={"dispatcher_address": "x:1"})
+    with pytest.raises(ValueError, match="heartbeat_interval_ms"):
+        ds.LocalCluster(1, worker_options={"heartbeat_interval_ms": -5})
+    with pytest.raises(ValueError, match="share"):
+        ds.LocalCluster(2, worker_options={"port": 5555})
+    with pytest.raises(ValueError, match="num_workers"):
+        ds.LocalCluster(-1)
+    assert {p.pid for p in _children()} <= before
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_dies_at_start_raises_with_its_stderr() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=r"(?s)dispatcher .*exited with code 1.*bind"):
+            ds.LocalCluster(1, dispatcher_config=ds.DispatcherConfig(port=port))
+    assert not _children()
+
+
+@pytest.mark.timeout(120)
+def test_worker_options_reach_the_workers() -> None:
+    with ds.LocalCluster(1, worker_options={"worker_address": "127.0.0.1:%port%"}) as cluster:
+        cmdline = psutil.Process(cluster.worker_pids[0]).cmdline()
+        assert "--worker-address" in cmdline
+        assert cmdline[cmdline.index("--dispatcher") + 1] == cluster.dispatcher_address
+
+
+@pytest.mark.timeout(120)
+def test_restart_workers_restarts_a_killed_worker_at_the_same_address() -> None:
+    with ds.LocalCluster(
+        2, restart_workers=True, worker_options={"heartbeat_interval_ms": 100}
+    ) as cluster:
+        addresses = cluster.worker_addresses
+        old = cluster.worker_pids[0]
+        os.kill(old, signal.SIGKILL)
+        _wait_until(
+            lambda: (
+                cluster.num_restarts >= 1
+                and cluster.worker_pids[0] != old
+                and _alive(cluster.worker_pids[0])
+            ),
+            60,
+            "the worker to be restarted",
+        )
+        assert cluster.worker_addresses == addresses
+        assert not _alive(old)
+        dataset = ds.Dataset.range(5).apply(
+            ds.distribute(ds.ShardingPolicy.OFF, cluster.target, job_name="after-restart")
+        )
+        assert sorted(int(x) for x in dataset) == sorted(list(range(5)) * 2)
+        pids = [cluster.dispatcher_pid, *cluster.worker_pids]
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(120)
+def test_teardown_is_bounded_when_a_worker_is_stuck_in_user_code(tmp_path) -> None:
+    """C-24: a `map` that sleeps forever does not hold up `__exit__`."""
+    marker = str(tmp_path / "stuck")
+
+    def stuck(x):
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(10_000)
+        return x
+
+    grace_s = 2.0
+    cluster = ds.LocalCluster(1, grace_period_s=grace_s)
+    pids = [cluster.dispatcher_pid, *cluster.worker_pids]
+    dataset = ds.Dataset.range(3).map(stuck)
+    dataset = dataset.apply(ds.distribute(ds.ShardingPolicy.OFF, cluster.target, job_name="stuck"))
+    reader = threading.Thread(target=lambda: next(iter(dataset), None), daemon=True)
+    reader.start()
+    _wait_until(lambda: os.path.exists(marker), 60, "the worker to enter the stuck map fn")
+    t0 = time.monotonic()
+    cluster.__exit__(None, None, None)
+    elapsed = time.monotonic() - t0
+    assert elapsed <= grace_s + 2.0, f"teardown took {elapsed:.1f} s"
+    assert not any(_alive(p) for p in pids)
+    assert not _children()
+
+
+_OWNER_SCRIPT = """
+    import json, sys
+    import dataservice as ds
+    cluster = ds.LocalCluster({n})
+    print(json.dumps({{"pids": [cluster.dispatcher_pid, *cluster.worker_pids]}}), flush=True)
+    sys.stdin.read()  # until the test kills us
+"""
+
+
+@pytest.mark.timeout(120)
+def test_children_die_when_the_owner_is_sigkilled() -> None:
+    """C-23: no orphans, even without any teardown code running."""
+    proc = _run_script(_OWNER_SCRIPT.format(n=4))
+    pids = _read_json_line(proc)["pids"]
+    assert len(pids) == 5 and all(_alive(p) for p in pids)
+    proc.kill()
+    proc.wait(10)
+    t0 = time.monotonic()
+    _wait_until(lambda: not any(_alive(p) for p in pids), 5.0, "the orphaned servers to exit")
+    print(f"orphans gone {time.monotonic() - t0:.2f} s after SIGKILL of their owner")
+
+
+@pytest.mark.timeout(120)
+def test_children_stop_when_the_owner_gets_sigterm() -> None:
+    proc = _run_script(_OWNER_SCRIPT.format(n=2))
+    pids = _read_json_line(proc)["pids"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == -signal.SIGTERM  # still dies of SIGTERM, after teardown
+    assert not any(_alive(p) for p in pids)  # reaped by the owner before it died
+
+
+_C01_SCRIPT = """
+    import json, sys
+    import dataservice as ds
+    {setup}
+    dataset = ds.Dataset.range(1000).repeat().apply(
+        ds.distribute(ds.ShardingPolicy.OFF, cluster.target))
+    it = iter(dataset)
+    for _ in range(10):
+        next(it)
+    pids = [cluster.dispatcher_pid, *cluster.worker_pids]
+    {teardown}
+    print(json.dumps({{"pids": pids}}), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("setup", "teardown"),
+    [
+        # The iterator is abandoned but alive; atexit stops the cluster.
+        ("cluster = ds.LocalCluster(2)", "pass"),
+        # The iterator is dropped, then the cluster stopped explicitly.
+        ("cluster = ds.LocalCluster(2)", "del it; cluster.stop()"),
+    ],
+    ids=["atexit-iterator-alive", "stop-iterator-dropped"],
+)
+def test_script_using_local_cluster_exits_promptly(setup: str, teardown: str) -> None:
+    """C-01: after the last line, the process (and its servers) end within 3 s."""
+    proc = _run_script(_C01_SCRIPT.format(setup=setup, teardown=teardown))
+    proc.stdin.close()
+    pids = _read_json_line(proc, timeout_s=90)["pids"]
+    t0 = time.monotonic()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    elapsed = time.monotonic() - t0
+    err = proc.stderr.read()
+    assert proc.returncode == 0, err[-3000:]
+    assert elapsed <= 3.0, f"exit took {elapsed:.1f} s after the last line; stderr: {err[-3000:]}"
+    _wait_until(lambda: not any(_alive(p) for p in pids), 5.0, "the servers to be gone")

@@ -88,6 +88,11 @@ impl Compression {
 }
 
 /// Reads as many bytes as fit in `buf`, stopping early only at end of stream.
+///
+/// A compressed stream that stops without its end marker (flate2 reports `UnexpectedEof`
+/// once everything decodable was returned) ends there like a file does: so records written
+/// before a writer's `flush()` read back while it is still open, and a stream cut inside a
+/// record reads as a truncated record.
 fn read_full(input: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> {
     let mut filled = 0;
     while filled < buf.len() {
@@ -95,6 +100,7 @@ fn read_full(input: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> {
             Ok(0) => break,
             Ok(n) => filled += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
             Err(e) => return Err(e),
         }
     }
@@ -312,7 +318,7 @@ impl RecordReader {
     fn stream_error(&mut self, source: io::Error) -> Error {
         let decoder_error = matches!(
             source.kind(),
-            io::ErrorKind::InvalidData | io::ErrorKind::InvalidInput | io::ErrorKind::UnexpectedEof
+            io::ErrorKind::InvalidData | io::ErrorKind::InvalidInput
         );
         let error = if self.compression != Compression::None && decoder_error {
             Error::CorruptedStream {
@@ -584,6 +590,8 @@ mod tests {
             writer.sync().unwrap();
             let mut reader = RecordReader::open(&path.0, compression, 0).unwrap();
             assert_eq!(reader.next_record().unwrap().unwrap(), b"one");
+            // The stream is unfinished, yet ends cleanly after the flushed record.
+            assert!(reader.next_record().unwrap().is_none());
             writer.close().unwrap();
             writer.close().unwrap();
             assert!(matches!(writer.write(b"x"), Err(Error::Closed { .. })));
@@ -655,14 +663,13 @@ mod tests {
             let path = TempPath::new("cut.tfrecord.z");
             write_records(&path.0, compression, &sample_records());
             let good = std::fs::read(&path.0).unwrap();
-            for keep in [good.len() / 2, good.len() - 3] {
-                std::fs::write(&path.0, &good[..keep]).unwrap();
-                let error = read_file(&path.0, compression).unwrap_err();
-                assert!(
-                    error.is_data_loss(),
-                    "{compression:?} keep {keep}: {error:?}"
-                );
-            }
+            // Cut inside the 70000-byte record.
+            std::fs::write(&path.0, &good[..good.len() / 2]).unwrap();
+            let error = read_file(&path.0, compression).unwrap_err();
+            assert!(
+                matches!(error, Error::TruncatedRecord { offset: 63, .. }),
+                "{compression:?}: {error:?}"
+            );
             let mut bytes = good.clone();
             let middle = bytes.len() / 2;
             bytes[middle] ^= 0xff;

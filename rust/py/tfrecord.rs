@@ -45,7 +45,7 @@ impl PyTFRecordReader {
 #[pymethods]
 impl PyTFRecordReader {
     #[new]
-    #[pyo3(signature = (path, compression_type = None, buffer_bytes = 256 * 1024))]
+    #[pyo3(signature = (path, compression_type = None, buffer_bytes = 262144))]
     fn new(
         py: Python<'_>,
         path: PathBuf,

@@ -1,0 +1,27 @@
+"""The in-process `Dataset` pipeline API (tf.data's semantics, numpy elements)."""
+
+from dataservice.data.dataset import (
+    AUTOTUNE,
+    INFINITE_CARDINALITY,
+    UNKNOWN_CARDINALITY,
+    Dataset,
+    IterContext,
+)
+from dataservice.data.serialize import deserialize, fingerprint, serialize
+from dataservice.data.sources import TFRecordDataset
+from dataservice.data.splits import SplitProvider
+from dataservice.data.structure import TensorSpec
+
+__all__ = [
+    "AUTOTUNE",
+    "INFINITE_CARDINALITY",
+    "UNKNOWN_CARDINALITY",
+    "Dataset",
+    "IterContext",
+    "SplitProvider",
+    "TFRecordDataset",
+    "TensorSpec",
+    "deserialize",
+    "fingerprint",
+    "serialize",
+]

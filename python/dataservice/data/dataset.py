@@ -1,0 +1,1547 @@
+"""The lazy `Dataset` pipeline graph and its in-process semantics (tf.data's).
+
+A `Dataset` is an immutable node of a graph: sources (`sources.py`) at the leaves,
+transformations above them. Nothing runs until it is iterated; every `iter(ds)` starts
+a fresh epoch. Pipelines are plain Python, serialised with cloudpickle
+(`serialize.py`) and run unchanged on workers.
+
+What a node implements (the abstract surface; everything else is derived):
+
+* `_make_iterator(ctx: IterContext) -> Iterator` (required): a fresh iterator over
+  one epoch. Iterators have `close()`; closing or dropping one stops any thread it
+  started. A node passes `ctx` on to the iterators of its `_inputs()`, and
+  `ctx.for_user_dataset()` (never the split source) to datasets built by user
+  functions (`flat_map`/`interleave` bodies).
+* `_inputs() -> list[Dataset]`: the datasets this one reads from as inputs (not those
+  created by user functions). Default: the attributes named in `_input_attrs`.
+* `_op_name: str`: the op's name in messages, e.g. "map", "from_generator".
+* `_compute_cardinality() -> int`: default `UNKNOWN_CARDINALITY`.
+* `_static_element_spec() -> spec | None`: the element spec when it is known without
+  running the pipeline; default None (then `element_spec` runs the pipeline for its
+  first element), or the subclass's own `element_spec` if it overrides that property.
+
+Split hooks (DYNAMIC sharding, see `splits.py`):
+
+* `IterContext.split_source`: when set, the first splittable source reached from the
+  root through `_inputs()` reads its splits from it instead of enumerating itself.
+* `_split_provider(seed) -> SplitProvider`: the dispatcher-side provider for that
+  source, wrapped for `repeat`; `ValueError` naming the first op that has none.
+  `_split_op_name` (default None: use `_op_name`) is the name used in that error.
+
+Datasets are thread-safe (immutable; iterating one from several threads gives
+independent epochs). Iterators are for one consumer thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import itertools
+import operator
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from dataservice.data import structure
+from dataservice.data.splits import RepeatSplitProvider, SplitProvider, SplitSource, epoch_rng
+from dataservice.data.structure import TensorSpec, normalize_element
+from dataservice.errors import InvalidArgumentError
+from dataservice.sharding import SHARD_HINT
+
+if TYPE_CHECKING:
+    from dataservice.data.sources import TFRecordDataset  # noqa: F401
+
+__all__ = [
+    "AUTOTUNE",
+    "INFINITE_CARDINALITY",
+    "UNKNOWN_CARDINALITY",
+    "Dataset",
+    "IterContext",
+]
+
+AUTOTUNE = -1
+"""For `num_parallel_calls`, `cycle_length` and `prefetch`: let the library choose."""
+INFINITE_CARDINALITY = -1
+"""`cardinality()` of a dataset that never ends."""
+UNKNOWN_CARDINALITY = -2
+"""`cardinality()` of a dataset whose length is not known without running it."""
+
+_AUTOTUNE_PREFETCH = 8  # elements buffered by prefetch(AUTOTUNE)
+_POLL_S = 0.05  # how often a blocked background thread checks whether it was stopped
+
+Element = Any
+
+
+@dataclass(frozen=True)
+class IterContext:
+    """How an iterator is being run.
+
+    Attributes:
+        split_source: None to enumerate sources normally. Otherwise an object with
+            `get_next() -> split | None` (None: no more splits, may block): the
+            pipeline's first splittable source yields the elements of each split it
+            pulls, instead of its own elements (DYNAMIC sharding on a worker).
+        peek: True when the iterator is made only to look at the first element (to
+            compute `element_spec`): seeded shuffles then do not use up an epoch, so
+            asking for the spec does not change later orders. A dataset reading from
+            elsewhere (e.g. a data service) may refuse to be peeked.
+    """
+
+    split_source: SplitSource | None = None
+    peek: bool = False
+
+    def for_user_dataset(self) -> IterContext:
+        """The context for a dataset built by a user function (flat_map/interleave
+        bodies): never the split source."""
+        return IterContext(peek=self.peek)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _close(it: object) -> None:
+    """Closes an iterator if it can be closed (generators, background iterators)."""
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+
+
+def _call(fn: Callable[..., Any], element: Element) -> Any:
+    """tf.data's calling convention: a plain tuple is unpacked, anything else is one arg."""
+    if type(element) is tuple:
+        return fn(*element)
+    return fn(element)
+
+
+def _index(value: Any, name: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}: {value!r}") from None
+
+
+def _check_callable(fn: Any, op: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"`{op}` expects a function, got {type(fn).__name__}: {fn!r}")
+
+
+def _parallelism(num_parallel_calls: int | None, op: str) -> int:
+    """Threads to use: 1 (sequential) for None/1, CPU count for AUTOTUNE."""
+    if num_parallel_calls is None:
+        return 1
+    n = _index(num_parallel_calls, "num_parallel_calls")
+    if n == AUTOTUNE:
+        return max(os.cpu_count() or 1, 2)
+    if n <= 0:
+        raise InvalidArgumentError(
+            f"`{op}`: num_parallel_calls must be positive or AUTOTUNE (-1), got {n}"
+        )
+    return n
+
+
+def _as_bool(value: Any, op: str) -> bool:
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    arr = np.asarray(value)
+    if arr.shape == () and arr.dtype == np.bool_:
+        return bool(arr)
+    raise InvalidArgumentError(
+        f"The `{op}` predicate must return a scalar bool, got {type(value).__name__} "
+        f"with shape {arr.shape} and dtype {arr.dtype}"
+    )
+
+
+def _as_dataset(value: Any, op: str) -> Dataset:
+    if not isinstance(value, Dataset):
+        raise TypeError(
+            f"The function given to `{op}` must return a Dataset, got {type(value).__name__}"
+        )
+    return value
+
+
+def _stack_leaves(values: list[Any], component: int) -> Any:
+    """Stacks one leaf of each element of a batch along a new axis 0."""
+    first = values[0]
+    if isinstance(first, np.ndarray):
+        shape = first.shape
+        for k, v in enumerate(values):
+            vshape = getattr(v, "shape", None)
+            if vshape != shape:
+                raise InvalidArgumentError(
+                    f"Cannot batch tensors with different shapes in component {component}. "
+                    f"First element had shape {shape} and element {k} had shape {vshape}."
+                )
+        return np.stack(values)
+    if isinstance(first, str | np.str_) and all(isinstance(v, str) for v in values):
+        return np.array(values, dtype=str)
+    if isinstance(first, np.generic | bool | int | float | complex):
+        arr = np.array(values)
+        if arr.ndim != 1:
+            raise InvalidArgumentError(
+                f"Cannot batch component {component}: its elements are not all scalars"
+            )
+        return arr
+    arr = np.empty(len(values), dtype=object)  # bytes and other objects, kept as they are
+    arr[:] = values
+    return arr
+
+
+def _stack(elements: list[Element]) -> Element:
+    first = elements[0]
+    if not structure.is_nested(first):
+        return _stack_leaves(elements, 0)
+    flats = []
+    for e in elements:
+        structure.assert_same_structure(first, e)
+        flats.append(structure.flatten(e))
+    columns = [_stack_leaves(list(col), i) for i, col in enumerate(zip(*flats, strict=True))]
+    return structure.pack_sequence_as(first, columns)
+
+
+def _batched_spec(spec: Any, batch_dim: int | None) -> Any:
+    def leaf(s: TensorSpec) -> TensorSpec:
+        dtype: Any = s.dtype
+        if dtype is bytes:
+            dtype = np.dtype(object)
+        elif dtype is str:
+            dtype = np.dtype(str)
+        return TensorSpec((batch_dim, *s.shape), dtype)
+
+    return structure.map_structure(leaf, spec)
+
+
+def _node_epoch_rng(
+    node: Dataset, seed: int | None, reshuffle: bool, ctx: IterContext
+) -> np.random.Generator:
+    """The RNG for the next epoch of a shuffling node, tf.data's seeding rules.
+
+    seed given: reproducible; with `reshuffle` each new iterator of this node object
+    gets the next epoch's order (a `ctx.peek` iterator reuses the next one without
+    using it up), else every epoch has the same order. seed None: fresh randomness per
+    iterator with `reshuffle`, else one random seed drawn on first use. The per-node
+    state is transient (`_t_` attributes are never serialised).
+    """
+    if not reshuffle:
+        if seed is None:
+            seed = node.__dict__.setdefault(
+                "_t_fixed_seed", int(np.random.SeedSequence().entropy) % (1 << 63)
+            )
+        return epoch_rng(seed, 0)
+    if seed is None:
+        return epoch_rng(None, 0)
+    state = node.__dict__.get("_t_epoch")
+    if state is None:
+        state = node.__dict__.setdefault("_t_epoch", [threading.Lock(), 0])
+    with state[0]:
+        epoch = state[1]
+        if not ctx.peek:
+            state[1] = epoch + 1
+    return epoch_rng(seed, epoch)
+
+
+# ------------------------------------------------------------- background iteration
+
+_END = object()
+
+
+class _Raised:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Puts `item`, waiting for room until `stop` is set; False if stopped."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
+def _pump(source: Iterator[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
+    """Thread body: moves `source`'s elements into `q` until the end or `stop`."""
+    try:
+        while not stop.is_set():
+            try:
+                item = next(source)
+            except StopIteration:
+                _put(q, _END, stop)
+                return
+            except BaseException as e:  # forwarded to the consumer, raised there
+                _put(q, _Raised(e), stop)
+                return
+            if not _put(q, item, stop):
+                return
+            del item
+    finally:
+        _close(source)  # in this thread: the generator may only run in one thread
+
+
+class _BackgroundIterator:
+    """Runs an iterator in a daemon thread, up to `buffer_size` elements ahead.
+
+    The thread starts on the first `next()` (or `start()`), holds no reference to this
+    object, and stops within `_POLL_S` seconds of `close()` or of this object being
+    garbage-collected (unless it is blocked inside the source's `next()`). Errors of
+    the source are raised by `next()` at their position. One consumer thread.
+    """
+
+    def __init__(self, source: Iterator[Any], buffer_size: int, name: str) -> None:
+        self._source: Iterator[Any] | None = source
+        self._queue: queue.Queue[Any] = queue.Queue(max(1, buffer_size))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._name = name
+        self._done = False
+
+    def start(self) -> None:
+        if self._thread is None and not self._done:
+            self._thread = threading.Thread(
+                target=_pump,
+                args=(self._source, self._queue, self._stop),
+                name=f"dataservice-{self._name}",
+                daemon=True,
+            )
+            self._source = None  # owned by the thread from now on
+            self._thread.start()
+
+    def __iter__(self) -> _BackgroundIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if self._thread is None:
+            self.start()
+        item = self._queue.get()
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if type(item) is _Raised:
+            self.close()
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        """Stops the thread (it exits within `_POLL_S` s) and drops buffered elements."""
+        self._done = True
+        self._stop.set()
+        if self._source is not None:
+            source, self._source = self._source, None
+            _close(source)
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _pool_worker(tasks: queue.SimpleQueue[Any], stop: threading.Event) -> None:
+    while True:
+        task = tasks.get()
+        if task is None or stop.is_set():
+            return
+        fn, arg, fut, done = task
+        del task
+        try:
+            fut.set_result(fn(arg))
+        except BaseException as e:
+            fut.set_exception(e)
+        if done is not None:
+            done.put(fut)
+        del fn, arg, fut, done
+
+
+class _ThreadPool:
+    """`n` daemon threads running `fn(arg)` tasks into Futures; thread-compatible."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._n = n
+        for i in range(n):
+            threading.Thread(
+                target=_pool_worker,
+                args=(self._tasks, self._stop),
+                name=f"dataservice-{name}-{i}",
+                daemon=True,
+            ).start()
+
+    def submit(
+        self, fn: Callable[[Any], Any], arg: Any, done: queue.SimpleQueue[Any] | None
+    ) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._tasks.put((fn, arg, fut, done))
+        return fut
+
+    def shutdown(self) -> None:
+        """Threads exit after their current task; queued tasks are dropped."""
+        if not self._stop.is_set():
+            self._stop.set()
+            for _ in range(self._n):
+                self._tasks.put(None)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _parallel_map(
+    source: Iterator[Element], fn: Callable[[Element], Any], n: int, deterministic: bool
+) -> Iterator[Element]:
+    """`fn` over `source` on `n` threads, at most `n` calls in flight."""
+    pool = _ThreadPool(n, "map")
+    done: queue.SimpleQueue[Any] | None = None if deterministic else queue.SimpleQueue()
+    pending: collections.deque[Future[Any]] = collections.deque()
+    in_flight = 0
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and in_flight < n:
+                try:
+                    element = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                fut = pool.submit(fn, element, done)
+                del element
+                in_flight += 1
+                if deterministic:
+                    pending.append(fut)
+            if in_flight == 0:
+                return
+            fut = pending.popleft() if done is None else done.get()
+            in_flight -= 1
+            yield fut.result()
+            del fut
+    finally:
+        pool.shutdown()
+        _close(source)
+
+
+def _interleave(
+    source: Iterator[Element],
+    open_fn: Callable[[Element], Iterator[Element]],
+    cycle_length: int,
+    block_length: int,
+    parallel: bool,
+) -> Iterator[Element]:
+    """tf.data's interleave order: `block_length` elements from each of `cycle_length`
+    open iterators in turn; an exhausted one is replaced by the next input's in its slot.
+
+    With `parallel`, each open slot's iterator runs ahead in its own daemon thread; the
+    output order is the same.
+
+    Source: tensorflow/core/kernels/data/interleave_dataset_op.cc (GetNextInternal).
+    """
+    slots: list[Iterator[Element] | None] = [None] * cycle_length
+    num_open = 0
+    cycle_index = 0
+    block_index = 0
+    end_of_input = False
+    try:
+        while not end_of_input or num_open > 0:
+            current = slots[cycle_index]
+            if current is not None:
+                try:
+                    element = next(current)
+                except StopIteration:
+                    _close(current)
+                    slots[cycle_index] = None
+                    num_open -= 1
+                    cycle_index = (cycle_index + 1) % cycle_length
+                    block_index = 0
+                    continue
+                block_index += 1
+                if block_index == block_length:
+                    block_index = 0
+                    cycle_index = (cycle_index + 1) % cycle_length
+                yield element
+            elif not end_of_input:
+                try:
+                    input_element = next(source)
+                except StopIteration:
+                    end_of_input = True
+                    continue
+                inner = open_fn(input_element)
+                if parallel:
+                    background = _BackgroundIterator(inner, max(2, block_length), "interleave")
+                    background.start()
+                    inner = background
+                slots[cycle_index] = inner
+                num_open += 1
+            else:
+                cycle_index = (cycle_index + 1) % cycle_length
+                block_index = 0
+    finally:
+        for slot in slots:
+            if slot is not None:
+                _close(slot)
+        _close(source)
+
+
+# ---------------------------------------------------------------------------- Dataset
+
+
+class Dataset:
+    """A lazy, serialisable input pipeline whose elements are numpy values.
+
+    Build one with the static constructors (`range`, `from_tensor_slices`,
+    `from_tensors`, `from_generator`, `list_files`, `zip`) or `TFRecordDataset`, chain
+    transformations, and iterate: each `iter(ds)` is a fresh epoch.
+
+    >>> ds = Dataset.range(6).map(lambda x: x * 2).filter(lambda x: x % 4 == 0)
+    >>> [int(x) for x in ds]
+    [0, 4, 8]
+    >>> [b.tolist() for b in Dataset.range(5).batch(2)]
+    [[0, 1], [2, 3], [4]]
+
+    Thread-safe; its iterators are for one consumer thread.
+    """
+
+    _op_name: ClassVar[str] = "dataset"
+    _split_op_name: ClassVar[str | None] = None
+    _input_attrs: ClassVar[tuple[str, ...]] = ()  # attributes holding input Datasets
+    _fn_attrs: ClassVar[tuple[str, ...]] = ()  # attributes holding user functions
+    _passes_splits: ClassVar[bool] = False  # one input whose splits flow through this op
+    _is_splittable_source: ClassVar[bool] = False
+    _split_unsupported_reason: ClassVar[str] = ""
+
+    # ------------------------------------------------------------ abstract surface
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        """A fresh iterator over one epoch (see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _make_iterator")
+
+    def _inputs(self) -> list[Dataset]:
+        """The datasets this one reads from (not those built by user functions)."""
+        out = []
+        for attr in self._input_attrs:
+            value = getattr(self, attr, None)
+            if value is not None:
+                out.append(value)
+        return out
+
+    def _compute_cardinality(self) -> int:
+        return UNKNOWN_CARDINALITY
+
+    def _static_element_spec(self) -> Any:
+        """The element spec if known without running the pipeline, else None."""
+        if type(self).element_spec is not _BASE_ELEMENT_SPEC:  # a subclass knows its spec
+            return self.element_spec
+        return None
+
+    # ------------------------------------------------------------ graph helpers
+
+    def _walk(self) -> Iterator[Dataset]:
+        """Yields this dataset, then its inputs' graphs depth-first, in `_inputs()` order."""
+        yield self
+        for d in self._inputs():
+            yield from d._walk()
+
+    def _splittable_source(self) -> Dataset | None:
+        """The first splittable source reached through `_inputs()`, or None."""
+        for node in self._walk():
+            if node._is_splittable_source:
+                return node
+        return None
+
+    def _has_splittable_source(self) -> bool:
+        return self._splittable_source() is not None
+
+    def _user_functions(self) -> list[tuple[str, Callable[..., Any]]]:
+        """(attribute, function) for each user function this node holds."""
+        out = []
+        for attr in self._fn_attrs:
+            fn = getattr(self, attr, None)
+            if fn is not None:
+                out.append((attr, fn))
+        return out
+
+    def _with_inputs(self, inputs: list[Dataset]) -> Dataset:
+        """A shallow copy of this node reading from `inputs` instead (same order/count).
+
+        Raises:
+            ValueError: `inputs` has the wrong length.
+        """
+        names = [a for a in self._input_attrs if getattr(self, a, None) is not None]
+        if len(inputs) != len(names):
+            raise ValueError(f"`{self._op_name}` has {len(names)} inputs, {len(inputs)} were given")
+        new = copy.copy(self)
+        for attr, d in zip(names, inputs, strict=True):
+            setattr(new, attr, d)
+        return new
+
+    def _map_graph(self, fn: Callable[[Dataset], Dataset]) -> Dataset:
+        """Rebuilds the graph bottom-up, replacing each node `n` (with its inputs already
+        rebuilt) by `fn(n)`; nodes whose inputs did not change are reused."""
+        old = self._inputs()
+        new = [d._map_graph(fn) for d in old]
+        node = self
+        if any(a is not b for a, b in zip(old, new, strict=True)):
+            node = self._with_inputs(new)
+        return fn(node)
+
+    def _with_shard_hints_resolved(self, num_workers: int, worker_index: int) -> Dataset:
+        """This graph with `SHARD_HINT` in `shard()` replaced: num_shards -> num_workers,
+        index -> worker_index (ShardingPolicy.HINT on a worker)."""
+
+        def resolve(node: Dataset) -> Dataset:
+            if isinstance(node, ShardDataset) and node._has_hint:
+                n = num_workers if node._num_shards == SHARD_HINT else node._num_shards
+                i = worker_index if node._index == SHARD_HINT else node._index
+                return ShardDataset(node._input, n, i)
+            return node
+
+        return self._map_graph(resolve)
+
+    def _split_provider(self, seed: int | None) -> SplitProvider:
+        """The dispatcher's provider of splits of this pipeline's splittable source.
+
+        Args:
+            seed: Shuffles file order for `list_files` without its own seed; a given
+                seed makes the provider replayable.
+        Raises:
+            ValueError: An op on the way to the source cannot be split (a message with
+                "split" and the op's name, e.g. `from_generator`, `zip`, `distribute`).
+        """
+        if self._passes_splits:
+            inputs = self._inputs()
+            if len(inputs) == 1:
+                return inputs[0]._split_provider(seed)
+        raise self._no_split_provider_error()
+
+    def _no_split_provider_error(self) -> ValueError:
+        name = self._split_op_name or self._op_name
+        reason = self._split_unsupported_reason
+        if not reason and name == "distribute":
+            reason = " (it reads from a data service)"
+        return ValueError(
+            f"Cannot split the pipeline for DYNAMIC sharding: `{name}`{reason} has no split "
+            "provider; use ShardingPolicy.OFF"
+        )
+
+    def _route_contexts(self, inputs: list[Dataset], ctx: IterContext) -> list[IterContext]:
+        """For several inputs: the split source goes only to the first input that holds
+        a splittable source (or the first input if none does)."""
+        if ctx.split_source is None or not inputs:
+            return [ctx] * len(inputs)
+        target = next((i for i, d in enumerate(inputs) if d._has_splittable_source()), 0)
+        others = dataclasses.replace(ctx, split_source=None)
+        return [ctx if i == target else others for i in range(len(inputs))]
+
+    # ------------------------------------------------------------ serialization
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Transient per-process state (`_t_*`: epoch counters, cached specs) is never
+        # serialised, so equal pipelines serialise to equal bytes.
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_t_")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # ------------------------------------------------------------ public surface
+
+    def __iter__(self) -> Iterator[Element]:
+        """A fresh epoch. The iterator has `close()`; dropping it stops its threads."""
+        return self._make_iterator(IterContext())
+
+    def as_numpy_iterator(self) -> Iterator[Element]:
+        """Same as `iter(self)` (elements are numpy values already); for tf.data users."""
+        return iter(self)
+
+    def cardinality(self) -> int:
+        """The number of elements, or `INFINITE_CARDINALITY` (-1) /
+        `UNKNOWN_CARDINALITY` (-2), by tf.data's static propagation rules."""
+        return self._compute_cardinality()
+
+    def __len__(self) -> int:
+        """The cardinality. Raises TypeError if it is infinite or unknown."""
+        n = self.cardinality()
+        if n == INFINITE_CARDINALITY:
+            raise TypeError("The dataset is infinite.")
+        if n == UNKNOWN_CARDINALITY:
+            raise TypeError("The dataset length is unknown.")
+        return n
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def element_spec(self) -> Any:
+        """The nested `TensorSpec(shape, dtype)` of each element.
+
+        Computed statically where tf.data can (sources, `batch`, `zip`, ...); otherwise
+        from the first element, by running the pipeline in-process once (cached).
+
+        Raises:
+            InvalidArgumentError: The spec is not static and the dataset is empty.
+        """
+        spec = self._static_element_spec()
+        if spec is not None:
+            return spec
+        cached = self.__dict__.get("_t_element_spec")
+        if cached is not None:
+            return cached
+        it = self._make_iterator(IterContext(peek=True))
+        try:
+            first = next(it)
+        except StopIteration:
+            raise InvalidArgumentError(
+                f"Cannot infer the element_spec of this `{self._op_name}` dataset: its spec "
+                "depends on its elements and it produced none"
+            ) from None
+        finally:
+            _close(it)
+        spec = structure.spec_of(first)
+        self.__dict__["_t_element_spec"] = spec
+        return spec
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} op={self._op_name}>"
+
+    # ------------------------------------------------------------ sources
+
+    @staticmethod
+    def range(*args: int) -> Dataset:
+        """`range(stop)`, `range(start, stop)` or `range(start, stop, step)`.
+
+        Returns:
+            A dataset of `int64[]` scalars (`np.int64`), as Python's `range`. Splittable.
+        Raises:
+            InvalidArgumentError: `step` is 0, or not 1 to 3 arguments.
+        """
+        from dataservice.data.sources import RangeDataset
+
+        return RangeDataset(*args)
+
+    @staticmethod
+    def from_tensor_slices(value: Any) -> Dataset:
+        """The slices of `value` along axis 0, one element per row.
+
+        Args:
+            value: An array, or a tuple / dict / namedtuple nest of arrays, all with the
+                same size n in axis 0. Python lists are turned into numpy arrays (lists
+                of `bytes` into object arrays, so elements stay `bytes`).
+        Returns:
+            n elements shaped like `value` with axis 0 removed (e.g. `float32[h, w]` from
+            `float32[n, h, w]`; 1-D leaves give numpy scalars). Splittable.
+        Raises:
+            InvalidArgumentError: A leaf is a scalar, or sizes in axis 0 differ.
+        """
+        from dataservice.data.sources import TensorSliceDataset
+
+        return TensorSliceDataset(value)
+
+    @staticmethod
+    def from_tensors(value: Any) -> Dataset:
+        """A dataset with the single element `value` (lists become numpy arrays)."""
+        from dataservice.data.sources import TensorDataset
+
+        return TensorDataset(value)
+
+    @staticmethod
+    def from_generator(
+        generator: Callable[..., Any], args: Any = (), output_signature: Any = None
+    ) -> Dataset:
+        """The elements yielded by `generator(*args)`, called anew for each epoch.
+
+        Args:
+            generator: A callable returning an iterable (e.g. a generator function).
+                Pickled with the pipeline, so it must not capture unpicklable state.
+            args: Positional arguments for `generator`.
+            output_signature: Optional nest of `TensorSpec`: each element is converted
+                to it (`np.asarray(leaf, dtype)`) and checked; also gives a static
+                `element_spec`. Without it, Python scalars become numpy scalars.
+        Returns:
+            A dataset that is not splittable (ShardingPolicy.OFF only).
+        Raises:
+            TypeError: `generator` is not callable.
+        """
+        from dataservice.data.sources import GeneratorDataset
+
+        return GeneratorDataset(generator, args, output_signature)
+
+    @staticmethod
+    def list_files(
+        file_pattern: str | list[str] | tuple[str, ...],
+        shuffle: bool | None = None,
+        seed: int | None = None,
+    ) -> Dataset:
+        """The file names (`str`) matching glob pattern(s), globbed now.
+
+        Args:
+            file_pattern: A glob pattern or a list of them.
+            shuffle: None or True: a new random order in each epoch (as tf.data);
+                False: sorted per pattern, patterns in the order given.
+            seed: Makes the shuffled orders reproducible.
+        Returns:
+            A splittable dataset, one split per file.
+        Raises:
+            InvalidArgumentError: No file matched; the message names the pattern(s).
+        """
+        from dataservice.data.sources import ListFilesDataset
+
+        return ListFilesDataset(file_pattern, shuffle, seed)
+
+    @staticmethod
+    def zip(*datasets: Any) -> Dataset:
+        """Elements of several datasets side by side: `zip(a, b)` or `zip((a, {"x": c}))`.
+
+        Args:
+            datasets: Datasets, or one tuple / dict / namedtuple nest of datasets (a list
+                is taken as a tuple).
+        Returns:
+            Elements shaped like that nest, holding one element of each input; it ends
+            with the shortest input.
+        Raises:
+            TypeError: A leaf of the nest is not a Dataset.
+        """
+        if len(datasets) == 1 and not isinstance(datasets[0], Dataset):
+            nest = datasets[0]
+            if type(nest) is list:
+                nest = tuple(nest)
+        else:
+            nest = tuple(datasets)
+        return ZipDataset(nest)
+
+    # ------------------------------------------------------------ transformations
+
+    def map(
+        self,
+        map_func: Callable[..., Any],
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = True,
+    ) -> Dataset:
+        """`map_func` applied to each element (`map_func(*element)` for a tuple).
+
+        Args:
+            num_parallel_calls: None or 1: call in the iterating thread. >1 or AUTOTUNE
+                (-1): up to that many (CPU count) calls at once on daemon threads.
+            deterministic: With parallel calls, keep input order (default); False
+                yields results as they finish.
+        Returns:
+            A dataset of the function's results (Python scalars become numpy scalars).
+        Raises:
+            TypeError: `map_func` is not callable.
+            InvalidArgumentError: `num_parallel_calls` is 0 or below -1.
+        """
+        return MapDataset(self, map_func, num_parallel_calls, deterministic)
+
+    def filter(self, predicate: Callable[..., Any]) -> Dataset:
+        """The elements for which `predicate` returns True (a scalar bool, numpy or not).
+
+        Iterating raises InvalidArgumentError if the predicate returns anything else.
+        """
+        return FilterDataset(self, predicate)
+
+    def flat_map(self, map_func: Callable[..., Dataset]) -> Dataset:
+        """The elements of `map_func(element)` (a Dataset) for each element, in order."""
+        return FlatMapDataset(self, map_func)
+
+    def interleave(
+        self,
+        map_func: Callable[..., Dataset],
+        cycle_length: int | None = None,
+        block_length: int | None = 1,
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+    ) -> Dataset:
+        """Interleaves the datasets `map_func(element)`, tf.data's cycle/block order.
+
+        `cycle_length` inputs are open at once; `block_length` consecutive elements are
+        taken from each in turn; an exhausted one is replaced (in its slot) by the next
+        input element's dataset.
+
+        Args:
+            cycle_length: None or AUTOTUNE: the number of CPUs.
+            block_length: None means 1.
+            num_parallel_calls: >1 or AUTOTUNE: every open dataset runs ahead on its own
+                daemon thread (at most `cycle_length` threads). The order is unchanged.
+            deterministic: Accepted for tf.data compatibility; the order is always
+                deterministic.
+        Raises:
+            InvalidArgumentError: cycle_length or block_length <= 0 (other than AUTOTUNE).
+        """
+        return InterleaveDataset(
+            self, map_func, cycle_length, block_length, num_parallel_calls, deterministic
+        )
+
+    def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
+        """Consecutive elements stacked into batches along a new axis 0.
+
+        Each leaf becomes an array `dtype[batch_size, ...]`: numeric leaves with
+        `np.stack`, `str` leaves a numpy str array, `bytes` (and other objects) an object
+        array. The last batch is smaller unless `drop_remainder` drops it.
+
+        Raises:
+            InvalidArgumentError: `batch_size` <= 0; while iterating, elements whose
+                structures or leaf shapes differ.
+        """
+        return BatchDataset(self, batch_size, drop_remainder)
+
+    def shuffle(
+        self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True
+    ) -> Dataset:
+        """Randomly shuffled elements, tf.data's buffer algorithm.
+
+        A buffer of `buffer_size` elements is filled; each output is a uniformly chosen
+        buffer element, whose slot is refilled from the input. Output k is therefore
+        one of the first k + buffer_size input elements.
+
+        Args:
+            seed: None: fresh randomness for every iterator. Given: reproducible orders
+                (with `reshuffle_each_iteration`, epoch e of this dataset object has
+                its own order, the same in every run).
+            reshuffle_each_iteration: False: every epoch has the same order.
+        Raises:
+            InvalidArgumentError: `buffer_size` <= 0.
+        """
+        return ShuffleDataset(self, buffer_size, seed, reshuffle_each_iteration)
+
+    def repeat(self, count: int | None = None) -> Dataset:
+        """The input `count` times over (None or -1: forever).
+
+        Repeating forever ends at the first epoch that yields nothing (so
+        `range(0).repeat()` ends), unless that epoch's iterator has a truthy attribute
+        `skip_empty_epoch`.
+        """
+        return RepeatDataset(self, count)
+
+    def take(self, count: int) -> Dataset:
+        """The first `count` elements (-1: all)."""
+        return TakeDataset(self, count)
+
+    def skip(self, count: int) -> Dataset:
+        """All but the first `count` elements (-1: skip everything)."""
+        return SkipDataset(self, count)
+
+    def enumerate(self, start: int = 0) -> Dataset:
+        """Elements `(i, element)` with `i` an `int64[]` counting from `start`."""
+        return EnumerateDataset(self, start)
+
+    def shard(self, num_shards: int, index: int) -> Dataset:
+        """Every `num_shards`-th element starting at `index`.
+
+        Either argument may be `SHARD_HINT`: only ShardingPolicy.HINT on the service
+        resolves it (num_shards = workers, index = worker index); iterating it
+        in-process raises InvalidArgumentError.
+
+        Raises:
+            InvalidArgumentError: num_shards <= 0 or index not in [0, num_shards).
+        """
+        return ShardDataset(self, num_shards, index)
+
+    def prefetch(self, buffer_size: int) -> Dataset:
+        """Produces up to `buffer_size` elements ahead on a daemon thread (AUTOTUNE: 8;
+        0: no prefetching). The thread stops when the iterator is closed or dropped."""
+        return PrefetchDataset(self, buffer_size)
+
+    def concatenate(self, dataset: Dataset) -> Dataset:
+        """This dataset's elements, then `dataset`'s.
+
+        Raises:
+            TypeError: Both element specs are static and incompatible.
+        """
+        return ConcatenateDataset(self, dataset)
+
+    def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
+        """`transformation_func(self)`, which must return a Dataset (else TypeError)."""
+        result = transformation_func(self)
+        if not isinstance(result, Dataset):
+            raise TypeError(
+                f"`apply` expects a function returning a Dataset, got {type(result).__name__}"
+            )
+        return result
+
+
+_BASE_ELEMENT_SPEC = Dataset.__dict__["element_spec"]
+
+
+# ------------------------------------------------------------ unary transformations
+
+
+class _UnaryDataset(Dataset):
+    """A transformation of one input whose splits flow through it."""
+
+    _input_attrs = ("_input",)
+    _passes_splits = True
+
+    def __init__(self, input_dataset: Dataset) -> None:
+        if not isinstance(input_dataset, Dataset):
+            raise TypeError(f"Expected a Dataset, got {type(input_dataset).__name__}")
+        self._input = input_dataset
+
+    def _compute_cardinality(self) -> int:
+        return self._input.cardinality()
+
+    def _static_element_spec(self) -> Any:
+        return self._input._static_element_spec()
+
+
+class MapDataset(_UnaryDataset):
+    _op_name = "map"
+    _fn_attrs = ("_fn",)
+
+    def __init__(
+        self,
+        input_dataset: Dataset,
+        fn: Callable[..., Any],
+        num_parallel_calls: int | None,
+        deterministic: bool | None,
+    ) -> None:
+        super().__init__(input_dataset)
+        _check_callable(fn, "map")
+        _parallelism(num_parallel_calls, "map")  # validate now
+        self._fn = fn
+        self._num_parallel_calls = None if num_parallel_calls is None else int(num_parallel_calls)
+        self._deterministic = deterministic is None or bool(deterministic)
+
+    def _static_element_spec(self) -> Any:
+        return None
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        n = _parallelism(self._num_parallel_calls, "map")
+        fn = self._fn
+
+        def apply(element: Element) -> Element:
+            return normalize_element(_call(fn, element))
+
+        source = self._input._make_iterator(ctx)
+        if n > 1:
+            return _parallel_map(source, apply, n, self._deterministic)
+        return self._sequential(source, apply)
+
+    @staticmethod
+    def _sequential(
+        source: Iterator[Element], apply: Callable[[Element], Element]
+    ) -> Iterator[Element]:
+        try:
+            for element in source:
+                yield apply(element)
+        finally:
+            _close(source)
+
+
+class FilterDataset(_UnaryDataset):
+    _op_name = "filter"
+    _fn_attrs = ("_predicate",)
+
+    def __init__(self, input_dataset: Dataset, predicate: Callable[..., Any]) -> None:
+        super().__init__(input_dataset)
+        _check_callable(predicate, "filter")
+        self._predicate = predicate
+
+    def _compute_cardinality(self) -> int:
+        return UNKNOWN_CARDINALITY
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        source = self._input._make_iterator(ctx)
+        predicate = self._predicate
+        try:
+            for element in source:
+                if _as_bool(_call(predicate, element), "filter"):
+                    yield element
+        finally:
+            _close(source)
+
+
+class FlatMapDataset(_UnaryDataset):
+    _op_name = "flat_map"
+    _fn_attrs = ("_fn",)
+
+    def __init__(self, input_dataset: Dataset, fn: Callable[..., Dataset]) -> None:
+        super().__init__(input_dataset)
+        _check_callable(fn, "flat_map")
+        self._fn = fn
+
+    def _compute_cardinality(self) -> int:
+        return UNKNOWN_CARDINALITY
+
+    def _static_element_spec(self) -> Any:
+        return None
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        source = self._input._make_iterator(ctx)
+        fn = self._fn
+        user_ctx = ctx.for_user_dataset()
+        try:
+            for element in source:
+                inner = _as_dataset(_call(fn, element), "flat_map")._make_iterator(user_ctx)
+                try:
+                    yield from inner
+                finally:
+                    _close(inner)
+        finally:
+            _close(source)
+
+
+class InterleaveDataset(_UnaryDataset):
+    _op_name = "interleave"
+    _fn_attrs = ("_fn",)
+
+    def __init__(
+        self,
+        input_dataset: Dataset,
+        fn: Callable[..., Dataset],
+        cycle_length: int | None,
+        block_length: int | None,
+        num_parallel_calls: int | None,
+        deterministic: bool | None,
+    ) -> None:
+        super().__init__(input_dataset)
+        _check_callable(fn, "interleave")
+        if cycle_length is not None:
+            cycle_length = _index(cycle_length, "cycle_length")
+            if cycle_length <= 0 and cycle_length != AUTOTUNE:
+                raise InvalidArgumentError(f"cycle_length must be > 0, got {cycle_length}")
+        block_length = 1 if block_length is None else _index(block_length, "block_length")
+        if block_length <= 0:
+            raise InvalidArgumentError(f"block_length must be > 0, got {block_length}")
+        _parallelism(num_parallel_calls, "interleave")
+        self._fn = fn
+        self._cycle_length = cycle_length
+        self._block_length = block_length
+        self._num_parallel_calls = num_parallel_calls
+        self._deterministic = deterministic
+
+    def _compute_cardinality(self) -> int:
+        return UNKNOWN_CARDINALITY
+
+    def _static_element_spec(self) -> Any:
+        return None
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        cycle_length = self._cycle_length
+        if cycle_length is None or cycle_length == AUTOTUNE:
+            cycle_length = os.cpu_count() or 1
+        fn = self._fn
+        user_ctx = ctx.for_user_dataset()
+
+        def open_fn(element: Element) -> Iterator[Element]:
+            return _as_dataset(_call(fn, element), "interleave")._make_iterator(user_ctx)
+
+        parallel = _parallelism(self._num_parallel_calls, "interleave") > 1
+        return _interleave(
+            self._input._make_iterator(ctx), open_fn, cycle_length, self._block_length, parallel
+        )
+
+
+class BatchDataset(_UnaryDataset):
+    _op_name = "batch"
+
+    def __init__(self, input_dataset: Dataset, batch_size: int, drop_remainder: bool) -> None:
+        super().__init__(input_dataset)
+        batch_size = _index(batch_size, "batch_size")
+        if batch_size <= 0:
+            raise InvalidArgumentError(f"Batch size must be greater than zero, got {batch_size}")
+        self._batch_size = batch_size
+        self._drop_remainder = bool(drop_remainder)
+
+    def _compute_cardinality(self) -> int:
+        n = self._input.cardinality()
+        if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
+            return n
+        if self._drop_remainder:
+            return n // self._batch_size
+        return -(-n // self._batch_size)
+
+    def _static_element_spec(self) -> Any:
+        spec = self._input._static_element_spec()
+        if spec is None:
+            return None
+        return _batched_spec(spec, self._batch_size if self._drop_remainder else None)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        source = self._input._make_iterator(ctx)
+        size = self._batch_size
+        try:
+            while True:
+                chunk = list(itertools.islice(source, size))
+                if not chunk or (self._drop_remainder and len(chunk) < size):
+                    return
+                yield _stack(chunk)
+                if len(chunk) < size:
+                    return
+        finally:
+            _close(source)
+
+
+class ShuffleDataset(_UnaryDataset):
+    _op_name = "shuffle"
+
+    def __init__(
+        self,
+        input_dataset: Dataset,
+        buffer_size: int,
+        seed: int | None,
+        reshuffle_each_iteration: bool,
+    ) -> None:
+        super().__init__(input_dataset)
+        buffer_size = _index(buffer_size, "buffer_size")
+        if buffer_size <= 0:
+            raise InvalidArgumentError(f"buffer_size must be greater than zero, got {buffer_size}")
+        self._buffer_size = buffer_size
+        self._seed = None if seed is None else _index(seed, "seed")
+        self._reshuffle = bool(reshuffle_each_iteration)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        rng = _node_epoch_rng(self, self._seed, self._reshuffle, ctx)
+        return self._shuffled(self._input._make_iterator(ctx), rng)
+
+    def _shuffled(self, source: Iterator[Element], rng: np.random.Generator) -> Iterator[Element]:
+        buffer: list[Element] = []
+        size = self._buffer_size
+        exhausted = False
+        uniforms = rng.random(256)
+        u = 0
+        try:
+            while True:
+                while not exhausted and len(buffer) < size:
+                    try:
+                        buffer.append(next(source))
+                    except StopIteration:
+                        exhausted = True
+                if not buffer:
+                    return
+                if u == len(uniforms):
+                    uniforms, u = rng.random(256), 0
+                i = min(int(uniforms[u] * len(buffer)), len(buffer) - 1)
+                u += 1
+                element = buffer[i]
+                buffer[i] = buffer[-1]
+                buffer.pop()
+                yield element
+                del element
+        finally:
+            _close(source)
+
+
+class RepeatDataset(_UnaryDataset):
+    _op_name = "repeat"
+
+    def __init__(self, input_dataset: Dataset, count: int | None) -> None:
+        super().__init__(input_dataset)
+        count = None if count is None else _index(count, "count")
+        self._count = None if count is None or count < 0 else count
+
+    def _compute_cardinality(self) -> int:
+        n = self._input.cardinality()
+        if self._count is None:
+            return 0 if n == 0 else INFINITE_CARDINALITY
+        if self._count == 0:
+            return 0
+        if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
+            return n
+        return n * self._count
+
+    def _split_provider(self, seed: int | None) -> SplitProvider:
+        return RepeatSplitProvider(self._input._split_provider(seed), self._count)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        count = self._count
+        epoch = 0
+        while count is None or epoch < count:
+            it = self._input._make_iterator(ctx)
+            produced = False
+            skip_empty = False
+            try:
+                for element in it:
+                    produced = True
+                    yield element
+                skip_empty = bool(getattr(it, "skip_empty_epoch", False))
+            finally:
+                _close(it)
+            if count is None and not produced and not skip_empty:
+                return  # tf.data: repeat() of an epoch without elements ends
+            epoch += 1
+
+
+class TakeDataset(_UnaryDataset):
+    _op_name = "take"
+
+    def __init__(self, input_dataset: Dataset, count: int) -> None:
+        super().__init__(input_dataset)
+        self._count = _index(count, "count")
+
+    def _compute_cardinality(self) -> int:
+        n = self._input.cardinality()
+        count = self._count
+        if n == UNKNOWN_CARDINALITY:
+            return UNKNOWN_CARDINALITY
+        if n == INFINITE_CARDINALITY:
+            return count if count >= 0 else INFINITE_CARDINALITY
+        if count < 0:
+            return n
+        return min(n, count)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        count = self._count
+        if count == 0:
+            return
+        source = self._input._make_iterator(ctx)
+        try:
+            if count < 0:
+                yield from source
+                return
+            taken = 0
+            for element in source:
+                taken += 1
+                yield element
+                if taken >= count:
+                    return
+        finally:
+            _close(source)
+
+
+class SkipDataset(_UnaryDataset):
+    _op_name = "skip"
+
+    def __init__(self, input_dataset: Dataset, count: int) -> None:
+        super().__init__(input_dataset)
+        self._count = _index(count, "count")
+
+    def _compute_cardinality(self) -> int:
+        n = self._input.cardinality()
+        if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
+            return n
+        return 0 if self._count < 0 else max(0, n - self._count)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        source = self._input._make_iterator(ctx)
+        try:
+            if self._count < 0:
+                for _ in source:
+                    pass
+                return
+            for _ in range(self._count):
+                try:
+                    next(source)
+                except StopIteration:
+                    return
+            yield from source
+        finally:
+            _close(source)
+
+
+class EnumerateDataset(_UnaryDataset):
+    _op_name = "enumerate"
+
+    def __init__(self, input_dataset: Dataset, start: int) -> None:
+        super().__init__(input_dataset)
+        self._start = _index(start, "start")
+
+    def _static_element_spec(self) -> Any:
+        spec = self._input._static_element_spec()
+        if spec is None:
+            return None
+        return (TensorSpec((), np.int64), spec)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        source = self._input._make_iterator(ctx)
+        try:
+            for i, element in zip(itertools.count(self._start), source):
+                yield (np.int64(i), element)
+        finally:
+            _close(source)
+
+
+class ShardDataset(_UnaryDataset):
+    _op_name = "shard"
+
+    def __init__(self, input_dataset: Dataset, num_shards: int, index: int) -> None:
+        super().__init__(input_dataset)
+        num_shards = _index(num_shards, "num_shards")
+        index = _index(index, "index")
+        if num_shards != SHARD_HINT and num_shards <= 0:
+            raise InvalidArgumentError(f"num_shards must be > 0 (or SHARD_HINT), got {num_shards}")
+        if index != SHARD_HINT and (
+            index < 0 or (num_shards != SHARD_HINT and index >= num_shards)
+        ):
+            raise InvalidArgumentError(
+                f"index must be in [0, num_shards) (or SHARD_HINT), got index={index}, "
+                f"num_shards={num_shards}"
+            )
+        self._num_shards = num_shards
+        self._index = index
+
+    @property
+    def _has_hint(self) -> bool:
+        return SHARD_HINT in (self._num_shards, self._index)
+
+    def _compute_cardinality(self) -> int:
+        n = self._input.cardinality()
+        if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY) or self._has_hint:
+            return n if not self._has_hint else UNKNOWN_CARDINALITY
+        return n // self._num_shards + (1 if self._index < n % self._num_shards else 0)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        if self._has_hint:
+            raise InvalidArgumentError(
+                "shard(SHARD_HINT, ...) is a placeholder that only the data service's "
+                "ShardingPolicy.HINT resolves (to the number of workers and the worker "
+                "index); it cannot be iterated in-process. Use concrete num_shards/index."
+            )
+        source = self._input._make_iterator(ctx)
+        n, index = self._num_shards, self._index
+        try:
+            for i, element in enumerate(source):
+                if i % n == index:
+                    yield element
+        finally:
+            _close(source)
+
+
+class PrefetchDataset(_UnaryDataset):
+    _op_name = "prefetch"
+
+    def __init__(self, input_dataset: Dataset, buffer_size: int) -> None:
+        super().__init__(input_dataset)
+        buffer_size = _index(buffer_size, "buffer_size")
+        if buffer_size < 0 and buffer_size != AUTOTUNE:
+            raise InvalidArgumentError(
+                f"buffer_size must be >= 0 or AUTOTUNE (-1), got {buffer_size}"
+            )
+        self._buffer_size = buffer_size
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        source = self._input._make_iterator(ctx)
+        if self._buffer_size == 0:
+            return source
+        size = _AUTOTUNE_PREFETCH if self._buffer_size == AUTOTUNE else self._buffer_size
+        return _BackgroundIterator(source, size, "prefetch")
+
+
+# ------------------------------------------------------------ several inputs
+
+_MULTI_SOURCE = " (it reads several datasets; multi-source splitting is not supported)"
+
+
+class ZipDataset(Dataset):
+    _op_name = "zip"
+    _split_unsupported_reason = _MULTI_SOURCE
+
+    def __init__(self, datasets: Any) -> None:
+        flat = structure.flatten(datasets)
+        if not flat or not all(isinstance(d, Dataset) for d in flat):
+            raise TypeError(
+                "`zip` expects Datasets or a (nested) tuple/dict of Datasets, got "
+                f"{structure._structure_repr(datasets)} with leaves "
+                f"{[type(d).__name__ for d in flat]}"
+            )
+        self._structure = datasets
+
+    def _inputs(self) -> list[Dataset]:
+        return structure.flatten(self._structure)
+
+    def _with_inputs(self, inputs: list[Dataset]) -> Dataset:
+        new = copy.copy(self)
+        new._structure = structure.pack_sequence_as(self._structure, inputs)
+        return new
+
+    def _compute_cardinality(self) -> int:
+        result = INFINITE_CARDINALITY
+        for d in self._inputs():
+            n = d.cardinality()
+            if n == UNKNOWN_CARDINALITY:
+                return UNKNOWN_CARDINALITY
+            if n != INFINITE_CARDINALITY and (result == INFINITE_CARDINALITY or n < result):
+                result = n
+        return result
+
+    def _static_element_spec(self) -> Any:
+        specs = [d._static_element_spec() for d in self._inputs()]
+        if any(s is None for s in specs):
+            return None
+        return structure.pack_sequence_as(self._structure, specs)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        inputs = self._inputs()
+        contexts = self._route_contexts(inputs, ctx)
+        iterators = [d._make_iterator(c) for d, c in zip(inputs, contexts, strict=True)]
+        try:
+            while True:
+                values = []
+                for it in iterators:
+                    try:
+                        values.append(next(it))
+                    except StopIteration:
+                        return
+                yield structure.pack_sequence_as(self._structure, values)
+        finally:
+            for it in iterators:
+                _close(it)
+
+
+class ConcatenateDataset(Dataset):
+    _op_name = "concatenate"
+    _input_attrs = ("_input", "_other")
+    _split_unsupported_reason = _MULTI_SOURCE
+
+    def __init__(self, input_dataset: Dataset, other: Dataset) -> None:
+        if not isinstance(other, Dataset):
+            raise TypeError(f"`concatenate` expects a Dataset, got {type(other).__name__}")
+        self._input = input_dataset
+        self._other = other
+        a, b = input_dataset._static_element_spec(), other._static_element_spec()
+        if a is not None and b is not None and _common_spec(a, b) is None:
+            raise TypeError(f"Incompatible dataset elements for `concatenate`: {a} and {b}")
+
+    def _compute_cardinality(self) -> int:
+        n1, n2 = self._input.cardinality(), self._other.cardinality()
+        if INFINITE_CARDINALITY in (n1, n2):
+            return INFINITE_CARDINALITY
+        if UNKNOWN_CARDINALITY in (n1, n2):
+            return UNKNOWN_CARDINALITY
+        return n1 + n2
+
+    def _static_element_spec(self) -> Any:
+        a, b = self._input._static_element_spec(), self._other._static_element_spec()
+        if a is None or b is None:
+            return None
+        return _common_spec(a, b)
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        inputs = [self._input, self._other]
+        for d, c in zip(inputs, self._route_contexts(inputs, ctx), strict=True):
+            it = d._make_iterator(c)
+            try:
+                yield from it
+            finally:
+                _close(it)
+
+
+def _common_spec(a: Any, b: Any) -> Any:
+    """The most specific spec both nests fit, or None if they are incompatible."""
+    try:
+        structure.assert_same_structure(a, b)
+    except InvalidArgumentError:
+        return None
+    merged = []
+    for x, y in zip(structure.flatten(a), structure.flatten(b), strict=True):
+        m = x.most_specific_common_supertype(y)
+        if m is None:
+            return None
+        merged.append(m)
+    return structure.pack_sequence_as(a, merged)

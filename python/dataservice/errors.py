@@ -112,6 +112,37 @@ _BY_NAME: dict[str, type[DataServiceError]] = {
 }
 
 
+_REMOTE_CLASSES: dict[str, type[WorkerError]] = {}
+
+
+def remote_error(type_name: str, message: str, worker_address: str) -> WorkerError:
+    """The consumer-side form of an exception raised by a pipeline on a worker.
+
+    The result is a `WorkerError` and, when the original class is one of
+    ours or a builtin (`DataLossError`, `ZeroDivisionError`, ...), also an
+    instance of that class, so `except ZeroDivisionError:` still catches it.
+    """
+    cls = _REMOTE_CLASSES.get(type_name)
+    if cls is None:
+        import builtins
+
+        original = _BY_NAME.get(type_name) or getattr(builtins, type_name, None)
+        cls = WorkerError
+        if isinstance(original, type) and issubclass(original, Exception) and not issubclass(
+            original, WorkerError
+        ):
+            try:
+                cls = type(type_name, (WorkerError, original), {"__module__": __name__})
+            except TypeError:  # incompatible C layouts (e.g. OSError): keep WorkerError
+                cls = WorkerError
+        _REMOTE_CLASSES[type_name] = cls
+    return cls(
+        f"{type_name}: {message} (raised on worker {worker_address})",
+        type_name=type_name,
+        worker_address=worker_address,
+    )
+
+
 def error_class(name: str) -> type[DataServiceError]:
     """Returns the error class called `name`, or `DataServiceError` if unknown."""
     return _BY_NAME.get(name, DataServiceError)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dataservice.client.reader import DataServiceIterator, ReadOptions
-from dataservice.data import serialize
+from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.data.dataset import (
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,
@@ -150,8 +150,14 @@ def _dispatcher_call(
 
 
 def _check_splittable(dataset: Dataset) -> None:
-    """Raises ValueError naming the first op of `dataset` that cannot be split."""
-    dataset._check_splittable()
+    """Raises ValueError naming the first op of `dataset` that cannot be split
+    (without building the split provider, which would glob files here)."""
+    node = dataset
+    while not node._is_splittable_source:
+        inputs = node._inputs()
+        if not (node._passes_splits and len(inputs) == 1):
+            raise node._no_split_provider_error()
+        node = inputs[0]
 
 
 # ---------------------------------------------------------------- the dataset
@@ -217,16 +223,6 @@ class DistributedDataset(Dataset):
 
     def _inputs(self) -> list[Dataset]:
         return []
-
-    def _check_splittable(self) -> None:
-        raise ValueError(
-            "Cannot split the pipeline for DYNAMIC sharding: `distribute` (a dataset read "
-            "from the data service) has no split provider; distribute the source pipeline "
-            "directly, or use ShardingPolicy.OFF"
-        )
-
-    def _split_provider(self, seed: int | None) -> Any:
-        self._check_splittable()
 
     def _compute_cardinality(self) -> int:
         if self._input_dataset is None:
@@ -296,7 +292,7 @@ def _register(
     dataset_id: str | None,
     timeout_ms: int,
 ) -> str:
-    data = serialize.serialize(dataset)
+    data = serialize_dataset(dataset)
     spec = dataset._static_element_spec()
     request = pb.RegisterDatasetRequest(
         dataset=data,
@@ -368,7 +364,7 @@ def distribute(
             raise ValueError(f"distribute() applies to a Dataset, got {dataset!r}")
         if policy == ShardingPolicy.DYNAMIC:
             _check_splittable(dataset)
-        serialize.serialize(dataset)  # fails now, naming a function that cannot be shipped
+        serialize_dataset(dataset)  # fails now, naming a function that cannot be shipped
         return DistributedDataset(
             address=address,
             processing_mode=policy,

@@ -37,6 +37,10 @@ _MAX_ELEMENTS_PER_FETCH = 1024
 _MAX_BYTES_PER_FETCH = 16 << 20
 _RESULT_BUFFER_ELEMENTS = 8192
 _RESULT_BUFFER_BYTES = 128 << 20
+# A named job is shared first come, first served: a consumer must not take
+# far more than it reads, so fetches and the local buffer stay small.
+_SHARED_MAX_ELEMENTS_PER_FETCH = 8
+_SHARED_RESULT_BUFFER_ELEMENTS = 64
 
 
 @dataclass
@@ -95,6 +99,13 @@ class _Reader:
         self.incarnation = ""
         self.client_id = 0
         self.heartbeat_s = 0.5
+        shared = bool(options.job_name)
+        self._fetch_elements = (
+            _SHARED_MAX_ELEMENTS_PER_FETCH if shared else _MAX_ELEMENTS_PER_FETCH
+        )
+        self._buffer_elements = (
+            _SHARED_RESULT_BUFFER_ELEMENTS if shared else _RESULT_BUFFER_ELEMENTS
+        )
         # guarded by self._cv:
         self._results: collections.deque[tuple[Any, int, str]] = collections.deque()
         self._buffered_bytes = 0
@@ -240,7 +251,7 @@ class _Reader:
             while not self._stop.is_set():
                 with self._cv:
                     while not self._stop.is_set() and (
-                        len(self._results) >= _RESULT_BUFFER_ELEMENTS
+                        len(self._results) >= self._buffer_elements
                         or self._buffered_bytes >= _RESULT_BUFFER_BYTES
                     ):
                         self._cv.wait(0.5)
@@ -252,7 +263,7 @@ class _Reader:
                             return
                 try:
                     result = client.get_elements(
-                        _MAX_ELEMENTS_PER_FETCH, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S
+                        self._fetch_elements, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S
                     )
                 except (errors.UnavailableError, errors.NotFoundError,
                         errors.DeadlineExceededError, errors.CancelledError) as err:
@@ -304,7 +315,7 @@ class _Reader:
                     self.stats.elements += 1
                     self.stats.bytes += nbytes
                     self.stats.wait_s += time.monotonic() - start
-                    if len(self._results) < _RESULT_BUFFER_ELEMENTS // 2:
+                    if len(self._results) < self._buffer_elements // 2:
                         self._cv.notify_all()
                     return element
                 if self._error is not None:

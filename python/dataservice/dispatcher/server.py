@@ -271,11 +271,11 @@ class DispatchServer:
             self._create_task_locked(iteration, worker)
 
     def _dataset_object(self, dataset_id: str) -> Any:
-        from dataservice.data import serialize
+        from dataservice.data.serialize import deserialize
 
         obj = self._dataset_objects.get(dataset_id)
         if obj is None:
-            obj = serialize.deserialize(self._datasets[dataset_id])
+            obj = deserialize(self._datasets[dataset_id])
             self._dataset_objects[dataset_id] = obj
         return obj
 

@@ -47,11 +47,8 @@ class GrpcTransferClient(base.TransferClient):
                 err, self._endpoint.transfer_address, "GetElements"
             ) from None
         if response.error_type:
-            raise errors.WorkerError(
-                f"{response.error_type}: {response.error_message} "
-                f"(raised on worker {self._endpoint.worker_address})",
-                type_name=response.error_type,
-                worker_address=self._endpoint.worker_address,
+            raise errors.remote_error(
+                response.error_type, response.error_message, self._endpoint.worker_address
             )
         elements: list[Any] = [codec.decode(e) for e in response.elements]
         nbytes = sum(len(e) for e in response.elements)

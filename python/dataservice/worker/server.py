@@ -295,7 +295,7 @@ class WorkerServer:
             self._start_task(task)
 
     def _dataset(self, dataset_id: str) -> Any:
-        from dataservice.data import serialize
+        from dataservice.data.serialize import deserialize
 
         with self._mu:
             dataset = self._datasets.get(dataset_id)
@@ -303,7 +303,7 @@ class WorkerServer:
             response = self._call_dispatcher(
                 "GetDatasetDef", pb.GetDatasetDefRequest(dataset_id=dataset_id)
             )
-            dataset = serialize.deserialize(response.dataset)
+            dataset = deserialize(response.dataset)
             with self._mu:
                 self._datasets[dataset_id] = dataset
         return dataset

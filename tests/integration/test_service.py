@@ -1,0 +1,272 @@
+"""The service end to end with in-process servers on 127.0.0.1: OFF and
+DYNAMIC reads, named jobs, stats, large elements, errors, auth, and the
+scenarios C-07, C-09 and C-31 of shared/CASES.md."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dataservice as ds
+from dataservice import errors
+from tests.conftest import values
+
+pytestmark = pytest.mark.timeout(120)
+
+OFF = ds.ShardingPolicy.OFF
+DYNAMIC = ds.ShardingPolicy.DYNAMIC
+
+
+def dist(dataset, cluster, mode=OFF, **kw):
+    return dataset.apply(ds.distribute(mode, cluster.target, **kw))
+
+
+def test_off_one_worker_exact_order(cluster):
+    assert values(dist(ds.Dataset.range(10), cluster)) == list(range(10))
+
+
+def test_off_two_workers_each_produce_everything(cluster2):
+    got = values(dist(ds.Dataset.range(50).map(lambda x: x * 2), cluster2))
+    assert sorted(got) == sorted(2 * [2 * i for i in range(50)])
+
+
+def test_dynamic_each_element_once_and_splits_are_batched(cluster2):
+    n = 5000
+    got = values(dist(ds.Dataset.range(n), cluster2, DYNAMIC))
+    assert sorted(got) == list(range(n))
+
+
+def test_dynamic_repeat_in_pipeline(cluster2):
+    got = values(dist(ds.Dataset.range(20).repeat(3), cluster2, DYNAMIC))
+    assert sorted(got) == sorted(3 * list(range(20)))
+
+
+def test_dynamic_list_files_interleave_tfrecords(cluster2, tmp_path):
+    for f in range(6):
+        with ds.io.TFRecordWriter(str(tmp_path / f"f{f}.tfrecord")) as w:
+            for r in range(7):
+                w.write(b"file %d record %d" % (f, r))
+    files = ds.Dataset.list_files(str(tmp_path / "*.tfrecord"))
+    dataset = files.interleave(lambda f: ds.TFRecordDataset(f), cycle_length=2)
+    got = values(dist(dataset, cluster2, DYNAMIC))
+    assert sorted(got) == sorted(b"file %d record %d" % (f, r) for f in range(6) for r in range(7))
+
+
+def test_named_job_shared_first_come_first_served(cluster):
+    d1 = dist(ds.Dataset.range(300), cluster, job_name="shared")
+    d2 = dist(ds.Dataset.range(300), cluster, job_name="shared")
+    it1, it2 = iter(d1), iter(d2)
+    got = [next(it1), next(it2)]
+    got += list(it1) + list(it2)
+    assert sorted(int(x) for x in got) == list(range(300))
+
+
+def test_named_job_kth_iterator_joins_kth_repetition(cluster):
+    d1 = dist(ds.Dataset.range(5), cluster, job_name="rep")
+    d2 = dist(ds.Dataset.range(5), cluster, job_name="rep")
+    assert values(d1) == list(range(5))
+    assert values(d2) == []
+    assert values(d2) == list(range(5))
+    assert values(d1) == []
+
+
+def test_repeat_after_distribute(cluster):
+    assert values(dist(ds.Dataset.range(4), cluster).repeat(3)) == 3 * list(range(4))
+
+
+def test_nested_elements_and_stats(cluster2):
+    dataset = ds.Dataset.range(20).map(
+        lambda x: {"image": np.full((4, 5), x, np.uint8), "label": (x, str(int(x)))}
+    )
+    it = iter(dist(dataset, cluster2))
+    got = list(it)
+    assert len(got) == 40
+    e = got[0]
+    assert e["image"].dtype == np.uint8 and e["image"].shape == (4, 5)
+    assert e["label"][1] == str(int(e["label"][0]))
+    stats = it.stats()
+    assert stats["elements"] == 40
+    assert stats["bytes"] > 40 * 20
+    assert stats["wait_ms"] >= 0
+    assert set(stats["workers"]) == {w.address for w in cluster2.workers}
+    for w in stats["workers"].values():
+        assert w["transfer_protocol"] == "grpc"
+        assert w["elements"] == 20
+
+
+def test_element_larger_than_grpc_default_message(cluster):
+    big = np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(1, 3, 1024, 1024)  # 12 MiB
+    (got,) = list(dist(ds.Dataset.from_tensor_slices(big), cluster))
+    assert got.shape == (3, 1024, 1024) and np.array_equal(got, big[0])
+    got[0, 0, 0] = -1.0  # arrays arrive writeable
+
+
+def test_max_outstanding_requests_one(make_cluster):
+    c = make_cluster(3)
+    got = values(dist(ds.Dataset.range(30), c, max_outstanding_requests=1))
+    assert sorted(got) == sorted(3 * list(range(30)))
+
+
+def test_register_and_from_dataset_id(cluster):
+    dataset = ds.Dataset.range(10).map(lambda x: x + 1)
+    dataset_id = ds.register_dataset(cluster.target, dataset)
+    assert ds.register_dataset(cluster.target, dataset) == dataset_id
+    assert values(ds.from_dataset_id(OFF, cluster.target, dataset_id)) == list(range(1, 11))
+    assert values(ds.from_dataset_id(DYNAMIC, cluster.target, dataset_id, job_name="j")) == list(
+        range(1, 11)
+    )
+
+
+# ---------------------------------------------------------------- bad input
+def test_unknown_processing_mode():
+    with pytest.raises(ValueError, match="parallel_epochs.*distributed_epoch.*'bogus'"):
+        ds.distribute("bogus", "grpc://127.0.0.1:1")
+
+
+def test_unreachable_dispatcher_names_address_within_timeout():
+    dataset = ds.Dataset.range(3).apply(
+        ds.distribute(OFF, "grpc://127.0.0.1:9", client_timeout_ms=1500)
+    )
+    start = time.monotonic()
+    with pytest.raises(errors.UnavailableError, match="127.0.0.1:9"):
+        next(iter(dataset))
+    assert time.monotonic() - start < 1.5 + 3.0
+
+
+def test_corrupt_record_reaches_consumer(cluster, tmp_path):
+    path = tmp_path / "bad.tfrecord"
+    with ds.io.TFRecordWriter(str(path)) as w:
+        for i in range(3):
+            w.write(b"record %d" % i)
+    data = bytearray(path.read_bytes())
+    data[-6] ^= 0xFF  # a data byte of the last record
+    path.write_bytes(bytes(data))
+    it = iter(dist(ds.TFRecordDataset(str(path)), cluster))
+    assert next(it) == b"record 0" and next(it) == b"record 1"
+    with pytest.raises(errors.WorkerError, match=r"DataLossError.*offset 48 of .*bad.tfrecord"):
+        next(it)
+
+
+def test_unpicklable_function_is_named():
+    lock = threading.Lock()
+
+    def uses_lock(x):
+        with lock:
+            return x
+
+    with pytest.raises(ValueError, match="uses_lock"):
+        ds.Dataset.range(3).map(uses_lock).apply(ds.distribute(OFF, "grpc://127.0.0.1:1"))
+
+
+def test_structure_change_mid_stream_is_an_error(cluster):
+    dataset = ds.Dataset.range(5).map(lambda x: x if x < 3 else (x, x))
+    it = iter(dist(dataset, cluster))
+    assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(errors.WorkerError, match="structure") as info:
+        next(it)
+    assert info.value.type_name == "InvalidArgumentError"
+
+
+def test_worker_exception_keeps_type_message_and_worker(cluster):
+    def boom(x):
+        if x == 2:
+            raise ZeroDivisionError("no dividing by two")
+        return x
+
+    it = iter(dist(ds.Dataset.range(5).map(boom), cluster))
+    assert [int(next(it)) for _ in range(2)] == [0, 1]
+    with pytest.raises(errors.WorkerError, match="ZeroDivisionError: no dividing by two") as info:
+        next(it)
+    assert info.value.type_name == "ZeroDivisionError"
+    assert info.value.worker_address == cluster.workers[0].address
+
+
+def test_unknown_data_transfer_protocol(cluster):
+    dataset = dist(ds.Dataset.range(3), cluster, data_transfer_protocol="carrier-pigeon")
+    with pytest.raises(errors.NotFoundError, match="not available"):
+        next(iter(dataset))
+
+
+def test_auth_token_required(make_cluster, monkeypatch):
+    c = make_cluster(0, auth_token="s3cret")
+    c.add_worker(auth_token="s3cret")
+    with pytest.raises(errors.DataServiceError):
+        ds.register_dataset(c.target, ds.Dataset.range(3), client_timeout_ms=2000)
+    monkeypatch.setenv("DATASERVICE_AUTH_TOKEN", "s3cret")
+    assert values(dist(ds.Dataset.range(3), c)) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- CASES.md
+def test_c07_generator_works_off_and_is_refused_by_dynamic(cluster2):
+    def gen():
+        yield from range(5)
+
+    dataset = ds.Dataset.from_generator(gen)
+    assert sorted(values(dist(dataset, cluster2, OFF))) == sorted(2 * list(range(5)))
+    with pytest.raises(ValueError, match=r"(?s)split.*from_generator|from_generator.*split"):
+        dist(dataset, cluster2, DYNAMIC)
+
+
+def test_c09_advertised_worker_address_is_exactly_the_configured_one(make_cluster):
+    c = make_cluster(0)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = c.add_worker(port=port, worker_address=f"127.0.0.1:{port}")
+    assert worker.address == f"127.0.0.1:{port}"
+    it = iter(dist(ds.Dataset.range(3), c))
+    assert [int(x) for x in it] == [0, 1, 2]
+    assert list(it.stats()["workers"]) == [f"127.0.0.1:{port}"]
+
+
+def test_c09_unreachable_dispatcher_error_names_address():
+    with pytest.raises(errors.UnavailableError, match=r"127\.0\.0\.1:9\b"):
+        ds.register_dataset("127.0.0.1:9", ds.Dataset.range(3), client_timeout_ms=500)
+
+
+@pytest.mark.parametrize("job_name", [None, "c31"])
+def test_c31_second_iterator_while_first_is_abandoned(cluster2, job_name):
+    dataset = dist(ds.Dataset.range(100), cluster2, job_name=job_name)
+    first = iter(dataset)
+    assert next(first) is not None
+    second = iter(dataset)  # validation-then-train: the first is abandoned
+    got = values(second)
+    if job_name is None:
+        assert sorted(got) == sorted(2 * list(range(100)))
+    else:  # a new repetition of the named job: a full epoch
+        assert sorted(got) == sorted(2 * list(range(100)))
+    del first
+
+
+def test_c01_script_that_stops_its_servers_exits_at_once(tmp_path):
+    script = tmp_path / "c01.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import dataservice as ds
+            d = ds.DispatchServer()
+            w = ds.WorkerServer(ds.WorkerConfig(d.target, dispatcher_timeout_ms=1000))
+            it = iter(ds.Dataset.range(10**9).repeat().apply(
+                ds.distribute("parallel_epochs", d.target)))
+            for _ in range(10):
+                next(it)
+            w.stop()
+            d.stop()
+            print("stopped", flush=True)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.strip() == "stopped"
+    stopped_at = time.monotonic()
+    assert proc.wait(timeout=10) == 0
+    assert time.monotonic() - stopped_at < 3.0

@@ -350,8 +350,22 @@ def test_batch_nested_and_leaf_kinds():
 
 def test_batch_shape_mismatch():
     ds = Dataset.range(1, 4).map(lambda x: np.zeros(int(x)))
-    with pytest.raises(InvalidArgumentError, match="different shapes"):
+    with pytest.raises(InvalidArgumentError, match="different shapes in component 0"):
         list(ds.batch(2))
+    nested = Dataset.range(1, 4).map(lambda x: {"b": np.zeros(int(x)), "a": x})
+    with pytest.raises(InvalidArgumentError, match="component 1"):
+        list(nested.batch(2))
+
+
+def test_batch_structure_mismatch_and_namedtuples():
+    mixed = gen_dataset([{"a": 1}, {"b": 2}])
+    with pytest.raises(InvalidArgumentError, match="same nested structure"):
+        list(mixed.batch(2))
+    points = list(gen_dataset([Point(1, [2.0]), Point(3, [4.0])]).batch(2))
+    assert type(points[0]) is Point and type(points[0].y) is list
+    assert points[0].x.tolist() == [1, 3] and points[0].y[0].tolist() == [2.0, 4.0]
+    keyed = list(Dataset.from_tensor_slices({"z": [1, 2], "a": [3, 4]}).batch(2))
+    assert list(keyed[0]) == ["z", "a"]
 
 
 # ---------------------------------------------------------------------------- shuffle

@@ -41,6 +41,7 @@ import itertools
 import operator
 import os
 import queue
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -196,15 +197,39 @@ def _stack_leaves(values: list[Any], component: int) -> Any:
 
 
 def _stack(elements: list[Element]) -> Element:
+    """Stacks a batch of elements leaf by leaf (leaves numbered in flatten order).
+
+    Raises:
+        InvalidArgumentError: The elements' structures or a leaf's shapes differ.
+    """
+    return _stack_nested(elements, [0])
+
+
+def _stack_nested(elements: list[Element], component: list[int]) -> Element:
     first = elements[0]
     if not structure.is_nested(first):
-        return _stack_leaves(elements, 0)
-    flats = []
+        index = component[0]
+        component[0] += 1
+        return _stack_leaves(elements, index)
+    kind = type(first)
+    if isinstance(first, dict):
+        keys = first.keys()
+        for e in elements:
+            if type(e) is not kind or e.keys() != keys:
+                structure.assert_same_structure(first, e)
+        by_key = {
+            k: _stack_nested([e[k] for e in elements], component)
+            for k in structure._sorted_keys(first)
+        }
+        if kind is dict:
+            return {k: by_key[k] for k in first}
+        return structure._sequence_like(first, [by_key[k] for k in sorted(by_key)])
+    n = len(first)
     for e in elements:
-        structure.assert_same_structure(first, e)
-        flats.append(structure.flatten(e))
-    columns = [_stack_leaves(list(col), i) for i, col in enumerate(zip(*flats, strict=True))]
-    return structure.pack_sequence_as(first, columns)
+        if type(e) is not kind or len(e) != n:
+            structure.assert_same_structure(first, e)
+    children = [_stack_nested([e[i] for e in elements], component) for i in range(n)]
+    return structure._sequence_like(first, children)
 
 
 def _batched_spec(spec: Any, batch_dim: int | None) -> Any:
@@ -232,9 +257,7 @@ def _node_epoch_rng(
     """
     if not reshuffle:
         if seed is None:
-            seed = node.__dict__.setdefault(
-                "_t_fixed_seed", int(np.random.SeedSequence().entropy) % (1 << 63)
-            )
+            seed = node.__dict__.setdefault("_t_fixed_seed", secrets.randbits(63))
         return epoch_rng(seed, 0)
     if seed is None:
         return epoch_rng(None, 0)

@@ -38,9 +38,10 @@ def serialize(dataset: Dataset) -> bytes:
     if not isinstance(dataset, Dataset):
         raise TypeError(f"serialize expects a Dataset, got {type(dataset).__name__}")
     try:
-        return cloudpickle.dumps(dataset, protocol=PICKLE_PROTOCOL)
+        data: bytes = cloudpickle.dumps(dataset, protocol=PICKLE_PROTOCOL)
     except Exception as e:
         raise _explain(dataset, e) from e
+    return data
 
 
 def deserialize(data: bytes) -> Dataset:

@@ -9,9 +9,10 @@ dispatcher-side `SplitProvider` (see `splits.py` for what a split is for each).
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -140,6 +141,18 @@ def _slice_leaf(arr: np.ndarray, i: int) -> Any:
     return row.copy() if isinstance(row, np.ndarray) else row
 
 
+def _slice_nested(value: Any, i: int) -> Any:
+    """Row `i` of every array in the nest `value`, in the same structure."""
+    if isinstance(value, np.ndarray):
+        return _slice_leaf(value, i)
+    if type(value) is dict:
+        return {k: _slice_nested(v, i) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_slice_nested(v, i) for v in value)
+    children = [_slice_nested(v, i) for v in structure._children(value)]
+    return structure._sequence_like(value, children)
+
+
 def _slice_spec(arr: np.ndarray) -> TensorSpec:
     if arr.ndim == 1 and arr.dtype == object and arr.size:
         return structure._leaf_spec(arr[0])
@@ -185,22 +198,17 @@ class TensorSliceDataset(Dataset):
     def _split_provider(self, seed: int | None) -> SplitProvider:
         return IndexSplitProvider(self._n)
 
-    def _row(self, leaves: list[np.ndarray], i: int) -> Element:
-        if not structure.is_nested(self._value):
-            return _slice_leaf(leaves[0], i)
-        return structure.pack_sequence_as(self._value, [_slice_leaf(a, i) for a in leaves])
-
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        leaves = structure.flatten(self._value)
         if ctx.split_source is not None:
             indices: Iterator[int] = (_split_index(s, self._n, self._op_name) for s in _splits(ctx))
         else:
             indices = iter(range(self._n))
-        return self._rows(leaves, indices)
+        return self._rows(indices)
 
-    def _rows(self, leaves: list[np.ndarray], indices: Iterator[int]) -> Iterator[Element]:
+    def _rows(self, indices: Iterator[int]) -> Iterator[Element]:
+        value = self._value
         for i in indices:
-            yield self._row(leaves, i)
+            yield _slice_nested(value, i)
 
 
 def _tensor_leaf(x: Any) -> Any:
@@ -262,7 +270,7 @@ def _conform(signature: Any, value: Any) -> Any:
                 raise InvalidArgumentError(
                     f"expected {signature.dtype.__name__}, got {type(value).__name__}"
                 )
-            return signature.dtype(value)
+            return cast(type, signature.dtype)(value)
         try:
             arr = np.asarray(value, dtype=signature.dtype)
         except (TypeError, ValueError) as e:
@@ -453,11 +461,11 @@ class TFRecordDataset(Dataset):
         _parallelism(num_parallel_reads, "TFRecordDataset")
         self._num_parallel_reads = num_parallel_reads
 
-    @property  # type: ignore[misc]
+    @property
     def _is_splittable_source(self) -> bool:  # type: ignore[override]
         return self._input is None
 
-    @property  # type: ignore[misc]
+    @property
     def _passes_splits(self) -> bool:  # type: ignore[override]
         return self._input is not None
 
@@ -504,7 +512,8 @@ class TFRecordDataset(Dataset):
             _close(names)
 
     def _read(self, name: Any) -> Iterator[bytes]:
-        from dataservice import _core  # built by maturin; imported only when reading
+        # The Rust extension (built by maturin) is imported only when a file is read.
+        _core = importlib.import_module("dataservice._core")
 
         if isinstance(name, np.ndarray) and name.shape == ():
             name = name[()]

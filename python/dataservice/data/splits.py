@@ -24,7 +24,7 @@ tensorflow/core/kernels/data/repeat_dataset_op.cc (RepeatedSplitProvider).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -116,7 +116,7 @@ class IndexSplitProvider:
         return self._next
 
     def restore(self, state: object) -> None:
-        self._next = int(state)  # type: ignore[call-overload]
+        self._next = int(cast(int, state))
 
     def __repr__(self) -> str:
         return f"IndexSplitProvider(n={self._n}, next={self._next})"
@@ -171,7 +171,7 @@ class FileSplitProvider:
         return (self._epoch, self._pos)
 
     def restore(self, state: object) -> None:
-        epoch, pos = state  # type: ignore[misc]
+        epoch, pos = cast(tuple[int, int], state)
         self._epoch, self._pos, self._order = int(epoch), int(pos), None
 
     @property
@@ -234,7 +234,7 @@ class RepeatSplitProvider:
         return (self._repetition, self._produced, self._inner.save())
 
     def restore(self, state: object) -> None:
-        repetition, produced, inner = state  # type: ignore[misc]
+        repetition, produced, inner = cast(tuple[int, bool, object], state)
         self._repetition, self._produced = int(repetition), bool(produced)
         self._inner.restore(inner)
 

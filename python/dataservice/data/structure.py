@@ -67,7 +67,7 @@ class TensorSpec:
         dtype = self.dtype
         if dtype is not bytes and dtype is not str:
             try:
-                dtype = np.dtype(dtype)  # type: ignore[arg-type]
+                dtype = np.dtype(dtype)
             except TypeError as e:
                 raise ValueError(f"TensorSpec: {self.dtype!r} is not a dtype") from e
         object.__setattr__(self, "dtype", dtype)
@@ -137,9 +137,12 @@ def _dtypes_compatible(a: DType, b: DType) -> bool:
 # ---------------------------------------------------------------------------- nesting
 
 
+_NEST_TYPES = (tuple, list, dict)
+
+
 def is_nested(value: Any) -> bool:
     """True for `tuple` (incl. namedtuple), `list` and `dict` values: the non-leaves."""
-    return isinstance(value, tuple | list | dict)
+    return isinstance(value, _NEST_TYPES)
 
 
 def _is_namedtuple(value: Any) -> bool:

@@ -406,7 +406,7 @@ class SoftmaxClassifier:
     Thread-compatible (caller locks).
     """
 
-    def __init__(self, num_features: int, num_classes: int, learning_rate: float = 0.05) -> None:
+    def __init__(self, num_features: int, num_classes: int, learning_rate: float = 0.3) -> None:
         self.weights = np.zeros((num_features, num_classes), np.float32)
         self.bias = np.zeros(num_classes, np.float32)
         self.learning_rate = np.float32(learning_rate)
@@ -498,7 +498,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default: 0)")
     parser.add_argument(
-        "--learning-rate", type=float, default=0.05, help="SGD learning rate (default: 0.05)"
+        "--learning-rate", type=float, default=0.3, help="SGD learning rate (default: 0.3)"
     )
     parser.add_argument(
         "--json", action="store_true", help="print the summary as one JSON line, last on stdout"

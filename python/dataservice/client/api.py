@@ -259,6 +259,9 @@ class DistributedDataset(Dataset):
         with self._mu:
             if self._dataset_id is None:
                 assert self._input_dataset is not None
+                if self._processing_mode == ShardingPolicy.DYNAMIC:
+                    # At registration, as tf.data service: names the op that can't be split.
+                    _check_splittable(self._input_dataset)
                 self._dataset_id = _register(
                     self._address, self._input_dataset, self._compression, None,
                     self._client_timeout_ms,
@@ -267,14 +270,17 @@ class DistributedDataset(Dataset):
 
     def _make_iterator(self, ctx: IterContext) -> DataServiceIterator:
         dataset_id = self._ensure_registered()
+        peek = getattr(ctx, "peek", False)
         with self._mu:
             repetition = self._repetition
-            if self._job_name:
+            if self._job_name and not peek:
                 self._repetition += 1
         options = ReadOptions(
             dispatcher_address=self._address,
-            processing_mode=int(self._processing_mode),
-            job_name=self._job_name,
+            # Peeking at the first element (element_spec of an op after this one)
+            # reads an anonymous OFF job, so it consumes nothing of the real job.
+            processing_mode=int(ShardingPolicy.OFF if peek else self._processing_mode),
+            job_name="" if peek else self._job_name,
             num_consumers=self._num_consumers,
             consumer_index=self._consumer_index,
             max_outstanding_requests=self._max_outstanding_requests,
@@ -343,8 +349,10 @@ def distribute(
         A function `Dataset -> Dataset` for `dataset.apply(...)`.
 
     Raises:
-        ValueError: A bad argument (the message names it), or a DYNAMIC read of a
-            pipeline that cannot be split (the message names the op, e.g. `from_generator`).
+        ValueError: A bad argument (the message names it), or a function in the
+            pipeline that cannot be pickled (named). When the dataset is registered
+            (its first iteration), a DYNAMIC read of a pipeline that cannot be split
+            raises ValueError naming the op (e.g. `from_generator`).
     """
     policy = to_sharding_policy(processing_mode)
     address = _service_address(service)
@@ -362,8 +370,6 @@ def distribute(
     def _apply(dataset: Dataset) -> Dataset:
         if not isinstance(dataset, Dataset):
             raise ValueError(f"distribute() applies to a Dataset, got {dataset!r}")
-        if policy == ShardingPolicy.DYNAMIC:
-            _check_splittable(dataset)
         serialize_dataset(dataset)  # fails now, naming a function that cannot be shipped
         return DistributedDataset(
             address=address,

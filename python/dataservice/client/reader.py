@@ -66,11 +66,14 @@ class _WorkerStats:
     bytes: int = 0
 
 
+_END = object()  # in the results queue: the task's elements end here
+
+
 @dataclass
 class _TaskState:
     endpoint: transfer.TaskEndpoint
     thread: threading.Thread | None = None
-    finished: bool = False  # read to end of sequence
+    finished: bool = False  # the consumer took every element, up to the end
     removed: bool = False  # the dispatcher dropped it (worker lost)
     protocol: str = ""
 
@@ -251,19 +254,22 @@ class _Reader:
             while not self._stop.is_set():
                 with self._cv:
                     while not self._stop.is_set() and (
-                        len(self._results) >= self._buffer_elements
+                        len(self._results) >= self._read_ahead_locked()
                         or self._buffered_bytes >= _RESULT_BUFFER_BYTES
                     ):
                         self._cv.wait(0.5)
                     if state.removed or self._stop.is_set():
                         return
+                    want = max(
+                        1, min(self._fetch_elements, self._read_ahead_locked() - len(self._results))
+                    )
                 if self._outstanding is not None:
                     while not self._outstanding.acquire(timeout=0.5):
                         if self._stop.is_set() or state.removed:
                             return
                 try:
                     result = client.get_elements(
-                        self._fetch_elements, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S
+                        want, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S
                     )
                 except (errors.UnavailableError, errors.NotFoundError,
                         errors.DeadlineExceededError, errors.CancelledError) as err:
@@ -288,15 +294,21 @@ class _Reader:
                         w.elements += len(result.elements)
                         w.bytes += result.nbytes
                     if result.end_of_sequence:
-                        state.finished = True
+                        self._results.append((_END, 0, str(endpoint.task_id)))
                     self._cv.notify_all()
                 if result.end_of_sequence:
-                    self._wake_heartbeat.set()
                     return
         except BaseException as err:  # e.g. WorkerError: the pipeline raised
             self._fail(err)
         finally:
             client.close()
+
+    def _read_ahead_locked(self) -> int:
+        """How many elements may wait here unconsumed: it grows with what the
+        consumer has taken (16, then half of the elements consumed so far, up to
+        the buffer's size), so a consumer that reads little holds little, and
+        little is lost or skipped if a worker restarts or joins mid-iteration."""
+        return max(16, min(self._buffer_elements, self.stats.elements // 2))
 
     def _fail(self, err: BaseException) -> None:
         with self._cv:
@@ -305,17 +317,27 @@ class _Reader:
             self._cv.notify_all()
 
     # ------------------------------------------------------------ consuming
+    @property
+    def consumed_nothing(self) -> bool:
+        return self.stats.elements == 0
+
     def next(self) -> Any:
         start = time.monotonic()
         with self._cv:
             while True:
                 if self._results:
-                    element, nbytes, _ = self._results.popleft()
+                    element, nbytes, origin = self._results.popleft()
+                    if element is _END:
+                        # Consumed to the end: report it (the dispatcher then knows
+                        # whether the iteration is over).
+                        self._tasks[int(origin)].finished = True
+                        self._wake_heartbeat.set()
+                        continue
                     self._buffered_bytes -= nbytes
                     self.stats.elements += 1
                     self.stats.bytes += nbytes
                     self.stats.wait_s += time.monotonic() - start
-                    if len(self._results) < self._buffer_elements // 2:
+                    if len(self._results) < self._read_ahead_locked():
                         self._cv.notify_all()
                     return element
                 if self._error is not None:
@@ -387,6 +409,10 @@ class DataServiceIterator:
             return self._reader.next()
         except StopIteration:
             self._done = True
+            if self._reader.options.job_name and self._reader.consumed_nothing:
+                # Other consumers of the shared job may have taken this repetition:
+                # an empty epoch here says nothing about the dataset (repeat goes on).
+                self.skip_empty_epoch = True
             self._finalizer()
             raise
         except BaseException:

@@ -43,6 +43,7 @@ class _Worker:
     host_id: str
     uid: str
     last_heartbeat: float
+    heartbeat_interval_s: float
 
 
 class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
@@ -301,7 +302,7 @@ class DispatchServer:
                     log.info("worker %s restarted", address)
                 worker = _Worker(
                     address, request.transfer_address or address, request.host_id,
-                    request.worker_uid, now,
+                    request.worker_uid, now, request.heartbeat_interval_ms / 1000,
                 )
                 self._workers[address] = worker
                 self._assign_tasks_to_worker_locked(worker)
@@ -612,8 +613,13 @@ class DispatchServer:
         now = time.monotonic()
         with self._mu:
             for address, worker in list(self._workers.items()):
-                if now - worker.last_heartbeat > timeout_s:
-                    log.warning("worker %s lost: no heartbeat for %.1f s", address, timeout_s)
+                # A timeout below the worker's own heartbeat interval would drop
+                # healthy workers: wait for at least 3 missed heartbeats.
+                worker_timeout_s = max(timeout_s, 3 * worker.heartbeat_interval_s)
+                if now - worker.last_heartbeat > worker_timeout_s:
+                    log.warning(
+                        "worker %s lost: no heartbeat for %.1f s", address, worker_timeout_s
+                    )
                     del self._workers[address]
                     self._remove_tasks_of_locked(address)
             if now - self._restart_time > timeout_s:

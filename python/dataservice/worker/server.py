@@ -261,19 +261,17 @@ class WorkerServer:
     def _heartbeat(self) -> None:
         with self._mu:
             current = list(self._tasks)
-            finished = [
-                task_id
-                for task_id, runner in self._tasks.items()
-                if runner.finished
-            ]
+        # Tasks are reported finished by their consumers once they have *consumed*
+        # the end (reader.py): a worker that handed out its last element may still
+        # see a new worker join the iteration (OFF mode gives it a full copy).
         request = pb.WorkerHeartbeatRequest(
             worker_address=self._address,
             transfer_address=self._address,
             host_id=host_id(),
             worker_uid=self._uid,
             current_tasks=current,
-            finished_tasks=finished,
             transfer_protocols=["grpc"],
+            heartbeat_interval_ms=self._config.heartbeat_interval_ms_or_default,
         )
         stub = self._stub
         if stub is None:

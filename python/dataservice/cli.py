@@ -263,8 +263,8 @@ def _serve(
 
     if ended_by_itself.is_set():
         if join_error:
-            e = join_error[0]
-            print(f"{PROG} {kind}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            err = join_error[0]
+            print(f"{PROG} {kind}: error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         else:
             logger.error("%s at %s stopped by itself", kind, address)
         watchdog.arm(STOP_TIMEOUT_S, code=1)
@@ -295,7 +295,7 @@ def _wait_for_dispatcher(address: str, timeout_ms: int) -> None:
     Raises:
         UnavailableError: Not reachable within `timeout_ms` milliseconds.
     """
-    import grpc
+    import grpc  # type: ignore[import-untyped,unused-ignore]
 
     from dataservice.errors import UnavailableError
 

@@ -133,7 +133,7 @@ def load_photos() -> list[tuple[str, np.ndarray]]:
 
     import skimage.data
     from PIL import Image
-    from sklearn.datasets import load_sample_images
+    from sklearn.datasets import load_sample_images  # type: ignore[import-untyped,unused-ignore]
 
     photos = []
     for name in SKIMAGE_PHOTOS:
@@ -191,7 +191,9 @@ class DemoData:
         return [shard_path(self.data_dir, s, self.num_shards) for s in range(self.num_shards)]
 
 
-def _marker_contents(num_records: int, num_shards: int, seed: int, names: list[str]) -> dict:
+def _marker_contents(
+    num_records: int, num_shards: int, seed: int, names: list[str]
+) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "num_records": num_records,
@@ -396,8 +398,9 @@ def make_pipeline(data: DemoData, batch_size: int) -> Any:
 def features(images: np.ndarray) -> np.ndarray:
     """float32[b, 160, 160, 3] -> float32[b, 1200]: 8x8 average pooling, centred."""
     b, h, w, c = images.shape
-    pooled = images.reshape(b, h // POOL, POOL, w // POOL, POOL, c).mean(axis=(2, 4))
-    return pooled.reshape(b, -1) - np.float32(0.5)
+    pooled: np.ndarray = images.reshape(b, h // POOL, POOL, w // POOL, POOL, c).mean(axis=(2, 4))
+    flat: np.ndarray = pooled.reshape(b, -1) - np.float32(0.5)
+    return flat
 
 
 class SoftmaxClassifier:
@@ -441,7 +444,7 @@ class _Progress:
         if not enabled:
             return
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
             self._bar = tqdm(total=total, desc=desc, unit="img", file=sys.stderr, leave=True)
         except ImportError:

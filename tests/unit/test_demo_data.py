@@ -151,3 +151,19 @@ def test_check_epoch_reports_missing_and_duplicates() -> None:
     assert demo._check_epoch(1, np.ones(5, np.int64)) is None
     msg = demo._check_epoch(2, np.array([1, 0, 2, 1]))
     assert msg is not None and "1 records never seen" in msg and "1 seen more than once" in msg
+
+
+def test_missing_image_extra_names_the_pip_command(monkeypatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "skimage", None)  # import fails
+    with pytest.raises(demo.DemoError, match=r"scikit-image.*pip install 'dataservice\[image\]'"):
+        demo._require_image_extras()
+
+
+def test_progress_without_tqdm_draws_a_bar_on_stderr(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "tqdm", None)
+    progress = demo._Progress(100, "epoch 1/1", enabled=True)
+    progress.update(50, 2.5)
+    progress.update(50, 2.0)
+    progress.close()
+    err = capsys.readouterr().err
+    assert "epoch 1/1" in err and "100/100 img" in err and "loss 2.000" in err

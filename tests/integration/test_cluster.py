@@ -304,3 +304,53 @@ def test_script_using_local_cluster_exits_promptly(setup: str, teardown: str) ->
     assert proc.returncode == 0, err[-3000:]
     assert elapsed <= 3.0, f"exit took {elapsed:.1f} s after the last line; stderr: {err[-3000:]}"
     _wait_until(lambda: not any(_alive(p) for p in pids), 5.0, "the servers to be gone")
+
+
+def _epochs_with_early_breaks(num_epochs: int, seed: int) -> None:
+    """C-21: a fresh iterator every epoch, sometimes abandoned early; a
+    per-epoch watchdog (10 s) turns a deadlock at an epoch boundary into a failure."""
+    import random
+
+    rnd = random.Random(seed)
+    with ds.LocalCluster(2, worker_options={"heartbeat_interval_ms": 100}) as cluster:
+        dataset = ds.Dataset.range(40).apply(
+            ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name=f"c21-{seed}")
+        )
+        for epoch in range(num_epochs):
+            stop_after = rnd.choice([None, None, 0, 1, 5, 20])
+            result: list[object] = []
+
+            def run_epoch(
+                stop_after: int | None = stop_after, result: list[object] = result
+            ) -> None:
+                iterator = iter(dataset)
+                seen = []
+                for x in iterator:
+                    seen.append(int(x))
+                    if stop_after is not None and len(seen) > stop_after:
+                        break
+                iterator.close()
+                result.append(seen)
+
+            t = threading.Thread(target=run_epoch, daemon=True)
+            t.start()
+            t.join(10)
+            assert not t.is_alive(), f"epoch {epoch} (stop_after={stop_after}) hung for 10 s"
+            assert result, f"epoch {epoch} failed (see the thread's exception above)"
+            seen = result[0]
+            assert isinstance(seen, list)
+            if stop_after is None:
+                assert sorted(seen) == list(range(40)), f"epoch {epoch}"
+            else:
+                assert len(seen) == min(40, stop_after + 1)
+
+
+@pytest.mark.timeout(180)
+def test_new_iterator_every_epoch_with_early_breaks_never_hangs() -> None:
+    _epochs_with_early_breaks(20, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_200_epochs_with_early_breaks_never_hang() -> None:
+    _epochs_with_early_breaks(200, seed=2)

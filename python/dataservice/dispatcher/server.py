@@ -569,6 +569,13 @@ class DispatchServer:
                     if provider.get_next() is None:
                         break
                 self._split_providers[iteration_id] = provider
+            # Fair shares: never hand one task more than half of its even share
+            # of what is left, so a small epoch (16 files) spreads over the workers.
+            total = provider.cardinality()
+            if total > 0:
+                remaining = max(0, total - iteration.splits_produced)
+                share = remaining // (2 * max(1, len(iteration.live_tasks())))
+                max_splits = max(1, min(max_splits, share))
             splits = []
             end = False
             for _ in range(max_splits):

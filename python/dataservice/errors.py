@@ -128,8 +128,10 @@ def remote_error(type_name: str, message: str, worker_address: str) -> WorkerErr
 
         original = _BY_NAME.get(type_name) or getattr(builtins, type_name, None)
         cls = WorkerError
-        if isinstance(original, type) and issubclass(original, Exception) and not issubclass(
-            original, WorkerError
+        if (
+            isinstance(original, type)
+            and issubclass(original, Exception)
+            and not issubclass(original, WorkerError)
         ):
             try:
                 cls = type(type_name, (WorkerError, original), {"__module__": __name__})

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+
 from dataservice import cli
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 

@@ -14,9 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import dataservice as ds
 import psutil
 import pytest
+
+import dataservice as ds
 
 
 def _alive(pid: int) -> bool:
@@ -198,10 +199,6 @@ def test_teardown_is_bounded_when_a_worker_is_stuck_in_user_code(tmp_path) -> No
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    reason="client: _Reader.next() does not look at close(); a blocked reader waits forever",
-    strict=False,
-)
 def test_closing_the_iterator_unblocks_a_reader_of_a_stuck_worker(tmp_path) -> None:
     """C-24, the iterator side: close() from another thread ends a blocked next()."""
     marker = str(tmp_path / "stuck")

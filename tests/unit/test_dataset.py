@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+
 from dataservice.data import structure
 from dataservice.data.dataset import (
     AUTOTUNE,

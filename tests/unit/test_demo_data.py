@@ -13,10 +13,11 @@ pytest.importorskip("PIL")
 pytest.importorskip("skimage")
 pytest.importorskip("sklearn")
 
+from PIL import Image  # noqa: E402
+
 import dataservice as ds  # noqa: E402
 from dataservice import demo  # noqa: E402
 from dataservice import io as dsio  # noqa: E402
-from PIL import Image  # noqa: E402
 
 NUM_RECORDS = 40
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from dataservice import _core, io
 from dataservice.errors import InvalidArgumentError
 from dataservice.rpc import example_pb2

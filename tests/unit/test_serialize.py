@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from dataservice.data.dataset import Dataset
 from dataservice.data.serialize import deserialize, fingerprint, serialize
 from dataservice.errors import InvalidArgumentError

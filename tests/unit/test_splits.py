@@ -7,6 +7,7 @@ import pickle
 
 import numpy as np
 import pytest
+
 from dataservice.data.dataset import Dataset, IterContext
 from dataservice.data.splits import (
     FileSplitProvider,

@@ -6,6 +6,7 @@ import collections
 
 import numpy as np
 import pytest
+
 from dataservice.data.structure import (
     TensorSpec,
     assert_same_structure,

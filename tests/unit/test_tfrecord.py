@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import numpy as np
 import pytest
+
 from dataservice import _core
 from dataservice.errors import DataLossError, NotFoundError
 

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from dataservice.client.reader import DataServiceIterator, ReadOptions
-from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.data.dataset import (
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,
     Dataset,
     IterContext,
 )
+from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import ShardingPolicy, to_sharding_policy
@@ -57,7 +57,7 @@ def _service_address(service: Any) -> str:
         return rpc_util.parse_address(target)
     if not isinstance(service, str):
         raise ValueError(
-            f"`service` must be a string (\"grpc://host:port\" or \"host:port\") or a "
+            f'`service` must be a string ("grpc://host:port" or "host:port") or a '
             f"DispatchServer, got {service!r}"
         )
     return rpc_util.parse_address(service)
@@ -263,7 +263,10 @@ class DistributedDataset(Dataset):
                     # At registration, as tf.data service: names the op that can't be split.
                     _check_splittable(self._input_dataset)
                 self._dataset_id = _register(
-                    self._address, self._input_dataset, self._compression, None,
+                    self._address,
+                    self._input_dataset,
+                    self._compression,
+                    None,
                     self._client_timeout_ms,
                 )
             return self._dataset_id
@@ -417,7 +420,8 @@ def register_dataset(
         raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
     if not isinstance(dataset, Dataset):
         raise ValueError(f"register_dataset() needs a Dataset, got {dataset!r}")
-    return _register(address, dataset, compression, dataset_id, _client_timeout_ms(client_timeout_ms))
+    timeout_ms = _client_timeout_ms(client_timeout_ms)
+    return _register(address, dataset, compression, dataset_id, timeout_ms)
 
 
 def from_dataset_id(

@@ -103,9 +103,7 @@ class _Reader:
         self.client_id = 0
         self.heartbeat_s = 0.5
         shared = bool(options.job_name)
-        self._fetch_elements = (
-            _SHARED_MAX_ELEMENTS_PER_FETCH if shared else _MAX_ELEMENTS_PER_FETCH
-        )
+        self._fetch_elements = _SHARED_MAX_ELEMENTS_PER_FETCH if shared else _MAX_ELEMENTS_PER_FETCH
         self._buffer_elements = (
             _SHARED_RESULT_BUFFER_ELEMENTS if shared else _RESULT_BUFFER_ELEMENTS
         )
@@ -242,13 +240,30 @@ class _Reader:
     # ------------------------------------------------------------ fetching
     def _fetch_loop(self, state: _TaskState) -> None:
         endpoint = state.endpoint
+        client: transfer.TransferClient | None = None
         try:
-            protocol = transfer.resolve_protocol(self.options.data_transfer_protocol, endpoint)
-            client = transfer.make_client(protocol, endpoint, self.options.auth_token)
+            candidates = transfer.protocol_candidates(self.options.data_transfer_protocol, endpoint)
+            for protocol in candidates:
+                try:
+                    client = transfer.make_client(protocol, endpoint, self.options.auth_token)
+                    break
+                except transfer.TransferUnavailable as err:
+                    if len(candidates) == 1:  # forced: no fallback
+                        raise errors.UnavailableError(
+                            f"data transfer protocol {protocol!r} cannot reach worker "
+                            f"{endpoint.worker_address}: {err}"
+                        ) from err
+                    log.warning(
+                        "%s transfer to %s unavailable (%s); falling back",
+                        protocol,
+                        endpoint.worker_address,
+                        err,
+                    )
+            assert client is not None
         except errors.DataServiceError as err:
             self._fail(err)
             return
-        state.protocol = protocol
+        state.protocol = protocol = client.protocol
         backoff = rpc_util.Backoff(0.05, 1.0)
         try:
             while not self._stop.is_set():
@@ -268,11 +283,13 @@ class _Reader:
                         if self._stop.is_set() or state.removed:
                             return
                 try:
-                    result = client.get_elements(
-                        want, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S
-                    )
-                except (errors.UnavailableError, errors.NotFoundError,
-                        errors.DeadlineExceededError, errors.CancelledError) as err:
+                    result = client.get_elements(want, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S)
+                except (
+                    errors.UnavailableError,
+                    errors.NotFoundError,
+                    errors.DeadlineExceededError,
+                    errors.CancelledError,
+                ) as err:
                     # The worker may be restarting, or lost: the heartbeat decides.
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
                     if self._outstanding is not None:
@@ -342,6 +359,8 @@ class _Reader:
                     return element
                 if self._error is not None:
                     raise self._error
+                if self._stop.is_set():
+                    raise errors.CancelledError("the iterator was closed")
                 if self._iteration_finished and all(
                     s.finished or s.removed for s in self._tasks.values()
                 ):

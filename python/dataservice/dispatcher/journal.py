@@ -1,12 +1,13 @@
 """The dispatcher's journal: an append-only log of state updates in `work_dir`.
 
 The journal is a sequence of segments, `journal/segment-<n>.tfrecord`, one per
-dispatcher start (a start never appends to an older segment). Each record is one `state.Update`, pickled, framed like a TFRecord (length,
-masked CRC32C of the length, data, masked CRC32C of the data) by the Rust
-writer, and fsynced before `append` returns, so an answered RPC's effect is on
-disk. On start-up `replay` applies every record in order. A torn last record
-(the dispatcher died mid-write) fails its checksum and is dropped; the
-segment is truncated to its last whole record.
+dispatcher start (a start never appends to an older segment). Each record is
+one `state.Update`, pickled, framed like a TFRecord (length, masked CRC32C of
+the length, data, masked CRC32C of the data) by the Rust writer, and fsynced
+before `append` returns, so an answered RPC's effect is on disk. On start-up
+`replay` applies every record in order. A torn last record (the dispatcher
+died mid-write) fails its checksum and is dropped; the segment is truncated
+to its last whole record.
 
 Registered dataset definitions are stored beside it as
 `datasets/<dataset_id>.bin` (written to a temporary file, fsynced, renamed).
@@ -93,7 +94,9 @@ class Journal:
         if self._writer is None:
             segments = self._segments()
             last = segments[-1] if segments else None
-            n = int(os.path.basename(last)[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]) + 1 if last else 0
+            n = 0
+            if last:
+                n = int(os.path.basename(last)[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]) + 1
             path = os.path.join(self._journal_dir, f"{SEGMENT_PREFIX}{n:06d}{SEGMENT_SUFFIX}")
             self._writer = _core.TFRecordWriter(path)
         self._writer.write(pickle.dumps(update, protocol=5))

@@ -128,7 +128,7 @@ class DispatchServer:
     # ------------------------------------------------------------ lifecycle
     @property
     def target(self) -> str:
-        """"grpc://host:port" of this dispatcher (the bound port once started)."""
+        """ "grpc://host:port" of this dispatcher (the bound port once started)."""
         host = self._config.host
         if host in ("0.0.0.0", "::", ""):
             host = "localhost"
@@ -223,7 +223,7 @@ class DispatchServer:
                     self._datasets[dataset_id] = journal.read_dataset(dataset_id)
                 self._journal = journal
             now = time.monotonic()
-            for client_id, iteration_id in self._state.clients.items():
+            for client_id in self._state.clients:
                 self._client_seen[client_id] = now
             for job_id in self._state.jobs:
                 self._job_last_used[job_id] = now
@@ -301,8 +301,12 @@ class DispatchServer:
                 else:
                     log.info("worker %s restarted", address)
                 worker = _Worker(
-                    address, request.transfer_address or address, request.host_id,
-                    request.worker_uid, now, request.heartbeat_interval_ms / 1000,
+                    address,
+                    request.transfer_address or address,
+                    request.host_id,
+                    request.worker_uid,
+                    now,
+                    request.heartbeat_interval_ms / 1000,
                 )
                 self._workers[address] = worker
                 self._assign_tasks_to_worker_locked(worker)
@@ -366,8 +370,11 @@ class DispatchServer:
             self._datasets[dataset_id] = request.dataset
             self._apply_locked(
                 st.RegisterDataset(
-                    dataset_id, request.fingerprint, request.element_spec,
-                    request.cardinality, auto,
+                    dataset_id,
+                    request.fingerprint,
+                    request.element_spec,
+                    request.cardinality,
+                    auto,
                 )
             )
             return pb.RegisterDatasetResponse(dataset_id=dataset_id)
@@ -425,8 +432,10 @@ class DispatchServer:
                 if job is not None:
                     diffs = []
                     if job.dataset_id != request.dataset_id:
-                        diffs.append(f"dataset id (existing: {job.dataset_id}, "
-                                     f"requested: {request.dataset_id})")
+                        diffs.append(
+                            f"dataset id (existing: {job.dataset_id}, "
+                            f"requested: {request.dataset_id})"
+                        )
                     if job.processing_mode != mode:
                         diffs.append(
                             "processing mode (existing: "
@@ -434,11 +443,14 @@ class DispatchServer:
                             f"{ShardingPolicy(mode).name})"
                         )
                     if job.target_workers != target:
-                        diffs.append(f"target_workers (existing: {job.target_workers}, "
-                                     f"requested: {target})")
+                        diffs.append(
+                            f"target_workers (existing: {job.target_workers}, requested: {target})"
+                        )
                     if job.num_consumers != request.num_consumers:
-                        diffs.append(f"num_consumers (existing: {job.num_consumers}, "
-                                     f"requested: {request.num_consumers})")
+                        diffs.append(
+                            f"num_consumers (existing: {job.num_consumers}, "
+                            f"requested: {request.num_consumers})"
+                        )
                     if diffs:
                         raise errors.InvalidArgumentError(
                             f"Tried to create job with name {request.job_name}, but found an "
@@ -449,8 +461,13 @@ class DispatchServer:
             job_id = st.JobId(self._state.next_job_id)
             self._apply_locked(
                 st.CreateJob(
-                    job_id, request.dataset_id, request.job_name, mode,
-                    request.num_consumers, target, request.client_host_id,
+                    job_id,
+                    request.dataset_id,
+                    request.job_name,
+                    mode,
+                    request.num_consumers,
+                    target,
+                    request.client_host_id,
                 )
             )
             self._job_last_used[job_id] = time.monotonic()
@@ -470,8 +487,10 @@ class DispatchServer:
             iteration_id = job.iterations.get(request.repetition)
             already_finished = False
             if iteration_id is None:
-                if job.target_workers == "LOCAL" and self._workers and not any(
-                    w.host_id == job.client_host_id for w in self._workers.values()
+                if (
+                    job.target_workers == "LOCAL"
+                    and self._workers
+                    and not any(w.host_id == job.client_host_id for w in self._workers.values())
                 ):
                     raise errors.InvalidArgumentError(
                         "Local reads require local workers, but no local worker is found: "
@@ -595,12 +614,15 @@ class DispatchServer:
     # ------------------------------------------------------------ maintenance
     def _maintenance_loop(self) -> None:
         cfg = self._config
-        period_s = min(
-            cfg.worker_timeout_ms_or_default / 4,
-            cfg.client_timeout_ms_or_default / 4,
-            cfg.job_gc_check_interval_ms_or_default,
-            500,
-        ) / 1000
+        period_s = (
+            min(
+                cfg.worker_timeout_ms_or_default / 4,
+                cfg.client_timeout_ms_or_default / 4,
+                cfg.job_gc_check_interval_ms_or_default,
+                500,
+            )
+            / 1000
+        )
         next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
         # Workers that held tasks before a restart get worker_timeout_ms to come back.
         with self._mu:
@@ -662,9 +684,7 @@ class DispatchServer:
                     continue
                 if job.processing_mode == ShardingPolicy.DYNAMIC and job.job_name:
                     continue  # as tf.data service: DYNAMIC jobs are never collected
-                in_use = any(
-                    self._state.iterations[i].clients for i in job.iterations.values()
-                )
+                in_use = any(self._state.iterations[i].clients for i in job.iterations.values())
                 if in_use:
                     self._job_last_used[job.job_id] = now
                     continue

@@ -191,8 +191,7 @@ def call_with_retries(
                 raise to_error(err, address, what) from None
             if time.monotonic() >= deadline:
                 raise errors.UnavailableError(
-                    f"{what}: could not reach {address} within {timeout_ms} ms "
-                    f"({err.details()})"  # type: ignore[attr-defined]
+                    f"{what}: could not reach {address} within {timeout_ms} ms ({err.details()})"  # type: ignore[attr-defined]
                 ) from None
             if stop is not None and stop.is_set():
                 raise errors.CancelledError(f"{what} to {address} cancelled") from None

@@ -65,14 +65,30 @@ class TransferClient(abc.ABC):
             NotFoundError: The worker does not know the task.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional hook: most clients hold nothing)
         """Frees what the client holds (channels, rings)."""
 
 
+class TransferUnavailable(Exception):
+    """A protocol cannot serve this endpoint (e.g. the shared-memory handshake
+    failed); in "auto" mode the client falls back to the next candidate."""
+
+
+class TransferServer(abc.ABC):
+    """The worker side of a protocol other than gRPC (which the worker's own
+    gRPC server serves). Created by its factory when the worker starts."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stops serving and frees what it holds (sockets, rings, threads)."""
+
+
 ClientFactory = Callable[[TaskEndpoint, "str | None"], TransferClient]
+ServerFactory = Callable[[Any], TransferServer]
 
 _lock = threading.Lock()
 _factories: dict[str, ClientFactory] = {}  # guarded by _lock
+_server_factories: dict[str, ServerFactory] = {}  # guarded by _lock
 
 
 def register_protocol(name: str, factory: ClientFactory) -> None:
@@ -81,20 +97,40 @@ def register_protocol(name: str, factory: ClientFactory) -> None:
         _factories[name] = factory
 
 
+def register_server(name: str, factory: ServerFactory) -> None:
+    """Makes every worker started from now on serve protocol `name`:
+    `factory(worker)` is called in `WorkerServer.start()`."""
+    with _lock:
+        _server_factories[name] = factory
+
+
+def server_factories() -> dict[str, ServerFactory]:
+    with _lock:
+        return dict(_server_factories)
+
+
 def available_protocols() -> list[str]:
     with _lock:
         return sorted(_factories)
 
 
-def resolve_protocol(requested: str | None, endpoint: TaskEndpoint) -> str:
-    """The protocol to use for `endpoint`: `requested`, or for None/"auto" the
-    best registered one that can reach the worker.
+def protocol_candidates(requested: str | None, endpoint: TaskEndpoint) -> list[str]:
+    """The protocols to try for `endpoint`, in order.
+
+    None/"auto": shared memory first when the worker is on this host (same
+    host id) and "shm" is registered, then gRPC. Anything else: just that one.
 
     Raises:
         NotFoundError: `requested` is not registered ("... is not available").
     """
+    from dataservice.locality import host_id
+
     if requested in (None, "auto"):
-        return "grpc"
+        with _lock:
+            has_shm = "shm" in _factories
+        if has_shm and endpoint.host_id and endpoint.host_id == host_id():
+            return ["shm", "grpc"]
+        return ["grpc"]
     with _lock:
         known = requested in _factories
     if not known:
@@ -102,7 +138,7 @@ def resolve_protocol(requested: str | None, endpoint: TaskEndpoint) -> str:
             f"data transfer protocol {requested!r} is not available; "
             f"available: {', '.join(available_protocols())}"
         )
-    return requested  # type: ignore[return-value]
+    return [requested]  # type: ignore[list-item]
 
 
 def make_client(protocol: str, endpoint: TaskEndpoint, auth_token: str | None) -> TransferClient:

@@ -40,10 +40,6 @@ def encode(element: Any) -> bytes:
     return b"".join(parts)
 
 
-def encoded_nbytes(data: bytes) -> int:
-    return len(data)
-
-
 def decode(data: bytes) -> Any:
     """Rebuilds an element; arrays come back writeable (one copy out of `data`).
 
@@ -113,3 +109,17 @@ def describe(sig: Any) -> str:
     if isinstance(sig, type):
         return sig.__name__
     return repr(sig)
+
+
+def element_nbytes(element: Any) -> int:
+    """Approximate size of an element's payload in bytes (array nbytes, bytes
+    and str lengths, 8 per other scalar): what buffers count against budgets."""
+    if isinstance(element, np.ndarray):
+        return int(element.nbytes)
+    if isinstance(element, (bytes, str)):
+        return len(element)
+    if isinstance(element, dict):
+        return sum(element_nbytes(v) for v in element.values())
+    if isinstance(element, (tuple, list)):
+        return sum(element_nbytes(v) for v in element)
+    return 8

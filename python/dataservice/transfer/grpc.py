@@ -43,9 +43,7 @@ class GrpcTransferClient(base.TransferClient):
                 request, timeout=timeout_s + 5.0, metadata=self._metadata
             )
         except grpc.RpcError as err:
-            raise rpc_util.to_error(
-                err, self._endpoint.transfer_address, "GetElements"
-            ) from None
+            raise rpc_util.to_error(err, self._endpoint.transfer_address, "GetElements") from None
         if response.error_type:
             raise errors.remote_error(
                 response.error_type, response.error_message, self._endpoint.worker_address

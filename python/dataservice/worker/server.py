@@ -28,6 +28,7 @@ from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import ShardingPolicy
+from dataservice.transfer import base as transfer
 from dataservice.worker.task_runner import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ class WorkerServer:
         self._uid = ""
         self._incarnation = ""
         self._registration_error: BaseException | None = None
+        self._registered = threading.Event()
+        self._transfer_servers: list[transfer.TransferServer] = []
         # guarded by self._mu:
         self._tasks: dict[int, TaskRunner] = {}
         self._deleted: OrderedDict[int, None] = OrderedDict()
@@ -134,6 +137,26 @@ class WorkerServer:
         with self._mu:
             return len(self._tasks)
 
+    def task_runner(self, task_id: int) -> TaskRunner | None:
+        """The runner of a task this worker runs, for transfer servers."""
+        with self._mu:
+            return self._tasks.get(task_id)
+
+    def wait_registered(self, timeout_s: float) -> bool:
+        """Waits until the dispatcher has answered a first heartbeat.
+
+        Returns:
+            True once registered; False after `timeout_s` seconds or if
+            registration failed (then `join()` raises the reason).
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._registered.wait(0.05):
+                return True
+            if self._registration_error is not None or self._stopped.is_set():
+                return False
+        return self._registered.is_set()
+
     def start(self) -> None:
         """Binds the port, starts serving and heartbeating (returns at once;
         registration happens on the heartbeat thread)."""
@@ -141,6 +164,7 @@ class WorkerServer:
             return
         self._stop_event.clear()
         self._stopped.clear()
+        self._registered.clear()
         self._registration_error = None
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ds-worker"),
@@ -173,6 +197,11 @@ class WorkerServer:
         self._server = server
         self._channel = rpc_util.make_channel(self._dispatcher_address)
         self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
+        for name, factory in transfer.server_factories().items():
+            try:
+                self._transfer_servers.append(factory(self))
+            except Exception as err:  # the worker still serves gRPC
+                log.warning("worker %s: %s transfer unavailable: %s", self._address, name, err)
         self._heartbeat_thread = threading.Thread(
             target=self._heartbeat_loop, name="ds-worker-heartbeat", daemon=True
         )
@@ -188,6 +217,9 @@ class WorkerServer:
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
             self._heartbeat_thread = None
+        servers, self._transfer_servers = self._transfer_servers, []
+        for transfer_server in servers:
+            transfer_server.stop()
         with self._mu:
             runners = list(self._tasks.values())
             self._tasks.clear()
@@ -270,7 +302,7 @@ class WorkerServer:
             host_id=host_id(),
             worker_uid=self._uid,
             current_tasks=current,
-            transfer_protocols=["grpc"],
+            transfer_protocols=["grpc", *transfer.server_factories()],
             heartbeat_interval_ms=self._config.heartbeat_interval_ms_or_default,
         )
         stub = self._stub
@@ -278,6 +310,7 @@ class WorkerServer:
             return
         response = stub.WorkerHeartbeat(request, timeout=10.0, metadata=self._metadata)
         self._incarnation = response.incarnation_id
+        self._registered.set()
         for task_id in response.tasks_to_delete:
             with self._mu:
                 runner = self._tasks.pop(task_id, None)

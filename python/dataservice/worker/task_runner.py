@@ -1,10 +1,12 @@
 """Runs one task: iterates the task's pipeline on a producer thread into a
-bounded buffer of encoded elements, which consumers drain first come, first
-served (tf.data service's FirstComeFirstServedTaskRunner).
+bounded buffer of elements, which consumers drain first come, first served
+(tf.data service's FirstComeFirstServedTaskRunner).
 
-The buffer is bounded by `buffer_elements` and `buffer_bytes`, so a slow
-consumer back-pressures the pipeline. A pipeline error is delivered after the
-elements produced before it.
+The buffer holds raw elements (each transfer protocol encodes them its own
+way: `get_elements` for gRPC, `get_elements_raw` for shared memory) and is
+bounded by `buffer_elements` and `buffer_bytes` (payload bytes, see
+`codec.element_nbytes`), so a slow consumer back-pressures the pipeline. A
+pipeline error is delivered after the elements produced before it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class TaskRunner:
         self._buffer_bytes = buffer_bytes
         self._cv = threading.Condition()
         # guarded by self._cv:
-        self._buffer: collections.deque[bytes] = collections.deque()
+        self._buffer: collections.deque[tuple[Any, int]] = collections.deque()
         self._buffered_bytes = 0
         self._produced = 0
         self._end = False
@@ -78,18 +80,22 @@ class TaskRunner:
                         f"{codec.describe(signature)}: every element of a dataset must have "
                         "the same structure and dtypes"
                     )
-                data = codec.encode(element)
+                nbytes = codec.element_nbytes(element)
                 index += 1
                 with self._cv:
-                    while not self._stopped and self._buffer and (
-                        len(self._buffer) >= self._buffer_elements
-                        or self._buffered_bytes + len(data) > self._buffer_bytes
+                    while (
+                        not self._stopped
+                        and self._buffer
+                        and (
+                            len(self._buffer) >= self._buffer_elements
+                            or self._buffered_bytes + nbytes > self._buffer_bytes
+                        )
                     ):
                         self._cv.wait(0.5)
                     if self._stopped:
                         break
-                    self._buffer.append(data)
-                    self._buffered_bytes += len(data)
+                    self._buffer.append((element, nbytes))
+                    self._buffered_bytes += nbytes
                     self._produced += 1
                     self._cv.notify_all()
             close = getattr(iterator, "close", None)
@@ -105,18 +111,18 @@ class TaskRunner:
                 self._end = True
                 self._cv.notify_all()
 
-    def get_elements(
+    def get_elements_raw(
         self, max_elements: int, max_bytes: int, timeout_s: float
-    ) -> tuple[list[bytes], bool, tuple[str, str] | None]:
-        """Takes up to `max_elements` encoded elements (at most ~`max_bytes`
-        bytes, but always one), waiting up to `timeout_s` for the first.
+    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+        """Takes up to `max_elements` elements (at most ~`max_bytes` payload
+        bytes, but always one), waiting up to `timeout_s` seconds for the first.
 
         Returns:
             (elements, end_of_sequence, error): `error` is (type name, message)
             of a pipeline failure, reported once the elements before it are taken.
         """
         deadline = time.monotonic() + timeout_s
-        out: list[bytes] = []
+        out: list[Any] = []
         with self._cv:
             while not self._buffer and not self._end and not self._stopped:
                 remaining = deadline - time.monotonic()
@@ -125,13 +131,13 @@ class TaskRunner:
                 self._cv.wait(remaining)
             total = 0
             while self._buffer and len(out) < max_elements:
-                nbytes = len(self._buffer[0])
+                nbytes = self._buffer[0][1]
                 if out and total + nbytes > max_bytes:
                     break
-                data = self._buffer.popleft()
+                element, _ = self._buffer.popleft()
                 self._buffered_bytes -= nbytes
                 total += nbytes
-                out.append(data)
+                out.append(element)
             self._cv.notify_all()
             if self._buffer or not self._end:
                 return out, False, None
@@ -140,6 +146,13 @@ class TaskRunner:
                     return out, False, None
                 return out, True, self._error
             return out, True, None
+
+    def get_elements(
+        self, max_elements: int, max_bytes: int, timeout_s: float
+    ) -> tuple[list[bytes], bool, tuple[str, str] | None]:
+        """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`)."""
+        elements, end, error = self.get_elements_raw(max_elements, max_bytes, timeout_s)
+        return [codec.encode(e) for e in elements], end, error
 
     def stop(self) -> None:
         """Stops producing (the producer thread exits at its next element)."""

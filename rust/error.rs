@@ -52,6 +52,42 @@ pub enum Error {
     /// A method was called on a reader or writer after `close()`.
     #[error("I/O operation on closed {what} for {path}")]
     Closed { what: &'static str, path: String },
+    /// The bytes of a shared-memory ring are not well-formed frames (never trusted).
+    #[error("shared-memory ring corrupted at position {pos}: {what}")]
+    RingCorrupted { pos: u64, what: String },
+    /// A ring size that is not a power of two in [64 KiB, 4 GiB].
+    #[error("shm ring size {capacity_bytes} bytes is not a power of two between 64 KiB and 4 GiB")]
+    InvalidRingSize { capacity_bytes: u64 },
+    /// Reserving the ring's memory failed (full tmpfs, memory cgroup limit).
+    #[error(
+        "cannot reserve {requested_bytes} bytes of shared memory for a ring \
+         ({available_bytes} bytes MemAvailable): {source}"
+    )]
+    ShmExhausted {
+        requested_bytes: u64,
+        available_bytes: u64,
+        #[source]
+        source: io::Error,
+    },
+    /// A received ring does not have the layout this build expects.
+    #[error("shared-memory ring layout mismatch: {what}")]
+    LayoutMismatch { what: String },
+    /// An element does not fit the transport's limit.
+    #[error("element of {element_bytes} bytes exceeds the limit of {limit_bytes} bytes ({what})")]
+    ElementTooLarge {
+        element_bytes: u64,
+        limit_bytes: u64,
+        what: String,
+    },
+    /// The process at the other end of a ring died or closed its end.
+    #[error("ring peer gone: {what}")]
+    PeerDied { what: String },
+    /// A blocking ring call ran out of time.
+    #[error("{what} timed out after {timeout_ms} ms")]
+    RingTimeout { what: &'static str, timeout_ms: u64 },
+    /// A ring end is used by another thread, closed, or used from a forked child.
+    #[error("{0}")]
+    RingState(String),
 }
 
 impl Error {
@@ -117,6 +153,38 @@ impl Clone for Error {
                 what,
                 path: path.clone(),
             },
+            Error::ShmExhausted {
+                requested_bytes,
+                available_bytes,
+                source,
+            } => Error::ShmExhausted {
+                requested_bytes: *requested_bytes,
+                available_bytes: *available_bytes,
+                source: io::Error::new(source.kind(), source.to_string()),
+            },
+            Error::RingCorrupted { pos, what } => Error::RingCorrupted {
+                pos: *pos,
+                what: what.clone(),
+            },
+            Error::InvalidRingSize { capacity_bytes } => Error::InvalidRingSize {
+                capacity_bytes: *capacity_bytes,
+            },
+            Error::LayoutMismatch { what } => Error::LayoutMismatch { what: what.clone() },
+            Error::ElementTooLarge {
+                element_bytes,
+                limit_bytes,
+                what,
+            } => Error::ElementTooLarge {
+                element_bytes: *element_bytes,
+                limit_bytes: *limit_bytes,
+                what: what.clone(),
+            },
+            Error::PeerDied { what } => Error::PeerDied { what: what.clone() },
+            Error::RingTimeout { what, timeout_ms } => Error::RingTimeout {
+                what,
+                timeout_ms: *timeout_ms,
+            },
+            Error::RingState(what) => Error::RingState(what.clone()),
         }
     }
 }
@@ -124,7 +192,7 @@ impl Clone for Error {
 #[cfg(feature = "python")]
 mod python {
     use super::Error;
-    use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+    use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTimeoutError, PyValueError};
     use pyo3::prelude::*;
     use pyo3::types::PyType;
 
@@ -157,6 +225,16 @@ mod python {
                 Error::UnknownCompression(_) | Error::Closed { .. } => {
                     PyValueError::new_err(message)
                 }
+                Error::RingCorrupted { .. } => dataservice_error("DataLossError", message),
+                Error::ShmExhausted { .. } => dataservice_error("ResourceExhaustedError", message),
+                Error::ElementTooLarge { .. } => dataservice_error("ElementTooLargeError", message),
+                Error::PeerDied { .. } => dataservice_error("UnavailableError", message),
+                Error::LayoutMismatch { .. } => {
+                    dataservice_error("FailedPreconditionError", message)
+                }
+                Error::InvalidRingSize { .. } => PyValueError::new_err(message),
+                Error::RingTimeout { .. } => PyTimeoutError::new_err(message),
+                Error::RingState(_) => PyRuntimeError::new_err(message),
                 Error::Io { source, .. } => match source.raw_os_error() {
                     // OSError(errno, strerror) picks the subclass (PermissionError, ...).
                     Some(code) => PyOSError::new_err((code, message)),

@@ -4,7 +4,10 @@
 pub mod error;
 #[cfg(feature = "python")]
 mod py;
+pub mod shm;
+pub mod sync;
 pub mod tfrecord;
+pub mod transport;
 
 #[cfg(feature = "python")]
 #[pyo3::pymodule]
@@ -16,5 +19,8 @@ fn _core(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     m.add_function(wrap_pyfunction!(py::tfrecord::read_tfrecord_file, m)?)?;
     m.add_function(wrap_pyfunction!(py::tfrecord::crc32c, m)?)?;
     m.add_function(wrap_pyfunction!(py::tfrecord::masked_crc32c, m)?)?;
+    m.add_class::<py::ring::PyRingProducer>()?;
+    m.add_class::<py::ring::PyRingConsumer>()?;
+    m.add_class::<py::ring::PyLease>()?;
     Ok(())
 }

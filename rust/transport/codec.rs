@@ -1,0 +1,730 @@
+//! Python elements <-> frames (TRANSPORT.md §6): numpy arrays of any fixed-size dtype,
+//! numpy scalars, bytes, str, int/float/bool/None, numpy object arrays of bytes (VARBYTES),
+//! nested tuple/list/dict/namedtuple; anything else becomes a pickled leaf.
+//!
+//! The producer ([`Encoder`]) reads payloads through the buffer protocol without a copy
+//! (C-contiguous arrays; others are made contiguous first). The consumer ([`Decoder`]) builds
+//! numpy scalars column-wise (one `frombuffer` per leaf per batch), copies small leaves and
+//! hands out large ones as views kept alive by a lease (see `rust/py/ring.rs`).
+
+use std::collections::HashMap;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::{ffi, intern};
+
+use crate::error::Error;
+use crate::transport::frame::{self, LeafDesc, LeafIn, LeafKind, LeafSpec, Payload, Spec};
+
+/// numpy, pickle and collections callables, imported once.
+pub struct Api {
+    pub ndarray: Py<PyType>,
+    pub generic: Py<PyType>,
+    pub empty: Py<PyAny>,
+    pub frombuffer: Py<PyAny>,
+    pub dtype: Py<PyAny>,
+    pub array: Py<PyAny>,
+    pub ascontiguousarray: Py<PyAny>,
+    pub object_dtype: Py<PyAny>,
+    pub dumps: Py<PyAny>,
+    pub loads: Py<PyAny>,
+    pub namedtuple: Py<PyAny>,
+}
+
+static API: PyOnceLock<Api> = PyOnceLock::new();
+
+pub fn api(py: Python<'_>) -> PyResult<&Api> {
+    API.get_or_try_init(py, || {
+        let np = py.import("numpy")?;
+        let pickle = py.import("pickle")?;
+        let dtype = np.getattr("dtype")?;
+        Ok::<_, PyErr>(Api {
+            ndarray: np.getattr("ndarray")?.cast_into::<PyType>()?.unbind(),
+            generic: np.getattr("generic")?.cast_into::<PyType>()?.unbind(),
+            empty: np.getattr("empty")?.unbind(),
+            frombuffer: np.getattr("frombuffer")?.unbind(),
+            array: np.getattr("array")?.unbind(),
+            ascontiguousarray: np.getattr("ascontiguousarray")?.unbind(),
+            object_dtype: dtype.call1(("O",))?.unbind(),
+            dtype: dtype.unbind(),
+            dumps: pickle.getattr("dumps")?.unbind(),
+            loads: pickle.getattr("loads")?.unbind(),
+            namedtuple: py.import("collections")?.getattr("namedtuple")?.unbind(),
+        })
+    })
+}
+
+/// A buffer-protocol view held while a frame is written; released (with the GIL) on drop.
+pub struct HeldBuffer {
+    view: Box<ffi::Py_buffer>,
+}
+
+impl HeldBuffer {
+    /// `PyObject_GetBuffer(obj, flags)`, or None (error cleared) if `obj` refuses.
+    fn get(obj: &Bound<'_, PyAny>, flags: std::ffi::c_int) -> Option<Self> {
+        let mut view = Box::new(ffi::Py_buffer::new());
+        // SAFETY: obj is a live object (we hold the GIL via Bound); view is a valid,
+        // zeroed Py_buffer we own.
+        let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+        if rc != 0 {
+            // SAFETY: GIL held; clears the error PyObject_GetBuffer set.
+            unsafe { ffi::PyErr_Clear() };
+            return None;
+        }
+        Some(HeldBuffer { view })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        if self.view.len == 0 || self.view.buf.is_null() {
+            return &[];
+        }
+        // SAFETY: a successful PyObject_GetBuffer with a contiguous request gives `len`
+        // readable bytes at `buf`, valid until PyBuffer_Release (our drop).
+        unsafe { std::slice::from_raw_parts(self.view.buf as *const u8, self.view.len as usize) }
+    }
+
+    fn shape(&self) -> Vec<u64> {
+        let ndim = self.view.ndim.max(0) as usize;
+        if self.view.shape.is_null() {
+            return if ndim == 0 {
+                vec![]
+            } else {
+                vec![self.view.len as u64]
+            };
+        }
+        // SAFETY: with PyBUF_ND the exporter fills `shape` with `ndim` entries.
+        (0..ndim)
+            .map(|i| unsafe { *self.view.shape.add(i) } as u64)
+            .collect()
+    }
+}
+
+impl Drop for HeldBuffer {
+    fn drop(&mut self) {
+        // SAFETY: the view came from a successful PyObject_GetBuffer and is released once;
+        // HeldBuffers are only created and dropped while the GIL is held (put_many).
+        unsafe { ffi::PyBuffer_Release(&mut *self.view) };
+    }
+}
+
+// SAFETY: a HeldBuffer never leaves the thread that holds the GIL for its creation and drop;
+// only its byte slice (plain memory, pinned by the view) is read from a detached section.
+unsafe impl Send for HeldBuffer {}
+
+#[derive(Clone)]
+struct DtypeInfo {
+    /// Kept alive so its address is never reused by another dtype.
+    _obj: std::sync::Arc<Py<PyAny>>,
+    str_: String,
+    itemsize: u32,
+    /// 'O' objects, structured or otherwise unsuitable for raw bytes.
+    raw_ok: bool,
+    native: bool,
+    kind: char,
+}
+
+/// Producer side: flattens elements into leaves and tracks the current spec.
+#[derive(Default)]
+pub struct Encoder {
+    dtypes: HashMap<usize, DtypeInfo>,
+    scalar_types: HashMap<usize, DtypeInfo>,
+}
+
+/// One flattened element: its structure, leaves, and the buffers pinning the leaves' bytes.
+pub struct Flat {
+    pub spec: Spec,
+    pub leaves: Vec<LeafIn<'static>>,
+    /// Must outlive every use of `leaves` (their Borrowed slices point into these).
+    pub holders: Vec<HeldBuffer>,
+    pub objects: Vec<Py<PyAny>>,
+}
+
+impl Encoder {
+    fn dtype_info(&mut self, dtype: &Bound<'_, PyAny>) -> PyResult<DtypeInfo> {
+        let key = dtype.as_ptr() as usize;
+        if let Some(info) = self.dtypes.get(&key) {
+            return Ok(info.clone());
+        }
+        let py = dtype.py();
+        let str_: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+        let itemsize: u32 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        let hasobject: bool = dtype.getattr(intern!(py, "hasobject"))?.extract()?;
+        let has_fields = !dtype.getattr(intern!(py, "fields"))?.is_none();
+        let kind: char = dtype.getattr(intern!(py, "kind"))?.extract()?;
+        let byteorder: String = dtype.getattr(intern!(py, "byteorder"))?.extract()?;
+        let info = DtypeInfo {
+            _obj: std::sync::Arc::new(dtype.clone().unbind()),
+            str_,
+            itemsize,
+            raw_ok: !hasobject && !has_fields && itemsize > 0,
+            native: byteorder != ">",
+            kind,
+        };
+        if self.dtypes.len() > 1024 {
+            self.dtypes.clear();
+        }
+        self.dtypes.insert(key, info.clone());
+        Ok(info)
+    }
+
+    /// Flattens `obj` into leaves (tf.nest order: dicts by sorted key).
+    pub fn flatten(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Flat> {
+        let mut flat = Flat {
+            spec: Spec::Tuple(vec![]),
+            leaves: Vec::new(),
+            holders: Vec::new(),
+            objects: Vec::new(),
+        };
+        flat.spec = self.walk(obj, &mut flat, 0)?;
+        Ok(flat)
+    }
+
+    fn walk(&mut self, obj: &Bound<'_, PyAny>, flat: &mut Flat, depth: usize) -> PyResult<Spec> {
+        let py = obj.py();
+        let api = api(py)?;
+        if depth > 32 {
+            return self.pickle_leaf(obj, flat);
+        }
+        let ty = obj.get_type();
+        // numpy scalars first (np.str_ / np.bytes_ are also str / bytes).
+        if let Some(info) = self.scalar_types.get(&(ty.as_ptr() as usize)) {
+            let info = info.clone();
+            return self.scalar_leaf(obj, &info, flat);
+        }
+        if obj.is_instance(api.generic.bind(py))? {
+            let info = self.dtype_info(&obj.getattr(intern!(py, "dtype"))?)?;
+            if !info.raw_ok || !info.native {
+                return self.pickle_leaf(obj, flat);
+            }
+            if matches!(info.kind, 'b' | 'i' | 'u' | 'f' | 'c') {
+                // Numeric scalar types map to one dtype each: cache by type.
+                self.scalar_types.insert(ty.as_ptr() as usize, info.clone());
+            }
+            return self.scalar_leaf(obj, &info, flat);
+        }
+        if obj.is_instance(api.ndarray.bind(py))? {
+            return self.array_leaf(obj, flat);
+        }
+        if let Ok(b) = obj.cast::<PyBytes>() {
+            let bytes = b.as_bytes();
+            // SAFETY: the bytes object is kept alive in flat.objects, and bytes are immutable.
+            let s: &'static [u8] =
+                unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
+            flat.objects.push(obj.clone().unbind());
+            return Ok(self.push(flat, LeafKind::Bytes, "", 0, vec![], Payload::Borrowed(s)));
+        }
+        if let Ok(s) = obj.cast::<PyString>() {
+            return match s.to_str() {
+                Ok(text) => {
+                    // SAFETY: the UTF-8 buffer is cached inside the str object, which
+                    // flat.objects keeps alive; str is immutable.
+                    let b: &'static [u8] =
+                        unsafe { std::slice::from_raw_parts(text.as_ptr(), text.len()) };
+                    flat.objects.push(obj.clone().unbind());
+                    Ok(self.push(flat, LeafKind::Str, "", 0, vec![], Payload::Borrowed(b)))
+                }
+                Err(_) => self.pickle_leaf(obj, flat), // lone surrogates
+            };
+        }
+        if obj.is_exact_instance_of::<PyBool>() {
+            let v = u8::from(obj.extract::<bool>()?);
+            return Ok(self.push(
+                flat,
+                LeafKind::PyBool,
+                "",
+                0,
+                vec![],
+                Payload::Owned(vec![v]),
+            ));
+        }
+        if obj.is_exact_instance_of::<PyInt>() {
+            return match obj.extract::<i64>() {
+                Ok(v) => Ok(self.push(
+                    flat,
+                    LeafKind::PyInt,
+                    "",
+                    0,
+                    vec![],
+                    Payload::Owned(v.to_le_bytes().to_vec()),
+                )),
+                Err(_) => self.pickle_leaf(obj, flat),
+            };
+        }
+        if obj.is_exact_instance_of::<PyFloat>() {
+            let v: f64 = obj.extract()?;
+            return Ok(self.push(
+                flat,
+                LeafKind::PyFloat,
+                "",
+                0,
+                vec![],
+                Payload::Owned(v.to_le_bytes().to_vec()),
+            ));
+        }
+        if obj.is_none() {
+            return Ok(self.push(flat, LeafKind::None, "", 0, vec![], Payload::Owned(vec![])));
+        }
+        if let Ok(t) = obj.cast::<PyTuple>() {
+            if obj.is_exact_instance_of::<PyTuple>() {
+                let mut items = Vec::with_capacity(t.len());
+                for item in t.iter() {
+                    items.push(self.walk(&item, flat, depth + 1)?);
+                }
+                return Ok(Spec::Tuple(items));
+            }
+            if let Ok(fields) = ty.getattr(intern!(py, "_fields")) {
+                let fields: Vec<String> = match fields.extract() {
+                    Ok(f) => f,
+                    Err(_) => return self.pickle_leaf(obj, flat),
+                };
+                if fields.len() == t.len() {
+                    let module: String = ty.getattr(intern!(py, "__module__"))?.extract()?;
+                    let name: String = ty.getattr(intern!(py, "__qualname__"))?.extract()?;
+                    let mut items = Vec::with_capacity(t.len());
+                    for item in t.iter() {
+                        items.push(self.walk(&item, flat, depth + 1)?);
+                    }
+                    return Ok(Spec::NamedTuple {
+                        module,
+                        name,
+                        fields,
+                        items,
+                    });
+                }
+            }
+            return self.pickle_leaf(obj, flat);
+        }
+        if obj.is_exact_instance_of::<PyList>() {
+            let l = obj.cast::<PyList>()?;
+            let mut items = Vec::with_capacity(l.len());
+            for item in l.iter() {
+                items.push(self.walk(&item, flat, depth + 1)?);
+            }
+            return Ok(Spec::List(items));
+        }
+        if obj.is_exact_instance_of::<PyDict>() {
+            let d = obj.cast::<PyDict>()?;
+            let mut keyed: Vec<(String, Bound<'_, PyAny>)> = Vec::with_capacity(d.len());
+            for (k, v) in d.iter() {
+                match k.cast::<PyString>() {
+                    Ok(k) if k.is_exact_instance_of::<PyString>() => {
+                        keyed.push((k.to_str()?.to_string(), v))
+                    }
+                    _ => return self.pickle_leaf(obj, flat),
+                }
+            }
+            keyed.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut items = Vec::with_capacity(keyed.len());
+            for (k, v) in keyed {
+                let s = self.walk(&v, flat, depth + 1)?;
+                items.push((k, s));
+            }
+            return Ok(Spec::Dict(items));
+        }
+        self.pickle_leaf(obj, flat)
+    }
+
+    fn push(
+        &mut self,
+        flat: &mut Flat,
+        kind: LeafKind,
+        dtype: &str,
+        itemsize: u32,
+        dims: Vec<u64>,
+        payload: Payload<'static>,
+    ) -> Spec {
+        let ndim = match kind {
+            LeafKind::Array | LeafKind::VarBytes => dims.len() as u8,
+            _ => 0,
+        };
+        flat.leaves.push(LeafIn {
+            kind,
+            itemsize,
+            dims,
+            payload,
+        });
+        Spec::Leaf(LeafSpec {
+            kind,
+            dtype: dtype.to_string(),
+            ndim,
+            itemsize,
+        })
+    }
+
+    fn pickle_leaf(&mut self, obj: &Bound<'_, PyAny>, flat: &mut Flat) -> PyResult<Spec> {
+        let py = obj.py();
+        let data = api(py)?.dumps.bind(py).call1((obj, 5))?;
+        let bytes = data.cast::<PyBytes>()?.as_bytes().to_vec();
+        Ok(self.push(flat, LeafKind::Pickle, "", 0, vec![], Payload::Owned(bytes)))
+    }
+
+    fn scalar_leaf(
+        &mut self,
+        obj: &Bound<'_, PyAny>,
+        info: &DtypeInfo,
+        flat: &mut Flat,
+    ) -> PyResult<Spec> {
+        let bytes: Vec<u8> = match HeldBuffer::get(obj, ffi::PyBUF_SIMPLE) {
+            Some(b) if b.bytes().len() == info.itemsize as usize => b.bytes().to_vec(),
+            _ => {
+                let b = obj.call_method0(intern!(obj.py(), "tobytes"))?;
+                b.cast::<PyBytes>()?.as_bytes().to_vec()
+            }
+        };
+        if bytes.len() != info.itemsize as usize {
+            return self.pickle_leaf(obj, flat);
+        }
+        Ok(self.push(
+            flat,
+            LeafKind::Scalar,
+            &info.str_,
+            info.itemsize,
+            vec![],
+            Payload::Owned(bytes),
+        ))
+    }
+
+    fn array_leaf(&mut self, obj: &Bound<'_, PyAny>, flat: &mut Flat) -> PyResult<Spec> {
+        let py = obj.py();
+        let info = self.dtype_info(&obj.getattr(intern!(py, "dtype"))?)?;
+        if info.kind == 'O' {
+            return self.varbytes_leaf(obj, flat);
+        }
+        if !info.raw_ok {
+            return self.pickle_leaf(obj, flat);
+        }
+        let mut arr = obj.clone();
+        if !info.native {
+            let native = obj
+                .getattr(intern!(py, "dtype"))?
+                .call_method1(intern!(py, "newbyteorder"), ("=",))?;
+            arr = obj.call_method1(intern!(py, "astype"), (native,))?;
+        }
+        let held = match HeldBuffer::get(&arr, ffi::PyBUF_C_CONTIGUOUS) {
+            Some(h) => h,
+            None => {
+                arr = api(py)?.ascontiguousarray.bind(py).call1((&arr,))?;
+                match HeldBuffer::get(&arr, ffi::PyBUF_C_CONTIGUOUS) {
+                    Some(h) => h,
+                    None => return self.pickle_leaf(obj, flat),
+                }
+            }
+        };
+        let dims = held.shape();
+        let bytes = held.bytes();
+        // SAFETY: the slice points into the exporter's memory, pinned by `held`, which is
+        // stored in flat.holders and outlives every use of flat.leaves (Flat's contract).
+        let s: &'static [u8] = unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
+        flat.holders.push(held);
+        flat.objects.push(arr.unbind());
+        Ok(self.push(
+            flat,
+            LeafKind::Array,
+            &info.str_,
+            info.itemsize,
+            dims,
+            Payload::Borrowed(s),
+        ))
+    }
+
+    fn varbytes_leaf(&mut self, obj: &Bound<'_, PyAny>, flat: &mut Flat) -> PyResult<Spec> {
+        let py = obj.py();
+        let shape: Vec<u64> = obj.getattr(intern!(py, "shape"))?.extract()?;
+        let items = obj
+            .call_method0(intern!(py, "ravel"))?
+            .call_method0(intern!(py, "tolist"))?;
+        let items = items.cast::<PyList>()?;
+        let mut parts: Vec<Vec<u8>> = Vec::with_capacity(items.len());
+        for item in items.iter() {
+            match item.cast::<PyBytes>() {
+                Ok(b) => parts.push(b.as_bytes().to_vec()),
+                Err(_) => return self.pickle_leaf(obj, flat),
+            }
+        }
+        let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+        let payload = frame::varbytes_payload(&refs);
+        Ok(self.push(
+            flat,
+            LeafKind::VarBytes,
+            "",
+            0,
+            shape,
+            Payload::Owned(payload),
+        ))
+    }
+}
+
+/// A spec as the consumer uses it: numpy dtypes and namedtuple classes resolved once.
+pub struct DecodeSpec {
+    pub spec: Spec,
+    pub leaves: Vec<LeafSpec>,
+    pub dtypes: Vec<Option<Py<PyAny>>>,
+    classes: HashMap<(String, String), Py<PyAny>>,
+}
+
+impl DecodeSpec {
+    pub fn new(py: Python<'_>, spec: Spec, pos: u64) -> Result<Self, PyErr> {
+        let api = api(py)?;
+        let leaves: Vec<LeafSpec> = spec.leaves().into_iter().cloned().collect();
+        let mut dtypes = Vec::with_capacity(leaves.len());
+        for leaf in &leaves {
+            if matches!(leaf.kind, LeafKind::Array | LeafKind::Scalar) {
+                let bad = |what: &str| -> PyErr {
+                    Error::RingCorrupted {
+                        pos,
+                        what: format!("spec dtype {:?}: {what}", leaf.dtype),
+                    }
+                    .into()
+                };
+                let dt = api
+                    .dtype
+                    .bind(py)
+                    .call1((leaf.dtype.as_str(),))
+                    .map_err(|_| bad("not a numpy dtype"))?;
+                let hasobject: bool = dt.getattr("hasobject")?.extract()?;
+                let itemsize: u32 = dt.getattr("itemsize")?.extract()?;
+                // Raw bytes must never become object pointers.
+                if hasobject || itemsize != leaf.itemsize || itemsize == 0 {
+                    return Err(bad("holds objects or its itemsize differs"));
+                }
+                dtypes.push(Some(dt.unbind()));
+            } else {
+                dtypes.push(None);
+            }
+        }
+        let mut classes = HashMap::new();
+        resolve_classes(py, &spec, &mut classes)?;
+        Ok(DecodeSpec {
+            spec,
+            leaves,
+            dtypes,
+            classes,
+        })
+    }
+
+    /// Builds one element from its leaves (in flatten order).
+    pub fn build(
+        &self,
+        py: Python<'_>,
+        leaves: &mut impl Iterator<Item = Py<PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        self.build_node(py, &self.spec, leaves)
+    }
+
+    fn build_node(
+        &self,
+        py: Python<'_>,
+        node: &Spec,
+        leaves: &mut impl Iterator<Item = Py<PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let missing = || PyValueError::new_err("element has fewer leaves than its spec");
+        Ok(match node {
+            Spec::Leaf(_) => leaves.next().ok_or_else(missing)?,
+            Spec::Tuple(items) => {
+                let v: PyResult<Vec<_>> = items
+                    .iter()
+                    .map(|i| self.build_node(py, i, leaves))
+                    .collect();
+                PyTuple::new(py, v?)?.into_any().unbind()
+            }
+            Spec::List(items) => {
+                let v: PyResult<Vec<_>> = items
+                    .iter()
+                    .map(|i| self.build_node(py, i, leaves))
+                    .collect();
+                PyList::new(py, v?)?.into_any().unbind()
+            }
+            Spec::Dict(items) => {
+                let d = PyDict::new(py);
+                for (k, v) in items {
+                    d.set_item(k, self.build_node(py, v, leaves)?)?;
+                }
+                d.into_any().unbind()
+            }
+            Spec::NamedTuple {
+                module,
+                name,
+                items,
+                ..
+            } => {
+                let v: PyResult<Vec<_>> = items
+                    .iter()
+                    .map(|i| self.build_node(py, i, leaves))
+                    .collect();
+                let cls = self
+                    .classes
+                    .get(&(module.clone(), name.clone()))
+                    .ok_or_else(missing)?;
+                cls.bind(py).call1(PyTuple::new(py, v?)?)?.unbind()
+            }
+        })
+    }
+}
+
+/// Imports each namedtuple class by module and qualname, or recreates it by name.
+fn resolve_classes(
+    py: Python<'_>,
+    spec: &Spec,
+    out: &mut HashMap<(String, String), Py<PyAny>>,
+) -> PyResult<()> {
+    match spec {
+        Spec::Leaf(_) => {}
+        Spec::Tuple(items) | Spec::List(items) => {
+            for i in items {
+                resolve_classes(py, i, out)?;
+            }
+        }
+        Spec::Dict(items) => {
+            for (_, v) in items {
+                resolve_classes(py, v, out)?;
+            }
+        }
+        Spec::NamedTuple {
+            module,
+            name,
+            fields,
+            items,
+        } => {
+            for i in items {
+                resolve_classes(py, i, out)?;
+            }
+            let key = (module.clone(), name.clone());
+            if out.contains_key(&key) {
+                return Ok(());
+            }
+            let imported = (|| -> PyResult<Bound<'_, PyAny>> {
+                let mut obj = py.import(module.as_str())?.into_any();
+                for part in name.split('.') {
+                    obj = obj.getattr(part)?;
+                }
+                let f: Vec<String> = obj.getattr("_fields")?.extract()?;
+                if &f != fields {
+                    return Err(PyValueError::new_err("fields differ"));
+                }
+                Ok(obj)
+            })();
+            let cls = match imported {
+                Ok(c) => c,
+                Err(_) => {
+                    let short = name.rsplit('.').next().unwrap_or(name);
+                    let short = if short.is_empty()
+                        || !short.chars().all(|c| c.is_alphanumeric() || c == '_')
+                    {
+                        "Element"
+                    } else {
+                        short
+                    };
+                    api(py)?
+                        .namedtuple
+                        .bind(py)
+                        .call1((short, fields.clone()))
+                        .or_else(|_| {
+                            let names: Vec<String> =
+                                (0..fields.len()).map(|i| format!("f{i}")).collect();
+                            api(py)?.namedtuple.bind(py).call1((short, names))
+                        })?
+                }
+            };
+            out.insert(key, cls.unbind());
+        }
+    }
+    Ok(())
+}
+
+/// Decodes a copied (not leased) leaf.
+pub fn copy_leaf(
+    py: Python<'_>,
+    spec: &DecodeSpec,
+    index: usize,
+    desc: &LeafDesc,
+    payload: &[u8],
+    pos: u64,
+) -> PyResult<Py<PyAny>> {
+    let api = api(py)?;
+    Ok(match desc.kind {
+        LeafKind::Array => {
+            let dtype = spec.dtypes[index].as_ref().expect("array leaf has a dtype");
+            let shape = PyTuple::new(py, &desc.dims)?;
+            let arr = api.empty.bind(py).call1((shape, dtype.bind(py)))?;
+            if !payload.is_empty() {
+                let held = HeldBuffer::get(&arr, ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS)
+                    .ok_or_else(|| PyValueError::new_err("numpy.empty gave no writable buffer"))?;
+                if held.bytes().len() != payload.len() {
+                    return Err(Error::RingCorrupted {
+                        pos,
+                        what: "array size mismatch".into(),
+                    }
+                    .into());
+                }
+                let dst = SendPtr(held.bytes().as_ptr() as *mut u8);
+                let src = SendPtr(payload.as_ptr() as *mut u8);
+                let n = payload.len();
+                let copy = move || {
+                    let (dst, src) = (dst, src);
+                    // SAFETY: dst is the new array's n writable bytes (pinned by `held`);
+                    // src is n validated bytes of a frame we own until it is released.
+                    unsafe { std::ptr::copy_nonoverlapping(src.0, dst.0, n) }
+                };
+                if n >= GIL_FREE_COPY_BYTES {
+                    py.detach(copy);
+                } else {
+                    copy();
+                }
+            }
+            arr.unbind()
+        }
+        LeafKind::Bytes => PyBytes::new(py, payload).into_any().unbind(),
+        LeafKind::Str => {
+            let s = std::str::from_utf8(payload).map_err(|_| Error::RingCorrupted {
+                pos,
+                what: "str leaf is not UTF-8".into(),
+            })?;
+            PyString::new(py, s).into_any().unbind()
+        }
+        LeafKind::PyInt => i64::from_le_bytes(payload.try_into().unwrap())
+            .into_pyobject(py)?
+            .into_any()
+            .unbind(),
+        LeafKind::PyFloat => f64::from_le_bytes(payload.try_into().unwrap())
+            .into_pyobject(py)?
+            .into_any()
+            .unbind(),
+        LeafKind::PyBool => PyBool::new(py, payload[0] != 0)
+            .to_owned()
+            .into_any()
+            .unbind(),
+        LeafKind::None => py.None(),
+        LeafKind::Pickle => api
+            .loads
+            .bind(py)
+            .call1((PyBytes::new(py, payload),))?
+            .unbind(),
+        LeafKind::VarBytes => {
+            let n = desc.dims.iter().product::<u64>() as usize;
+            let items = frame::varbytes_items(payload, n, pos)?;
+            let list = PyList::new(py, items.iter().map(|b| PyBytes::new(py, b)))?;
+            let arr = if n == 0 {
+                api.empty.bind(py).call1((0, api.object_dtype.bind(py)))?
+            } else {
+                let arr = api.empty.bind(py).call1((n, api.object_dtype.bind(py)))?;
+                for (i, item) in list.iter().enumerate() {
+                    arr.set_item(i, item)?;
+                }
+                arr
+            };
+            arr.call_method1("reshape", (PyTuple::new(py, &desc.dims)?,))?
+                .unbind()
+        }
+        LeafKind::Scalar => unreachable!("scalars are decoded column-wise"),
+    })
+}
+
+/// Copies at least this many bytes with the GIL released.
+pub const GIL_FREE_COPY_BYTES: usize = 256 << 10;
+
+#[derive(Clone, Copy)]
+pub struct SendPtr(pub *mut u8);
+// SAFETY: used only to move a pointer into a GIL-free section whose memory the caller pins.
+unsafe impl Send for SendPtr {}

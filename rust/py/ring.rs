@@ -672,6 +672,8 @@ struct ConsumerState {
     elements: u64,
     leased: u64,
     detaches: u64,
+    /// Frame bytes of the elements decoded since the last `get_many` returned.
+    data_bytes: u64,
 }
 
 /// A decoded leaf, or a numpy scalar still in its column.
@@ -688,6 +690,10 @@ struct Batch {
 }
 
 impl ConsumerState {
+    fn take_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.data_bytes)
+    }
+
     fn flush_free(&mut self) {
         if let Some(end) = self.free_upto.take() {
             self.ring.reclaim.push(end, 0);
@@ -876,6 +882,7 @@ impl ConsumerState {
             }
             match f.kind {
                 frame::KIND_DATA => {
+                    self.data_bytes += f.len;
                     let frame_end = f.pos + f.len;
                     let mut leased = false;
                     let region = self.ring.region().clone();
@@ -906,6 +913,7 @@ impl ConsumerState {
                     self.mark_free(f.pos + f.len);
                 }
                 frame::KIND_CHUNK => {
+                    self.data_bytes += f.len;
                     self.handle_chunk(py, bytes, &header, f.pos, &mut batch)?;
                     self.mark_free(f.pos + f.len);
                 }
@@ -1051,8 +1059,8 @@ impl LeaseOwnerRef {
     }
 }
 
-/// `get_many`'s result: (elements, end_of_sequence, worker error).
-type GetMany<'py> = (Bound<'py, PyList>, bool, Option<(String, String)>);
+/// `get_many`'s result: (elements, frame bytes, end_of_sequence, worker error).
+type GetMany<'py> = (Bound<'py, PyList>, u64, bool, Option<(String, String)>);
 
 /// The consumer (trainer) end of a ring: maps a received memfd. One consumer thread.
 ///
@@ -1126,6 +1134,7 @@ impl PyRingConsumer {
                 elements: 0,
                 leased: 0,
                 detaches: 0,
+                data_bytes: 0,
             })),
         })
     }
@@ -1139,9 +1148,10 @@ impl PyRingConsumer {
     /// the first one (None: no limit).
     ///
     /// Returns:
-    ///     (elements, end_of_sequence, error): `error` is a worker-side (type name, message),
-    ///     reported once the elements before it were returned. An empty list with
-    ///     end_of_sequence False means the time ran out.
+    ///     (elements, nbytes, end_of_sequence, error): `nbytes` is the size of the
+    ///     elements' frames; `error` is a worker-side (type name, message), reported once
+    ///     the elements before it were returned. An empty list with end_of_sequence False
+    ///     means the time ran out.
     /// Raises:
     ///     UnavailableError: The producer died; every element published before was returned.
     ///     DataLossError: The ring's bytes are not valid frames.
@@ -1161,24 +1171,24 @@ impl PyRingConsumer {
         let mut stalled_since: Option<Instant> = None;
         loop {
             if s.end {
-                return Ok((out, true, None));
+                return Ok((out, s.take_bytes(), true, None));
             }
             if let Some(e) = s.error.clone() {
                 if out.is_empty() {
-                    return Ok((out, true, Some(e)));
+                    return Ok((out, s.take_bytes(), true, Some(e)));
                 }
-                return Ok((out, false, None));
+                return Ok((out, s.take_bytes(), false, None));
             }
             let stopped = s.drain(py, max, &out)?;
             s.elements += out.len() as u64;
             if stopped {
                 if s.end {
-                    return Ok((out, true, None));
+                    return Ok((out, s.take_bytes(), true, None));
                 }
                 continue; // report the error (now, or after these elements)
             }
             if !out.is_empty() {
-                return Ok((out, false, None));
+                return Ok((out, s.take_bytes(), false, None));
             }
             // Nothing to read: is the producer stuck behind our leases?
             let (pinned_start, pinned_end) = s.ring.reclaim.pinned();
@@ -1196,7 +1206,7 @@ impl PyRingConsumer {
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
-                        return Ok((out, false, None));
+                        return Ok((out, s.take_bytes(), false, None));
                     }
                     (d - now).min(SLICE)
                 }

@@ -1,0 +1,446 @@
+"""The "shm" transfer protocol: same-host elements through shared-memory rings.
+
+A worker serves a Unix SOCK_SEQPACKET socket at the abstract name
+`shm_socket_name(worker.address)`. A client connects once per task (one
+connection per consumer iterator and task), sends HELLO {task_id, pid}; the
+worker creates a ring (a sealed memfd, see `_core.ShmRingProducer`), replies
+{capacity, nonce} with the memfd attached (SCM_RIGHTS), and runs a producer
+thread that moves the task's elements into the ring. The socket stays open for
+the ring's life: it carries the client's credit grants (how many elements it
+wants; the worker never runs further ahead) and is the liveness channel (HUP).
+
+Ring bytes per worker are capped at 25 % of min(MemAvailable, cgroup limit -
+usage); past that a new ring is halved (down to 8 MiB), and then refused, so
+"auto" clients fall back to gRPC.
+
+Args of the client factory come from the registry; the environment variable
+`DATASERVICE_SHM_ZERO_COPY=0` makes clients copy every leaf (no views).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from dataservice import _core, errors
+from dataservice.locality import host_id
+from dataservice.transfer import base
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "shm"
+LAYOUT_VERSION = 1
+DEFAULT_RING_BYTES = 64 << 20
+MIN_RING_BYTES = 8 << 20
+ZERO_COPY_ENV = "DATASERVICE_SHM_ZERO_COPY"
+_HANDSHAKE_TIMEOUT_S = 5.0
+_TASK_WAIT_S = 2.0
+_GRANT = struct.Struct("<cQ")  # b"G", elements wanted
+_PUT_SLICE_MS = 200
+
+
+def shm_socket_name(worker_address: str) -> str:
+    """The abstract Unix socket name a worker at `worker_address` listens on.
+
+    Abstract names live in the network namespace, so another namespace (a
+    container) cannot connect and falls back to gRPC; the host id's hash keeps
+    two hosts' names apart should they ever share one.
+    """
+    digest = hashlib.sha1(host_id().encode()).hexdigest()[:16]
+    return f"\0dataservice/{digest}/{worker_address}"
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _cgroup_free_bytes() -> int | None:
+    """memory limit minus usage of this process's cgroup (v2 or v1), if limited."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2]
+        candidates = []
+        if controllers == "":
+            candidates.append(
+                (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
+            )
+        elif "memory" in controllers.split(","):
+            base_dir = f"/sys/fs/cgroup/memory{path}"
+            candidates.append(
+                (f"{base_dir}/memory.limit_in_bytes", f"{base_dir}/memory.usage_in_bytes")
+            )
+        for limit_path, usage_path in candidates:
+            try:
+                with open(limit_path) as f:
+                    limit_text = f.read().strip()
+                with open(usage_path) as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit_text == "max":
+                continue
+            limit = int(limit_text)
+            if limit >= 1 << 60:  # v1 "unlimited"
+                continue
+            return max(0, limit - usage)
+    return None
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 1 << 34
+
+
+def ring_budget_bytes() -> int:
+    """Total ring bytes one worker may hold: 25 % of available memory."""
+    free = _mem_available_bytes()
+    cgroup = _cgroup_free_bytes()
+    if cgroup is not None:
+        free = min(free, cgroup)
+    return free // 4
+
+
+class _Connection:
+    """One client's ring and the producer thread feeding it."""
+
+    def __init__(self, server: ShmTransferServer, sock: socket.socket) -> None:
+        self._server = server
+        self._sock = sock
+        self.ring: Any = None
+        self.ring_bytes = 0
+        self.thread = threading.Thread(target=self._run, name="ds-shm-producer", daemon=True)
+
+    def _reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
+        data = json.dumps(message).encode()
+        if fds:
+            socket.send_fds(self._sock, [data], fds)
+        else:
+            self._sock.send(data)
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except errors.UnavailableError as err:
+            log.debug("shm consumer gone: %s", err)
+        except Exception:
+            log.exception("shm producer failed")
+        finally:
+            self.close()
+
+    def _serve(self) -> None:
+        server = self._server
+        self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+        creds = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        peer_pid, peer_uid, _ = struct.unpack("3i", creds)
+        hello = json.loads(self._sock.recv(4096) or b"{}")
+        if hello.get("v") != LAYOUT_VERSION:
+            self._reply({"ok": False, "error": f"layout version {hello.get('v')!r} unsupported"})
+            return
+        if peer_uid not in (os.getuid(), 0):
+            self._reply({"ok": False, "error": "the client runs as another user"})
+            return
+        task_id = int(hello["task_id"])
+        runner = server.worker.task_runner(task_id)
+        deadline = time.monotonic() + _TASK_WAIT_S
+        while runner is None and time.monotonic() < deadline and not server.stopping:
+            time.sleep(0.01)
+            runner = server.worker.task_runner(task_id)
+        if runner is None:
+            self._reply({"ok": False, "error": f"worker does not run task {task_id}"})
+            return
+        try:
+            self.ring, self.ring_bytes = server.create_ring()
+        except Exception as err:
+            self._reply({"ok": False, "error": str(err)})
+            return
+        self._reply(
+            {
+                "ok": True,
+                "capacity_bytes": self.ring.capacity_bytes,
+                "nonce": self.ring.nonce.hex(),
+                "pid": os.getpid(),
+            },
+            [self.ring.fileno()],
+        )
+        self.ring.set_peer(self._sock.fileno(), peer_pid)
+        self._produce(runner)
+
+    def _recv_grants(self, block_s: float) -> int | None:
+        """Credits granted since the last call; None once the client is gone."""
+        total = 0
+        self._sock.settimeout(block_s if block_s > 0 else 0.0)
+        while True:
+            try:
+                data = self._sock.recv(64)
+            except (BlockingIOError, TimeoutError, InterruptedError):
+                return total
+            except OSError:
+                return None
+            if not data:
+                return None
+            if len(data) == _GRANT.size and data[:1] == b"G":
+                total += _GRANT.unpack(data)[1]
+            self._sock.settimeout(0.0)
+
+    def _produce(self, runner: Any) -> None:
+        server = self._server
+        credit = 0
+        max_bytes = max(1, self.ring.max_frame_bytes)
+        while not server.stopping:
+            granted = self._recv_grants(0.0 if credit else 0.05)
+            if granted is None:
+                return
+            credit += granted
+            if credit <= 0:
+                continue
+            elements, end, error = runner.get_elements_raw(min(credit, 1024), max_bytes, 0.05)
+            put = 0
+            while put < len(elements):
+                try:
+                    put += self.ring.put_many(elements[put:], _PUT_SLICE_MS)
+                except errors.ElementTooLargeError as err:
+                    self.ring.put_error(type(err).__name__, str(err), None)
+                    return
+                if server.stopping:
+                    return
+            credit -= len(elements)
+            if error is not None:
+                self.ring.put_error(error[0], error[1], None)
+                return
+            if end:
+                self.ring.put_end(None)
+                return
+
+    def close(self) -> None:
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
+            self._server.release_ring(self.ring_bytes)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        self._server.forget(self)
+
+
+class ShmTransferServer(base.TransferServer):
+    """A worker's "shm" endpoint: accepts connections and feeds rings. Thread-safe."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.stopping = False
+        config = getattr(worker, "_config", None)
+        requested = getattr(config, "shm_ring_bytes", None) or DEFAULT_RING_BYTES
+        self._ring_bytes = max(64 << 10, min(_pow2_floor(requested), 4 << 30))
+        self._mu = threading.Lock()
+        self._ring_total = 0  # guarded by self._mu
+        self._budget = ring_budget_bytes()
+        self._connections: set[_Connection] = set()  # guarded by self._mu
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.name = shm_socket_name(worker.address)
+        try:
+            self._listener.bind(self.name)
+        except OSError:
+            self._listener.close()
+            raise
+        self._listener.listen(64)
+        self._listener.settimeout(0.2)
+        self._thread = threading.Thread(target=self._accept_loop, name="ds-shm-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self.stopping:
+            try:
+                sock, _ = self._listener.accept()
+            except (TimeoutError, InterruptedError):
+                continue
+            except OSError:
+                if self.stopping:
+                    return
+                time.sleep(0.05)
+                continue
+            conn = _Connection(self, sock)
+            with self._mu:
+                self._connections.add(conn)
+            conn.thread.start()
+
+    def create_ring(self) -> tuple[Any, int]:
+        """A new producer ring within the memory budget (halved down to 8 MiB).
+
+        Raises:
+            ResourceExhaustedError: Even the smallest ring does not fit.
+        """
+        size = self._ring_bytes
+        floor = min(MIN_RING_BYTES, size)
+        with self._mu:
+            while size > floor and self._ring_total + size > self._budget:
+                size //= 2
+            if self._ring_total + size > self._budget:
+                raise errors.ResourceExhaustedError(
+                    f"shared-memory ring budget exhausted: {self._ring_total} of "
+                    f"{self._budget} bytes in use, {size} more requested"
+                )
+            self._ring_total += size
+        while True:
+            try:
+                return _core.ShmRingProducer(size), size
+            except errors.ResourceExhaustedError:
+                if size // 2 < floor:
+                    self.release_ring(size)
+                    raise
+                with self._mu:
+                    self._ring_total -= size // 2
+                size //= 2
+
+    def release_ring(self, size: int) -> None:
+        with self._mu:
+            self._ring_total -= size
+
+    def forget(self, conn: _Connection) -> None:
+        with self._mu:
+            self._connections.discard(conn)
+
+    def ring_bytes_in_use(self) -> int:
+        with self._mu:
+            return self._ring_total
+
+    def stop(self) -> None:
+        self.stopping = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        self._thread.join(timeout=2)
+        with self._mu:
+            conns = list(self._connections)
+        for conn in conns:
+            conn.thread.join(timeout=2)
+
+
+class ShmTransferClient(base.TransferClient):
+    """Reads one task's elements from a worker's ring; one caller thread at a time.
+
+    Raises:
+        TransferUnavailable: No worker socket on this host, or the handshake or
+            ring mapping failed (the caller may fall back to gRPC).
+    """
+
+    protocol = PROTOCOL
+
+    def __init__(
+        self,
+        endpoint: base.TaskEndpoint,
+        auth_token: str | None = None,
+        zero_copy: bool | None = None,
+    ) -> None:
+        self._endpoint = endpoint
+        if zero_copy is None:
+            zero_copy = os.environ.get(ZERO_COPY_ENV, "1") not in ("0", "false", "False")
+        self._granted = 0
+        self._received = 0
+        self._ring: Any = None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+            try:
+                sock.connect(shm_socket_name(endpoint.worker_address))
+            except OSError as err:
+                raise base.TransferUnavailable(
+                    f"no shared-memory endpoint for worker {endpoint.worker_address}: {err}"
+                ) from err
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            peer_pid, peer_uid, _ = struct.unpack("3i", creds)
+            if peer_uid not in (os.getuid(), 0):
+                raise base.TransferUnavailable("the worker runs as another user")
+            hello = {"v": LAYOUT_VERSION, "task_id": endpoint.task_id, "pid": os.getpid()}
+            sock.send(json.dumps(hello).encode())
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            except OSError as err:
+                raise base.TransferUnavailable(f"shared-memory handshake failed: {err}") from err
+            try:
+                reply = json.loads(data or b"{}")
+                if not reply.get("ok") or len(fds) != 1:
+                    raise base.TransferUnavailable(
+                        f"worker {endpoint.worker_address} refused a shared-memory ring: "
+                        f"{reply.get('error', 'connection closed')}"
+                    )
+                try:
+                    self._ring = _core.ShmRingConsumer(
+                        fds[0],
+                        control_fd=sock.fileno(),
+                        pid=peer_pid,
+                        nonce=bytes.fromhex(reply["nonce"]),
+                        zero_copy=zero_copy,
+                    )
+                except (errors.DataServiceError, OSError, ValueError) as err:
+                    raise base.TransferUnavailable(f"cannot map the ring: {err}") from err
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def get_elements(
+        self,
+        max_elements: int,
+        max_bytes: int,
+        timeout_s: float,
+        consumer_index: int = -1,
+        round_index: int = -1,
+    ) -> base.ElementsResult:
+        ring = self._ring
+        if ring is None:
+            raise errors.CancelledError("shm transfer client is closed")
+        outstanding = self._granted - self._received
+        if outstanding < max_elements:
+            want = max_elements - outstanding
+            try:
+                self._sock.send(_GRANT.pack(b"G", want))
+            except OSError:
+                pass  # the worker is gone: get_many drains, then raises UnavailableError
+            self._granted += want
+        elements, nbytes, end, error = ring.get_many(max_elements, int(timeout_s * 1000))
+        self._received += len(elements)
+        if error is not None:
+            raise errors.remote_error(error[0], error[1], self._endpoint.worker_address)
+        return base.ElementsResult(elements, nbytes, end)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._ring.stats()) if self._ring is not None else {}
+
+    def close(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+base.register_protocol(PROTOCOL, ShmTransferClient)
+base.register_server(PROTOCOL, ShmTransferServer)

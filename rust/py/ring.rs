@@ -265,10 +265,11 @@ impl ProducerState {
             let mut prefix = header.to_bytes().to_vec();
             prefix.extend_from_slice(&total.to_le_bytes());
             prefix.extend_from_slice(&off.to_le_bytes());
+            prefix.extend_from_slice(&n.to_le_bytes());
             let dst = SendPtr(self.ring.slot_ptr(slot));
             py.detach(move || {
                 let dst = dst;
-                // SAFETY: [slot, slot+len) is reserved for us; the prefix (48 B) and n bytes
+                // SAFETY: [slot, slot+len) is reserved for us; the prefix (56 B) and n bytes
                 // of the plan fit in len by construction.
                 unsafe {
                     std::ptr::copy_nonoverlapping(prefix.as_ptr(), dst.0, prefix.len());
@@ -954,8 +955,8 @@ impl ConsumerState {
         let mut r = frame::Reader::new(bytes, frame::HEADER_BYTES);
         let total = r.u64()?;
         let off = r.u64()?;
-        let data_len = (header.total_bytes as usize).saturating_sub(frame::CHUNK_PREFIX_BYTES);
-        let n = data_len.min((total.saturating_sub(off)) as usize);
+        let n = r.u64()? as usize;
+        // Bounded by the frame (Reader::bytes checks), so a garbage length is an error.
         let data = r.bytes(n)?;
         if header.flags & frame::CHUNK_FIRST != 0 {
             if self.chunks.is_some() || off != 0 {
@@ -1241,6 +1242,13 @@ impl PyRingConsumer {
             d.set_item("leased", s.leased)?;
             d.set_item("detaches", s.detaches)?;
             d.set_item("pinned_bytes", b - a)?;
+            let h = s.mapping.header();
+            d.set_item(
+                "empty_waits",
+                h.consumer_counters
+                    .waits
+                    .load(crate::sync::Ordering::Relaxed),
+            )?;
         }
         Ok(d)
     }

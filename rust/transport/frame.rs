@@ -9,8 +9,8 @@
 //!   bytes, and such a frame starts on a 4096-B slot, so leased views are page-aligned).
 //! - SPEC: header, then the element structure in the binary form of [`Spec::encode`].
 //! - END: header only. ERROR: header, then `str type_name`, `str message`.
-//! - CHUNK: header, `u64 total_bytes` of the whole (virtual) DATA frame, `u64 offset`, then
-//!   bytes of it; flags bit 0 = first, bit 1 = last. An element bigger than the ring's
+//! - CHUNK: header, `u64 total_bytes` of the whole (virtual) DATA frame, `u64 offset`, `u64
+//!   len`, then `len` bytes of it; flags bit 0 = first, bit 1 = last. An element bigger than the ring's
 //!   max frame travels as consecutive CHUNK frames and is rebuilt in private memory.
 //!
 //! Everything read back is untrusted: every length and offset is checked with checked
@@ -26,7 +26,7 @@ pub const KIND_ERROR: u32 = 5;
 pub const KIND_CHUNK: u32 = 6;
 
 pub const HEADER_BYTES: usize = 32;
-pub const CHUNK_PREFIX_BYTES: usize = HEADER_BYTES + 16;
+pub const CHUNK_PREFIX_BYTES: usize = HEADER_BYTES + 24;
 pub const CHUNK_FIRST: u32 = 1;
 pub const CHUNK_LAST: u32 = 2;
 /// Payloads of at least this many bytes start 4096-aligned (they may be leased).

@@ -358,6 +358,7 @@ class ShmTransferClient(base.TransferClient):
             zero_copy = os.environ.get(ZERO_COPY_ENV, "1") not in ("0", "false", "False")
         self._granted = 0
         self._received = 0
+        self._window = 0
         self._ring: Any = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -415,9 +416,13 @@ class ShmTransferClient(base.TransferClient):
         ring = self._ring
         if ring is None:
             raise errors.CancelledError("shm transfer client is closed")
+        # Keep up to the largest request seen so far granted (the reader's fetch size,
+        # which grows with consumption): tiny requests then still find elements
+        # waiting, and the worker never runs further ahead than the reader allows.
+        self._window = max(self._window, max_elements)
         outstanding = self._granted - self._received
-        if outstanding < max_elements:
-            want = max_elements - outstanding
+        if outstanding < max(max_elements, self._window // 2):
+            want = self._window - outstanding
             try:
                 self._sock.send(_GRANT.pack(b"G", want))
             except OSError:

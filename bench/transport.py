@@ -1,0 +1,285 @@
+"""Transport benchmark (not a test): the shared-memory ring alone, the whole
+service through LocalCluster with shm and with gRPC, PyTorch's DataLoader (if
+torch is importable), and single-core memcpy, on four workloads:
+
+    scalars  200k int64 scalars (range)
+    images   3,000 uint8[224, 224, 3] (150 KB) built by a cheap map
+    batches  200 uint8[64, 224, 224, 3] (9.6 MB)
+    cpu_map  2,000 elements of a ~2 ms CPU-bound map, 1 vs 2 workers
+
+Usage:
+    python bench/transport.py [--quick] [--json out.json] [--only ring,shm,grpc,torch,memcpy]
+
+Prints a table (elements/s and MB/s per workload and path) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import numpy as np
+
+WORKLOADS = {
+    "scalars": dict(n=200_000, shape=None, nbytes=8),
+    "images": dict(n=3_000, shape=(224, 224, 3), nbytes=224 * 224 * 3),
+    "batches": dict(n=200, shape=(64, 224, 224, 3), nbytes=64 * 224 * 224 * 3),
+}
+
+_RING_CONSUMER = textwrap.dedent(
+    """
+    import sys, time
+    from dataservice import _core
+    fd, ctl, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    c = _core.ShmRingConsumer(fd, control_fd=ctl)
+    got = 0
+    t0 = None
+    while True:
+        els, nbytes, end, err = c.get_many(64, 10_000)
+        if t0 is None and els:
+            t0 = time.perf_counter()
+        got += len(els)
+        els = None  # a training loop holds one element at a time
+        if end:
+            break
+    dt = time.perf_counter() - t0
+    print(got, dt, flush=True)
+    print(c.stats(), file=sys.stderr)
+    """
+)
+
+
+def _source(name: str, n: int) -> Any:
+    spec = WORKLOADS[name]
+    if spec["shape"] is None:
+        return (np.int64(i) for i in range(n))
+    proto = np.zeros(spec["shape"], np.uint8)
+
+    def gen() -> Any:
+        for i in range(n):
+            a = proto.copy() if spec["nbytes"] < (1 << 20) else np.empty_like(proto)
+            a.flat[0] = i % 256
+            yield a
+
+    return gen()
+
+
+def bench_ring(name: str, n: int) -> dict[str, float]:
+    """Python -> ring -> Python across two processes (producer here)."""
+    from dataservice import _core
+
+    spec = WORKLOADS[name]
+    ring = _core.ShmRingProducer(64 << 20)
+    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RING_CONSUMER, str(ring.fileno()), str(there.fileno()), str(n)],
+        pass_fds=[ring.fileno(), there.fileno()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    there.close()
+    ring.set_peer(here.fileno(), child.pid)
+    # Pre-build the elements for arrays (the producer cost measured is the ring's).
+    elements = list(_source(name, min(n, 64)))
+    t0 = time.perf_counter()
+    batch = 256 if spec["shape"] is None else 16
+    i = 0
+    if spec["shape"] is None:
+        src = [np.int64(k) for k in range(n)]
+        while i < n:
+            i += ring.put_many(src[i : i + batch], 10_000)
+    else:
+        while i < n:
+            chunk = [elements[(i + k) % len(elements)] for k in range(min(batch, n - i))]
+            i += ring.put_many(chunk, 10_000)
+    ring.put_end(10_000)
+    out, _ = child.communicate(timeout=600)
+    wall = time.perf_counter() - t0
+    got, dt = out.split()
+    assert int(got) == n, (got, n)
+    here.close()
+    ring.close()
+    secs = max(float(dt), 1e-9)
+    _ = wall
+    return {"elements_per_s": n / secs, "mb_per_s": n * spec["nbytes"] / secs / 1e6}
+
+
+def _dataset(name: str, n: int) -> Any:
+    import dataservice as ds
+
+    spec = WORKLOADS[name]
+    if spec["shape"] is None:
+        return ds.Dataset.range(n)
+    shape = spec["shape"]
+    if spec["nbytes"] < (1 << 20):
+        proto = np.zeros(shape, np.uint8)
+        return ds.Dataset.range(n).map(lambda x: np.full_like(proto, x % 256))
+    return ds.Dataset.range(n).map(lambda x: np.empty(shape, np.uint8))
+
+
+def bench_service(name: str, n: int, protocol: str, cluster: Any) -> dict[str, float]:
+    import dataservice as ds
+
+    spec = WORKLOADS[name]
+    dataset = _dataset(name, n).apply(
+        ds.distribute(ds.ShardingPolicy.OFF, cluster.target, data_transfer_protocol=protocol)
+    )
+    it = iter(dataset)
+    first = next(it)
+    t0 = time.perf_counter()
+    count = 1
+    for _ in it:
+        count += 1
+    dt = time.perf_counter() - t0
+    used = {w["transfer_protocol"] for w in it.stats()["workers"].values()}
+    assert count == n, (count, n)
+    _ = first
+    return {
+        "elements_per_s": (count - 1) / dt,
+        "mb_per_s": (count - 1) * spec["nbytes"] / dt / 1e6,
+        "protocol": ",".join(sorted(used)),
+    }
+
+
+def bench_cpu_map(cluster_workers: int, protocol: str | None, n: int = 2000) -> float:
+    import dataservice as ds
+
+    def burn(x: Any) -> Any:
+        t = time.process_time() + 0.002
+        while time.process_time() < t:
+            pass
+        return x
+
+    with ds.LocalCluster(num_workers=cluster_workers) as cluster:
+        dataset = (
+            ds.Dataset.range(n)
+            .map(burn)
+            .apply(
+                ds.distribute(
+                    ds.ShardingPolicy.DYNAMIC, cluster.target, data_transfer_protocol=protocol
+                )
+            )
+        )
+        t0 = time.perf_counter()
+        count = sum(1 for _ in dataset)
+        dt = time.perf_counter() - t0
+    assert count == n
+    return n / dt
+
+
+def bench_torch(name: str, n: int, num_workers: int) -> dict[str, float] | None:
+    try:
+        import torch  # noqa: F401
+        from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+    except ImportError:
+        return None
+    spec = WORKLOADS[name]
+
+    class Source(IterableDataset):  # type: ignore[type-arg,misc]
+        def __iter__(self) -> Any:
+            info = get_worker_info()
+            wid, nw = (info.id, info.num_workers) if info else (0, 1)
+            for i in range(wid, n, nw):
+                if spec["shape"] is None:
+                    yield np.int64(i)
+                else:
+                    yield np.full(spec["shape"], i % 256, np.uint8)
+
+    loader = DataLoader(Source(), batch_size=None, num_workers=num_workers)
+    t0 = time.perf_counter()
+    count = sum(1 for _ in loader)
+    dt = time.perf_counter() - t0
+    assert count == n
+    return {"elements_per_s": n / dt, "mb_per_s": n * spec["nbytes"] / dt / 1e6}
+
+
+def bench_memcpy(name: str) -> dict[str, float]:
+    spec = WORKLOADS[name]
+    nbytes = spec["nbytes"]
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    reps = max(3, int(2e9 // max(nbytes, 1)) if nbytes > 64 else 100_000)
+    reps = min(reps, 2000)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(dst, src)
+    dt = time.perf_counter() - t0
+    return {"elements_per_s": reps / dt, "mb_per_s": reps * nbytes / dt / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tenth of each workload")
+    parser.add_argument("--json", default="bench-transport.json")
+    parser.add_argument("--only", default="ring,shm,grpc,torch,memcpy,cpu_map")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    scale = 0.1 if args.quick else 1.0
+    results: dict[str, dict[str, Any]] = {}
+    cluster = None
+    if only & {"shm", "grpc"}:
+        import dataservice as ds
+
+        cluster = ds.LocalCluster(num_workers=1)
+    try:
+        for name, spec in WORKLOADS.items():
+            n = max(10, int(spec["n"] * scale))
+            row: dict[str, Any] = {"n": n}
+            if "ring" in only:
+                row["ring"] = bench_ring(name, n)
+            for protocol in ("shm", "grpc"):
+                if protocol in only and cluster is not None:
+                    row[protocol] = bench_service(name, n, protocol, cluster)
+            if "torch" in only:
+                for nw in (1, 2):
+                    r = bench_torch(name, n, nw)
+                    if r is not None:
+                        row[f"torch{nw}"] = r
+            if "memcpy" in only:
+                row["memcpy"] = bench_memcpy(name)
+            results[name] = row
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    finally:
+        if cluster is not None:
+            cluster.__exit__(None, None, None)
+    if "cpu_map" in only:
+        n = max(100, int(2000 * scale))
+        one = bench_cpu_map(1, None, n)
+        two = bench_cpu_map(2, None, n)
+        results["cpu_map"] = {"n": n, "1_worker": one, "2_workers": two, "speedup": two / one}
+
+    cols = ["ring", "shm", "grpc", "torch1", "torch2", "memcpy"]
+    print(f"{'workload':<9} " + " ".join(f"{c:>18}" for c in cols))
+    for name in WORKLOADS:
+        row = results.get(name, {})
+        cells = []
+        for c in cols:
+            r = row.get(c)
+            if r is None:
+                cells.append(f"{'-':>18}")
+            elif name == "scalars":
+                cells.append(f"{r['elements_per_s'] / 1e3:>14.1f}k/s")
+            else:
+                cells.append(f"{r['mb_per_s']:>13.0f} MB/s")
+        print(f"{name:<9} " + " ".join(cells))
+    if "cpu_map" in results:
+        r = results["cpu_map"]
+        print(
+            f"cpu_map   1 worker {r['1_worker']:.0f}/s, 2 workers {r['2_workers']:.0f}/s "
+            f"({r['speedup']:.2f}x)"
+        )
+    with open(args.json, "w") as f:
+        json.dump({"machine": os.uname().nodename, "cpus": os.cpu_count(), **results}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -396,11 +396,13 @@ impl Encoder {
             return self.pickle_leaf(obj, flat);
         }
         let mut arr = obj.clone();
+        let mut info = info;
         if !info.native {
             let native = obj
                 .getattr(intern!(py, "dtype"))?
                 .call_method1(intern!(py, "newbyteorder"), ("=",))?;
             arr = obj.call_method1(intern!(py, "astype"), (native,))?;
+            info = self.dtype_info(&arr.getattr(intern!(py, "dtype"))?)?;
         }
         let held = match HeldBuffer::get(&arr, ffi::PyBUF_C_CONTIGUOUS) {
             Some(h) => h,

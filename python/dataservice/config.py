@@ -119,7 +119,8 @@ class WorkerConfig:
         dispatcher_address: "host:port" (or "grpc://host:port") of the dispatcher.
         worker_address: The address advertised to the dispatcher and clients,
             exactly as given ("%port%" is replaced by the bound port). Default
-            "127.0.0.1:%port%" (or "<host>:%port%" when `host` is set).
+            "localhost:%port%" as tf.data service (or "<host>:%port%" when `host`
+            is set to another interface; the host's FQDN for "0.0.0.0").
         port: TCP port to bind; 0 picks a free one.
         protocol: "grpc".
         heartbeat_interval_ms: Time between heartbeats to the dispatcher (ms).

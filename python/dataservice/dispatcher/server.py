@@ -27,7 +27,7 @@ from dataservice.dispatcher.journal import Journal
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
 from dataservice.rpc import util as rpc_util
-from dataservice.sharding import ShardingPolicy
+from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, worker_index_in
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class _Worker:
     uid: str
     last_heartbeat: float
     heartbeat_interval_s: float
+    index: int  # position in DispatcherConfig.worker_addresses, -1 without a list
 
 
 class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
@@ -254,7 +255,9 @@ class DispatchServer:
 
     def _create_task_locked(self, iteration: st.Iteration, worker: _Worker) -> None:
         task_id = st.TaskId(self._state.next_task_id)
-        self._apply_locked(st.CreateTask(task_id, iteration.iteration_id, worker.address, -1))
+        self._apply_locked(
+            st.CreateTask(task_id, iteration.iteration_id, worker.address, worker.index)
+        )
 
     def _assign_tasks_to_worker_locked(self, worker: _Worker) -> None:
         """Gives a (re)registered worker a task in every unfinished iteration it serves."""
@@ -295,6 +298,15 @@ class DispatchServer:
         with self._mu:
             address = request.worker_address
             worker = self._workers.get(address)
+            index = -1
+            if self._config.worker_addresses is not None:
+                index = worker_index_in(address, self._config.worker_addresses)
+                if index < 0:
+                    raise errors.InvalidArgumentError(
+                        f"worker {address} is not in the dispatcher's fixed worker list "
+                        f"(worker_addresses={self._config.worker_addresses}); a dispatcher "
+                        "with a worker list only accepts those workers"
+                    )
             if worker is None or worker.uid != request.worker_uid:
                 if worker is None:
                     log.info("worker %s registered", address)
@@ -307,6 +319,7 @@ class DispatchServer:
                     request.worker_uid,
                     now,
                     request.heartbeat_interval_ms / 1000,
+                    index,
                 )
                 self._workers[address] = worker
                 self._assign_tasks_to_worker_locked(worker)
@@ -333,7 +346,7 @@ class DispatchServer:
                     repetition=iteration.repetition,
                     num_consumers=job.num_consumers,
                     worker_index=task.worker_index,
-                    num_workers=0,
+                    num_workers=len(self._config.worker_addresses or ()),
                     job_name=job.job_name,
                 )
             response.tasks_to_delete.extend(sorted(current - assigned_ids))
@@ -412,10 +425,11 @@ class DispatchServer:
             self._check_incarnation_locked(request.incarnation_id)
             if request.dataset_id not in self._state.datasets:
                 raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
-            if mode not in (ShardingPolicy.OFF, ShardingPolicy.DYNAMIC):
-                raise errors.UnimplementedError(
-                    f"processing mode {ShardingPolicy(mode).name} is not implemented yet; "
-                    "use OFF or DYNAMIC"
+            if mode in STATIC_POLICIES and not self._config.worker_addresses:
+                raise errors.InvalidArgumentError(
+                    f"static sharding ({ShardingPolicy(mode).name}) needs a fixed worker list: "
+                    "set DispatcherConfig.worker_addresses (a worker's index is its position "
+                    f"in it); got {self._config.worker_addresses!r}"
                 )
             if request.num_consumers:
                 if request.target_workers == "LOCAL":

@@ -27,7 +27,7 @@ from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
 from dataservice.rpc import util as rpc_util
-from dataservice.sharding import ShardingPolicy
+from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, apply_static_sharding
 from dataservice.transfer import base as transfer
 from dataservice.worker.task_runner import TaskRunner
 
@@ -185,12 +185,14 @@ class WorkerServer:
             raise errors.UnavailableError(f"worker cannot bind {bind}")
         if self._config.worker_address:
             self._address = self._config.worker_address.replace("%port%", str(port))
-        else:
+        else:  # as tf.data service: "localhost:<port>" for a loopback-bound worker
             host = self._config.host
             if host in ("0.0.0.0", "::", ""):
                 import socket
 
                 host = socket.getfqdn()
+            elif host in ("127.0.0.1", "::1"):
+                host = "localhost"
             self._address = f"{host}:{port}"
         self._uid = uuid.uuid4().hex
         server.start()
@@ -275,6 +277,19 @@ class WorkerServer:
                 self._wake.clear()
             except grpc.RpcError as err:
                 timeout_ms = self._config.dispatcher_timeout_ms_or_default
+                if err.code() not in rpc_util.RETRYABLE and not registered:  # type: ignore[attr-defined]
+                    # Refused (e.g. not in the dispatcher's worker list): no point retrying.
+                    self._registration_error = rpc_util.to_error(
+                        err, self._dispatcher_address, "worker registration"
+                    )
+                    log.error(
+                        "worker %s: the dispatcher at %s refused it: %s",
+                        self._address,
+                        self._dispatcher_address,
+                        self._registration_error,
+                    )
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    return
                 if not registered and time.monotonic() - first_try > timeout_ms / 1000:
                     self._registration_error = errors.UnavailableError(
                         f"worker {self._address} could not register with the dispatcher at "
@@ -344,7 +359,12 @@ class WorkerServer:
             from dataservice.data.dataset import IterContext
 
             dataset = self._dataset(task.dataset_id)
-            if task.processing_mode == ShardingPolicy.DYNAMIC:
+            policy = ShardingPolicy(task.processing_mode)
+            if policy in STATIC_POLICIES:
+                dataset = apply_static_sharding(
+                    dataset, policy, task.num_workers, task.worker_index
+                )
+            if policy == ShardingPolicy.DYNAMIC:
                 return dataset._make_iterator(IterContext(split_source=_SplitFetcher(self, task)))
             return iter(dataset)
 

@@ -1,0 +1,25 @@
+"""The README's usage example runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.mark.timeout(120)
+def test_readme_usage_example_runs(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert blocks, "README.md has no python example"
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    for worker in namespace["workers"]:
+        worker.stop()
+    namespace["dispatcher"].stop()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    # DYNAMIC: each of the 1000 elements once per epoch (each worker batches its share)
+    assert [line.split()[:2] for line in lines] == [["0", "1000"], ["1", "1000"]]

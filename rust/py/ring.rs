@@ -115,7 +115,6 @@ fn closed(what: &str) -> PyErr {
 
 struct ProducerState {
     ring: Producer,
-    mapping: Arc<Mapping>,
     encoder: Encoder,
     spec: Option<Spec>,
     spec_id: u32,
@@ -317,10 +316,9 @@ impl PyRingProducer {
             fd: mapping.fd().as_raw_fd(),
             capacity: capacity_bytes,
             nonce,
-            _mapping: mapping.clone(),
+            _mapping: mapping,
             state: Mutex::new(Some(ProducerState {
                 ring,
-                mapping,
                 encoder: Encoder::default(),
                 spec: None,
                 spec_id: 0,
@@ -493,20 +491,23 @@ impl PyRingProducer {
     }
 
     /// Counters: elements, bytes published, waits for space, consumer detaches, and
-    /// `buffered_bytes` (published but not yet freed by the consumer).
+    /// `buffered_bytes` (published but not yet freed by the consumer). Any thread: it
+    /// reads only the shared header.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let g = lock(&self.state, "ring producer")?;
+        use crate::sync::Ordering::Relaxed;
         let d = PyDict::new(py);
-        if let Some(s) = g.as_ref() {
-            let h = s.mapping.header();
-            use crate::sync::Ordering::Relaxed;
-            let write = h.producer.write_pos.load(Relaxed);
-            let read = h.consumer.read_pos.load(Relaxed);
-            d.set_item("elements", s.elements)?;
-            d.set_item("bytes", h.producer_counters.bytes.load(Relaxed))?;
-            d.set_item("full_waits", h.producer_counters.waits.load(Relaxed))?;
-            d.set_item("detaches", h.consumer_counters.detaches.load(Relaxed))?;
-            d.set_item("buffered_bytes", write.saturating_sub(read))?;
+        let h = self._mapping.header();
+        let write = h.producer.write_pos.load(Relaxed);
+        let read = h.consumer.read_pos.load(Relaxed);
+        d.set_item("frames_bytes", h.producer_counters.bytes.load(Relaxed))?;
+        d.set_item("bytes", h.producer_counters.bytes.load(Relaxed))?;
+        d.set_item("full_waits", h.producer_counters.waits.load(Relaxed))?;
+        d.set_item("detaches", h.consumer_counters.detaches.load(Relaxed))?;
+        d.set_item("buffered_bytes", write.saturating_sub(read))?;
+        if let Ok(g) = self.state.try_lock() {
+            if let Some(s) = g.as_ref() {
+                d.set_item("elements", s.elements)?;
+            }
         }
         Ok(d)
     }

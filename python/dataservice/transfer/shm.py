@@ -27,6 +27,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from typing import Any
 
 from dataservice import _core, errors
@@ -243,6 +244,14 @@ class _Connection:
         self._server.forget(self)
 
 
+_live_servers: weakref.WeakSet[ShmTransferServer] = weakref.WeakSet()
+
+
+def live_servers() -> list[ShmTransferServer]:
+    """The "shm" servers of this process's running workers (for tests and stats)."""
+    return list(_live_servers)
+
+
 class ShmTransferServer(base.TransferServer):
     """A worker's "shm" endpoint: accepts connections and feeds rings. Thread-safe."""
 
@@ -267,6 +276,7 @@ class ShmTransferServer(base.TransferServer):
         self._listener.settimeout(0.2)
         self._thread = threading.Thread(target=self._accept_loop, name="ds-shm-accept", daemon=True)
         self._thread.start()
+        _live_servers.add(self)
 
     def _accept_loop(self) -> None:
         while not self.stopping:
@@ -324,8 +334,15 @@ class ShmTransferServer(base.TransferServer):
         with self._mu:
             return self._ring_total
 
+    def ring_stats(self) -> list[dict[str, int]]:
+        """Counters of each live ring (`buffered_bytes`: published, not yet freed)."""
+        with self._mu:
+            rings = [c.ring for c in self._connections if c.ring is not None]
+        return [dict(r.stats()) for r in rings]
+
     def stop(self) -> None:
         self.stopping = True
+        _live_servers.discard(self)
         try:
             self._listener.close()
         except OSError:

@@ -67,7 +67,8 @@ def _element(rng: np.random.Generator, seq: int) -> dict:
     payload = rng.integers(0, 256, size=size, dtype=np.uint8)
     if seq % 7 == 3:
         payload = payload[::2]  # non-contiguous: made contiguous on the way
-    return {"seq": np.int64(seq), "crc": np.uint32(_core.crc32c(payload.tobytes())), "payload": payload}
+    crc = np.uint32(_core.crc32c(payload.tobytes()))
+    return {"seq": np.int64(seq), "crc": crc, "payload": payload}
 
 
 def _stress(seconds: float, ring_bytes: int, hold_bytes: int) -> dict:
@@ -331,7 +332,7 @@ def _under_small_dev_shm(n_elements: int, workers: int, ring_bytes: int) -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     cmd = (
         "mount -t tmpfs -o size=64m tmpfs /dev/shm && "
-        f"{sys.executable} -c \"$SCRIPT\" {n_elements} {workers} {ring_bytes}"
+        f'{sys.executable} -c "$SCRIPT" {n_elements} {workers} {ring_bytes}'
     )
     out = subprocess.run(
         ["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, timeout=170,

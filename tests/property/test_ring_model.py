@@ -69,9 +69,7 @@ def same(a, b):
     if isinstance(a, np.generic):
         return type(a) is type(b) and (a == b or (a != a and b != b))
     if isinstance(a, (tuple, list)):
-        return (
-            type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
-        )
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
     if isinstance(a, dict):
         return sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b

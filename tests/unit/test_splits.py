@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import pickle
 
@@ -15,6 +16,7 @@ from dataservice.data.splits import (
     RepeatSplitProvider,
     SplitProvider,
 )
+from dataservice.errors import InvalidArgumentError
 
 
 class ListSplits:
@@ -180,13 +182,15 @@ def test_from_generator_has_no_split_provider():
     assert "split" in msg and "`from_generator`" in msg and "OFF" in msg
 
 
-def test_zip_and_concatenate_have_no_split_provider():
+def test_single_provider_api_refuses_several_sources():
     for ds, op in [
         (Dataset.zip(Dataset.range(2), Dataset.range(3)), "zip"),
         (Dataset.range(2).concatenate(Dataset.range(3)), "concatenate"),
     ]:
-        with pytest.raises(ValueError, match=f"split.*`{op}`"):
+        with pytest.raises(ValueError, match=f"split.*`{op}`.*2 splittable sources"):
             ds.map(lambda *x: x)._split_provider(None)
+    # zip of one dataset has one source.
+    assert drain(Dataset.zip((Dataset.range(3),))._split_provider(None)) == [0, 1, 2]
 
 
 class FakeDistributed(Dataset):
@@ -293,3 +297,238 @@ def test_split_source_is_pulled_lazily():
     it = Dataset.range(1000)._make_iterator(IterContext(source))
     assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
     assert source.calls == 3
+
+
+# ---------------------------------------------------------------------------- several sources
+
+
+class SharedProvider:
+    """A dispatcher-side provider shared by simulated workers, as their split source;
+    records every split it hands out."""
+
+    def __init__(self, provider):
+        self._provider = provider
+        self.handed_out = []
+
+    def get_next(self):
+        split = self._provider.get_next()
+        if split is not None:
+            self.handed_out.append(split)
+        return split
+
+
+def worker_iterators(ds, num_workers, seed=0):
+    """`num_workers` iterators over `ds`, as on workers sharing one set of providers."""
+    shared = tuple(SharedProvider(p) for p in ds._split_providers(seed))
+    its = [ds._make_iterator(IterContext(split_sources=shared)) for _ in range(num_workers)]
+    return its, shared
+
+
+def pull_alternately(iterators, limit=100_000):
+    """Pulls one element from each live iterator in turn until all end (or `limit`
+    elements each); the per-worker streams."""
+    streams = [[] for _ in iterators]
+    live = list(range(len(iterators)))
+    while live and all(len(s) < limit for s in streams):
+        for w in list(live):
+            try:
+                streams[w].append(np.asarray(next(iterators[w])).tolist())
+            except StopIteration:
+                live.remove(w)
+    return streams
+
+
+def tuples(value):
+    return tuple(tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def test_split_providers_one_per_source_in_depth_first_order():
+    ds = (
+        Dataset.range(3)
+        .concatenate(Dataset.from_tensors(np.int64(7)))
+        .map(lambda x: x)
+        .concatenate(Dataset.range(5).repeat(2))
+    )
+    providers = ds._split_providers(seed=0)
+    assert [p.cardinality() for p in providers] == [3, 1, 10]
+    assert ds._num_split_sources() == 3
+    assert [drain(p) for p in providers] == [[0, 1, 2], [0], [0, 1, 2, 3, 4] * 2]
+    # zip: inputs in structure.flatten order (dict keys sorted).
+    zipped = Dataset.zip(
+        (Dataset.range(2), {"b": Dataset.range(4), "a": Dataset.from_tensor_slices(np.zeros(5))})
+    )
+    assert [p.cardinality() for p in zipped._split_providers(None)] == [2, 5, 4]
+    assert zipped._num_split_sources() == 3
+
+
+def test_split_providers_of_one_source_equal_split_provider():
+    for ds in [
+        Dataset.range(5).map(lambda x: x).repeat(2),
+        Dataset.from_tensors(1).repeat(3).batch(2),
+        Dataset.zip((Dataset.range(3),)),
+    ]:
+        (only,) = ds._split_providers(seed=4)
+        single = ds._split_provider(seed=4)
+        assert type(only) is type(single)
+        assert drain(only) == drain(single)
+        assert ds._num_split_sources() == 1
+
+
+def test_split_providers_seeds_are_seed_plus_index_and_replayable(files):
+    pattern = str(files[0].rsplit("/", 1)[0] + "/*.txt")
+    lf = Dataset.list_files(pattern)
+    ds = lf.concatenate(lf).repeat(2)
+    first, second = ds._split_providers(seed=7)
+    assert drain(first) == drain(lf.repeat(2)._split_provider(seed=7))
+    assert drain(second) == drain(lf.repeat(2)._split_provider(seed=8))
+    again = [drain(p) for p in ds._split_providers(seed=7)]
+    assert again == [drain(p) for p in ds._split_providers(seed=7)]
+    assert again[0] != again[1]  # different seeds, different orders
+    assert all(p._inner._seed is None for p in ds._split_providers(seed=None))
+
+
+def test_tfrecord_of_a_dataset_passes_splits_to_its_input(files):
+    from dataservice.data.sources import TFRecordDataset
+
+    pattern = str(files[0].rsplit("/", 1)[0] + "/*.txt")
+    ds = TFRecordDataset(["x.rec", "y.rec"]).concatenate(
+        TFRecordDataset(Dataset.list_files(pattern, shuffle=False))
+    )
+    assert ds._num_split_sources() == 2
+    assert [drain(p) for p in ds._split_providers(seed=1)] == [["x.rec", "y.rec"], sorted(files)]
+
+
+def test_num_split_sources_builds_no_provider(monkeypatch):
+    from dataservice.data import sources
+
+    def refuse(self, seed):
+        raise AssertionError("built a provider")
+
+    monkeypatch.setattr(sources.RangeDataset, "_split_provider", refuse)
+    ds = (
+        Dataset.range(3)
+        .concatenate(Dataset.range(2))
+        .repeat()
+        .flat_map(
+            lambda x: Dataset.range(x).concatenate(Dataset.range(x))  # a body: not counted
+        )
+    )
+    assert ds._num_split_sources() == 2
+    assert Dataset.zip(ds, Dataset.range(1), ds)._num_split_sources() == 5
+
+
+def test_several_sources_errors_name_the_unsplittable_op():
+    gen = Dataset.from_generator(lambda: iter([1, 2]))
+    for ds in [
+        Dataset.range(2).concatenate(gen.map(lambda x: x)),
+        Dataset.zip(Dataset.range(2), gen).repeat(2),
+    ]:
+        for build, arg in [(ds._split_providers, (0,)), (ds._num_split_sources, ())]:
+            with pytest.raises(ValueError) as e:
+                build(*arg)
+            msg = str(e.value)
+            assert "split" in msg and "`from_generator`" in msg and "OFF" in msg
+    with pytest.raises(ValueError, match="split.*`distribute`"):
+        Dataset.range(2).concatenate(FakeDistributed())._num_split_sources()
+
+
+def test_iter_context_split_source_is_a_one_tuple():
+    s, t = ListSplits([]), ListSplits([])
+    assert IterContext(s) == IterContext(split_sources=(s,))
+    assert IterContext(s).split_sources == (s,)
+    assert IterContext(split_sources=[s, t]).split_sources == (s, t)
+    assert IterContext(split_sources=(s, t)).split_source is s
+    assert IterContext(split_sources=()).split_sources is None
+    assert IterContext(split_sources=(s, t), peek=True).for_user_dataset() == IterContext(peek=True)
+    with pytest.raises(ValueError, match="split_source"):
+        IterContext(s, split_sources=(t,))
+
+
+def test_concatenate_two_workers_read_each_element_once():
+    ds = Dataset.range(3).concatenate(Dataset.range(10, 13))
+    its, shared = worker_iterators(ds, 2)
+    streams = pull_alternately(its)
+    assert sorted(streams[0] + streams[1]) == [0, 1, 2, 10, 11, 12]
+    assert streams == [[0, 2, 11], [1, 10, 12]]
+    assert [s.handed_out for s in shared] == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_split_sources_are_fixed_by_the_graph():
+    # The first input is never iterated: the second still reads its own provider.
+    first, second = ListSplits([0, 1, 2]), ListSplits([2, 0])
+    ds = Dataset.range(3).take(0).concatenate(Dataset.range(10, 13)).map(lambda x: x * 2)
+    out = list(ds._make_iterator(IterContext(split_sources=(first, second))))
+    assert [int(x) for x in out] == [24, 20]
+    assert first.calls == 0
+    # zip of a dict: source 0 is key "a" (sorted), source 1 key "b".
+    zipped = Dataset.zip({"b": Dataset.range(100), "a": Dataset.range(100, 200)})
+    (e,) = zipped._make_iterator(IterContext(split_sources=(ListSplits([0]), ListSplits([5]))))
+    assert (int(e["a"]), int(e["b"])) == (100, 5)
+
+
+def test_zip_pairs_per_worker_under_splits():
+    ds = Dataset.zip(Dataset.range(5), Dataset.range(5))
+    its, _ = worker_iterators(ds, 2)
+    streams = pull_alternately(its)
+    assert sorted(tuples(streams[0] + streams[1])) == [(i, i) for i in range(5)]
+    # Each input reads its own provider when the worker needs an element: pairs are
+    # formed per worker, not by split index.
+    ds = Dataset.zip(Dataset.range(4), Dataset.range(4).filter(lambda x: x % 2 == 0))
+    its, shared = worker_iterators(ds, 2)
+    streams = pull_alternately(its)
+    assert [tuples(s) for s in streams] == [((0, 0),), ((1, 2),)]
+    assert [s.handed_out for s in shared] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_repeat_above_concatenate_repeats_both_providers():
+    ds = Dataset.range(3).concatenate(Dataset.range(10, 12)).repeat(2)
+    providers = ds._split_providers(seed=0)
+    assert all(isinstance(p, RepeatSplitProvider) for p in providers)
+    assert [p.cardinality() for p in providers] == [6, 4]
+    its, _ = worker_iterators(ds, 2)
+    streams = pull_alternately(its)
+    assert sorted(streams[0] + streams[1]) == sorted([0, 1, 2, 10, 11] * 2)
+
+
+def test_split_source_count_mismatch_is_refused():
+    ds = Dataset.range(3).concatenate(Dataset.range(3))
+    with pytest.raises(InvalidArgumentError, match="`concatenate` reads 2 splittable sources"):
+        list(ds._make_iterator(IterContext(ListSplits([0]))))
+    with pytest.raises(InvalidArgumentError, match="`range` is one splittable source"):
+        list(
+            Dataset.range(3)
+            .map(lambda x: x)
+            ._make_iterator(IterContext(split_sources=(ListSplits([0]), ListSplits([0]))))
+        )
+
+
+def test_user_function_datasets_never_see_split_sources():
+    ds = Dataset.range(10).flat_map(lambda x: Dataset.range(x).concatenate(Dataset.range(100, 102)))
+    assert ds._num_split_sources() == 1
+    assert run_with_splits(ds, [2]) == [0, 1, 100, 101]
+
+
+def test_conformance_pipeline_two_workers_read_whole_groups():
+    n = 3
+    ds = (
+        Dataset.from_tensors(np.int64(0))
+        .concatenate(Dataset.range(4096).shuffle(4096).repeat().map(lambda g: g + 1))
+        .flat_map(lambda g: Dataset.range(g * n, (g + 1) * n))
+    )
+    assert ds._num_split_sources() == 2
+    assert [p.cardinality() for p in ds._split_providers(seed=0)] == [1, -1]
+    its, (zero, groups) = worker_iterators(ds, 2)
+    streams = pull_alternately(its, limit=100 * n)
+    seen = []
+    for stream in streams:
+        assert len(stream) == 100 * n
+        for k in range(0, len(stream), n):
+            round_ = stream[k : k + n]
+            g = round_[0] // n
+            assert round_ == list(range(g * n, (g + 1) * n))  # one whole group
+            seen.append(g)
+    assert streams[0][:n] == [0, 1, 2]  # the from_tensors group, on the first worker only
+    assert seen.count(0) == 1 and zero.handed_out == [0]
+    assert all(1 <= g <= 4096 for g in seen if g != 0)
+    handed = collections.Counter(s + 1 for s in groups.handed_out)
+    assert not collections.Counter(g for g in seen if g != 0) - handed

@@ -22,11 +22,32 @@ What a node implements (the abstract surface; everything else is derived):
 
 Split hooks (DYNAMIC sharding, see `splits.py`):
 
-* `IterContext.split_source`: when set, the first splittable source reached from the
-  root through `_inputs()` reads its splits from it instead of enumerating itself.
-* `_split_provider(seed) -> SplitProvider`: the dispatcher-side provider for that
-  source, wrapped for `repeat`; `ValueError` naming the first op that has none.
-  `_split_op_name` (default None: use `_op_name`) is the name used in that error.
+* Split sources are numbered in one fixed order, the *split-source order*: depth-first
+  and pre-order from the root over split-passing edges, visiting a node's inputs in
+  `_inputs()` order (for `a.concatenate(b)` all of a's sources before b's; for `zip`
+  its inputs in `structure.flatten` order, dict keys sorted; `TFRecordDataset(ds)`:
+  ds's). It is the order in which `_walk()` meets the splittable sources. Datasets
+  built by user functions are not in the graph and never count.
+* `_passes_splits`: the op lets the splits of its inputs through (unary ops, the input
+  side of flat_map/interleave, both inputs of concatenate, every input of zip). An op
+  that neither passes splits nor is a splittable source (`from_generator`,
+  `distribute`, ...) makes the pipeline unsplittable.
+* `IterContext.split_sources`: when set, the k-th splittable source in split-source
+  order reads its splits from `split_sources[k]` instead of enumerating itself. The
+  mapping is fixed by the graph: an op with several inputs (`_route_contexts`) gives
+  each input the slice for its own sources, whether or not that input is iterated.
+  `IterContext.split_source` is the one-source form (a 1-tuple).
+* `_split_providers(seed) -> list[SplitProvider]`: the dispatcher-side providers, one
+  per splittable source in split-source order, each wrapped for the `repeat`s above
+  it; source k's provider is built with seed `seed + k` (None stays None), so the
+  list is replayable from `seed`. `ValueError` naming the first op that has none.
+  Sources build theirs in `_split_provider(seed)`; an op that changes the providers
+  of the sources below it (`repeat`) overrides `_add_split_providers`.
+* `_split_provider(seed) -> SplitProvider`: the single-source form (the one element of
+  `_split_providers(seed)`); `ValueError` for a pipeline with several sources.
+* `_num_split_sources()`: how many providers `_split_providers` builds, without
+  building them (no globbing); the same `ValueError`.
+* `_split_op_name` (default None: use `_op_name`) is the op name used in those errors.
 
 Datasets are thread-safe (immutable; iterating one from several threads gives
 independent epochs). Iterators are for one consumer thread.
@@ -36,7 +57,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import dataclasses
 import itertools
 import operator
 import os
@@ -80,27 +100,61 @@ _POLL_S = 0.05  # how often a blocked background thread checks whether it was st
 Element = Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class IterContext:
     """How an iterator is being run.
 
+    Args:
+        split_source: The one split source of a single-source pipeline; the same as
+            `split_sources=(split_source,)`.
+        peek: See the attribute.
+        split_sources: See the attribute. Give either this or `split_source`.
+
     Attributes:
-        split_source: None to enumerate sources normally. Otherwise an object with
-            `get_next() -> split | None` (None: no more splits, may block): the
-            pipeline's first splittable source yields the elements of each split it
-            pulls, instead of its own elements (DYNAMIC sharding on a worker).
+        split_sources: None to enumerate sources normally. Otherwise one object per
+            splittable source of the pipeline, in split-source order (module
+            docstring), each with `get_next() -> split | None` (None: no more splits,
+            may block): the k-th splittable source yields the elements of each split
+            it pulls from `split_sources[k]`, instead of its own elements (DYNAMIC
+            sharding on a worker). An empty tuple is stored as None.
         peek: True when the iterator is made only to look at the first element (to
             compute `element_spec`): seeded shuffles then do not use up an epoch, so
             asking for the spec does not change later orders. A dataset reading from
             elsewhere (e.g. a data service) may refuse to be peeked.
+
+    Raises:
+        ValueError: Both `split_source` and a different `split_sources` were given.
     """
 
-    split_source: SplitSource | None = None
-    peek: bool = False
+    split_sources: tuple[SplitSource, ...] | None
+    peek: bool
+
+    def __init__(
+        self,
+        split_source: SplitSource | None = None,
+        peek: bool = False,
+        split_sources: tuple[SplitSource, ...] | None = None,
+    ) -> None:
+        sources = None if split_sources is None else tuple(split_sources)
+        if split_source is not None:
+            if sources is not None and sources != (split_source,):
+                raise ValueError("IterContext: give split_source or split_sources, not both")
+            sources = (split_source,)
+        object.__setattr__(self, "split_sources", sources or None)
+        object.__setattr__(self, "peek", bool(peek))
+
+    @property
+    def split_source(self) -> SplitSource | None:
+        """The first split source (the only one of a single-source pipeline), or None."""
+        return None if self.split_sources is None else self.split_sources[0]
+
+    def with_split_sources(self, split_sources: tuple[SplitSource, ...] | None) -> IterContext:
+        """This context with `split_sources` instead (None: enumerate normally)."""
+        return IterContext(peek=self.peek, split_sources=split_sources)
 
     def for_user_dataset(self) -> IterContext:
         """The context for a dataset built by a user function (flat_map/interleave
-        bodies): never the split source."""
+        bodies): never any split source."""
         return IterContext(peek=self.peek)
 
 
@@ -547,7 +601,7 @@ class Dataset:
     _split_op_name: ClassVar[str | None] = None
     _input_attrs: ClassVar[tuple[str, ...]] = ()  # attributes holding input Datasets
     _fn_attrs: ClassVar[tuple[str, ...]] = ()  # attributes holding user functions
-    _passes_splits: ClassVar[bool] = False  # one input whose splits flow through this op
+    _passes_splits: ClassVar[bool] = False  # the splits of all inputs flow through this op
     _is_splittable_source: ClassVar[bool] = False
     _split_unsupported_reason: ClassVar[str] = ""
 
@@ -640,20 +694,80 @@ class Dataset:
         return self._map_graph(resolve)
 
     def _split_provider(self, seed: int | None) -> SplitProvider:
-        """The dispatcher's provider of splits of this pipeline's splittable source.
+        """The dispatcher's provider of splits of this pipeline's one splittable source.
 
         Args:
             seed: Shuffles file order for `list_files` without its own seed; a given
                 seed makes the provider replayable.
         Raises:
             ValueError: An op on the way to the source cannot be split (a message with
-                "split" and the op's name, e.g. `from_generator`, `zip`, `distribute`).
+                "split" and the op's name, e.g. `from_generator`, `distribute`), or the
+                pipeline has several splittable sources (naming the op that joins
+                them, e.g. `concatenate`, `zip`; use `_split_providers`).
         """
         if self._passes_splits:
             inputs = self._inputs()
             if len(inputs) == 1:
                 return inputs[0]._split_provider(seed)
+            providers = self._split_providers(seed)
+            if len(providers) == 1:
+                return providers[0]
+            name = self._split_op_name or self._op_name
+            raise ValueError(
+                f"Cannot split the pipeline with one split provider: `{name}` reads "
+                f"{len(providers)} splittable sources (one split provider per source: "
+                "_split_providers)"
+            )
         raise self._no_split_provider_error()
+
+    def _split_providers(self, seed: int | None) -> list[SplitProvider]:
+        """The dispatcher's split providers: one per splittable source of this pipeline,
+        in split-source order (module docstring), each wrapped for the `repeat`s above
+        its source. Source k's provider gets seed `seed + k` (None for None), so the
+        same `seed` rebuilds the same providers. A single-source pipeline gives
+        `[self._split_provider(seed)]`.
+
+        Args:
+            seed: See `_split_provider`.
+        Raises:
+            ValueError: An op on the way to a source cannot be split (a message with
+                "split" and the op's name, e.g. `from_generator`, `distribute`).
+        """
+        providers: list[SplitProvider] = []
+        self._add_split_providers(seed, providers)
+        return providers
+
+    def _add_split_providers(self, seed: int | None, out: list[SplitProvider]) -> None:
+        """Appends the providers of this subgraph's splittable sources to `out`, in
+        split-source order; `len(out)` on entry is the index of its first source."""
+        if self._is_splittable_source:
+            out.append(self._split_provider(None if seed is None else seed + len(out)))
+        elif self._passes_splits:
+            for d in self._inputs():
+                d._add_split_providers(seed, out)
+        else:
+            raise self._no_split_provider_error()
+
+    def _num_split_sources(self) -> int:
+        """`len(self._split_providers(seed))`, without building the providers.
+
+        Raises:
+            ValueError: As `_split_providers`.
+        """
+        if self._is_splittable_source:
+            return 1
+        if not self._passes_splits:
+            raise self._no_split_provider_error()
+        return sum(d._num_split_sources() for d in self._inputs())
+
+    def _split_source_count(self) -> int:
+        """The split sources this subgraph takes from an `IterContext`: its splittable
+        sources reached through split-passing ops (0 below any other op)."""
+        if self._is_splittable_source:
+            return 1
+        if not self._passes_splits:
+            return 0
+        return sum(d._split_source_count() for d in self._inputs())
 
     def _no_split_provider_error(self) -> ValueError:
         name = self._split_op_name or self._op_name
@@ -666,13 +780,28 @@ class Dataset:
         )
 
     def _route_contexts(self, inputs: list[Dataset], ctx: IterContext) -> list[IterContext]:
-        """For several inputs: the split source goes only to the first input that holds
-        a splittable source (or the first input if none does)."""
-        if ctx.split_source is None or not inputs:
+        """For several inputs: input i gets the slice of `ctx.split_sources` for its own
+        splittable sources, in split-source order (None if it has none).
+
+        Raises:
+            InvalidArgumentError: `ctx` has a different number of split sources than
+                the inputs have splittable sources.
+        """
+        sources = ctx.split_sources
+        if sources is None:
             return [ctx] * len(inputs)
-        target = next((i for i, d in enumerate(inputs) if d._has_splittable_source()), 0)
-        others = dataclasses.replace(ctx, split_source=None)
-        return [ctx if i == target else others for i in range(len(inputs))]
+        counts = [d._split_source_count() for d in inputs]
+        if sum(counts) != len(sources):
+            raise InvalidArgumentError(
+                f"`{self._op_name}` reads {sum(counts)} splittable sources but was given "
+                f"{len(sources)} split sources"
+            )
+        out = []
+        start = 0
+        for n in counts:
+            out.append(ctx.with_split_sources(sources[start : start + n] if n else None))
+            start += n
+        return out
 
     # ------------------------------------------------------------ serialization
 
@@ -1282,6 +1411,11 @@ class RepeatDataset(_UnaryDataset):
     def _split_provider(self, seed: int | None) -> SplitProvider:
         return RepeatSplitProvider(self._input._split_provider(seed), self._count)
 
+    def _add_split_providers(self, seed: int | None, out: list[SplitProvider]) -> None:
+        start = len(out)
+        self._input._add_split_providers(seed, out)
+        out[start:] = [RepeatSplitProvider(p, self._count) for p in out[start:]]
+
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
         count = self._count
         epoch = 0
@@ -1458,12 +1592,19 @@ class PrefetchDataset(_UnaryDataset):
 
 # ------------------------------------------------------------ several inputs
 
-_MULTI_SOURCE = " (it reads several datasets; multi-source splitting is not supported)"
-
 
 class ZipDataset(Dataset):
+    """`Dataset.zip(datasets)`: tuples (nests) of one element of each input.
+
+    Under DYNAMIC sharding each input's splittable sources read their own split
+    providers, so on a worker element k pairs the k-th element of each input *on that
+    worker*: inputs are not aligned by split index across workers (tf.data service's
+    rule). It ends when any input ends; the other inputs' splits already taken by that
+    worker are not seen again in this epoch.
+    """
+
     _op_name = "zip"
-    _split_unsupported_reason = _MULTI_SOURCE
+    _passes_splits = True
 
     def __init__(self, datasets: Any) -> None:
         flat = structure.flatten(datasets)
@@ -1518,9 +1659,16 @@ class ZipDataset(Dataset):
 
 
 class ConcatenateDataset(Dataset):
+    """`a.concatenate(b)`: all of a, then all of b.
+
+    Under DYNAMIC sharding a's sources and b's sources read their own split providers
+    (a's first in split-source order): a worker reads a's splits until a's providers
+    run dry, then b's.
+    """
+
     _op_name = "concatenate"
     _input_attrs = ("_input", "_other")
-    _split_unsupported_reason = _MULTI_SOURCE
+    _passes_splits = True
 
     def __init__(self, input_dataset: Dataset, other: Dataset) -> None:
         if not isinstance(other, Dataset):

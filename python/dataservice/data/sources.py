@@ -2,7 +2,8 @@
 and TFRecordDataset.
 
 Splittable sources (everything but `from_generator`) also read DYNAMIC-sharding splits
-from `IterContext.split_source` when one reaches them, and build the matching
+from the split source that `IterContext.split_sources` routes to them (a 1-tuple once
+it reaches a source; see "Split hooks" in dataset.py), and build the matching
 dispatcher-side `SplitProvider` (see `splits.py` for what a split is for each).
 """
 
@@ -29,7 +30,12 @@ from dataservice.data.dataset import (
     _node_epoch_rng,
     _parallelism,
 )
-from dataservice.data.splits import FileSplitProvider, IndexSplitProvider, SplitProvider
+from dataservice.data.splits import (
+    FileSplitProvider,
+    IndexSplitProvider,
+    SplitProvider,
+    SplitSource,
+)
 from dataservice.data.structure import TensorSpec, normalize_element
 from dataservice.errors import InvalidArgumentError
 
@@ -43,10 +49,24 @@ __all__ = [
 ]
 
 
-def _splits(ctx: IterContext) -> Iterator[Any]:
-    """The splits handed out by `ctx.split_source`, until it returns None."""
-    source = ctx.split_source
-    assert source is not None
+def _split_source(ctx: IterContext, op: str) -> SplitSource | None:
+    """The split source `ctx` gives this one splittable source, or None.
+
+    Raises:
+        InvalidArgumentError: `ctx` has several split sources (they were not routed).
+    """
+    sources = ctx.split_sources
+    if sources is None:
+        return None
+    if len(sources) != 1:
+        raise InvalidArgumentError(
+            f"`{op}` is one splittable source but was given {len(sources)} split sources"
+        )
+    return sources[0]
+
+
+def _splits(source: SplitSource) -> Iterator[Any]:
+    """The splits handed out by `source`, until it returns None."""
     while True:
         split = source.get_next()
         if split is None:
@@ -100,16 +120,17 @@ class RangeDataset(Dataset):
         return IndexSplitProvider(self._len())
 
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        if ctx.split_source is not None:
-            return self._from_splits(ctx)
+        source = _split_source(ctx, self._op_name)
+        if source is not None:
+            return self._from_splits(source)
         return self._all()
 
     def _all(self) -> Iterator[Element]:
         yield from map(np.int64, range(self._start, self._stop, self._step))
 
-    def _from_splits(self, ctx: IterContext) -> Iterator[Element]:
+    def _from_splits(self, source: SplitSource) -> Iterator[Element]:
         n = self._len()
-        for split in _splits(ctx):
+        for split in _splits(source):
             yield np.int64(self._start + _split_index(split, n, "range") * self._step)
 
 
@@ -199,8 +220,11 @@ class TensorSliceDataset(Dataset):
         return IndexSplitProvider(self._n)
 
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        if ctx.split_source is not None:
-            indices: Iterator[int] = (_split_index(s, self._n, self._op_name) for s in _splits(ctx))
+        source = _split_source(ctx, self._op_name)
+        if source is not None:
+            indices: Iterator[int] = (
+                _split_index(s, self._n, self._op_name) for s in _splits(source)
+            )
         else:
             indices = iter(range(self._n))
         return self._rows(indices)
@@ -242,15 +266,16 @@ class TensorDataset(Dataset):
         return IndexSplitProvider(1)
 
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        if ctx.split_source is not None:
-            return self._from_splits(ctx)
+        source = _split_source(ctx, self._op_name)
+        if source is not None:
+            return self._from_splits(source)
         return self._one()
 
     def _one(self) -> Iterator[Element]:
         yield structure.map_structure(_copy_leaf, self._value)
 
-    def _from_splits(self, ctx: IterContext) -> Iterator[Element]:
-        for split in _splits(ctx):
+    def _from_splits(self, source: SplitSource) -> Iterator[Element]:
+        for split in _splits(source):
             _split_index(split, 1, self._op_name)
             yield structure.map_structure(_copy_leaf, self._value)
 
@@ -318,7 +343,7 @@ class GeneratorDataset(Dataset):
         return self._output_signature
 
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        if ctx.split_source is not None:
+        if ctx.split_sources is not None:
             raise InvalidArgumentError(
                 "Cannot read splits: `from_generator` (a Python generator) has no split "
                 "provider; use ShardingPolicy.OFF"
@@ -395,8 +420,9 @@ class ListFilesDataset(Dataset):
         )
 
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        if ctx.split_source is not None:
-            return (os.fsdecode(s) for s in _splits(ctx))
+        source = _split_source(ctx, self._op_name)
+        if source is not None:
+            return (os.fsdecode(s) for s in _splits(source))
         if not self._shuffle:
             return (f for f in self._files)
         order = _node_epoch_rng(self, self._seed, True, ctx).permutation(len(self._files))
@@ -489,11 +515,13 @@ class TFRecordDataset(Dataset):
         names: Iterator[Any]
         if self._input is not None:
             names = self._input._make_iterator(ctx)
-        elif ctx.split_source is not None:
-            names = _splits(ctx)
         else:
-            assert self._filenames is not None
-            names = iter(self._filenames)
+            source = _split_source(ctx, self._op_name)
+            if source is not None:
+                names = _splits(source)
+            else:
+                assert self._filenames is not None
+                names = iter(self._filenames)
         reads = self._num_parallel_reads
         if reads is not None and reads != 1:
             cycle = (os.cpu_count() or 1) if reads == AUTOTUNE else int(reads)

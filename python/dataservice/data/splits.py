@@ -1,10 +1,14 @@
 """Split providers: the dispatcher's side of DYNAMIC sharding.
 
-Under `ShardingPolicy.DYNAMIC` the dispatcher owns one `SplitProvider` per iteration,
-built by `Dataset._split_provider(seed)` for the pipeline's one splittable source.
-Workers ask for splits one at a time (their `IterContext.split_source`), and the source
-on the worker turns each split into elements, so every element is produced once per
-epoch across all workers (tf.data service's "distributed_epoch").
+Under `ShardingPolicy.DYNAMIC` the dispatcher owns, per iteration, one `SplitProvider`
+per splittable source of the pipeline, built by `Dataset._split_providers(seed)` in the
+pipeline's split-source order (depth-first from the root, inputs in order: for
+`a.concatenate(b)` a's sources, then b's; see "Split hooks" in dataset.py); source k's
+provider is seeded with `seed + k`. A pipeline with one source has one provider
+(`Dataset._split_provider(seed)`). Workers ask for splits one at a time, from each
+provider separately (their `IterContext.split_sources[k]`), and source k on the worker
+turns each of its splits into elements, so every element is produced once per epoch
+across all workers (tf.data service's "distributed_epoch").
 
 Splits are small picklable values:
 
@@ -43,7 +47,7 @@ UNKNOWN = -2
 
 @runtime_checkable
 class SplitSource(Protocol):
-    """What a worker-side source pulls splits from (`IterContext.split_source`)."""
+    """What a worker-side source pulls splits from (`IterContext.split_sources[k]`)."""
 
     def get_next(self) -> object | None:
         """The next split, or None when there are no more splits (may block)."""

@@ -84,7 +84,7 @@ def test_nested_elements_and_stats(cluster2):
     dataset = ds.Dataset.range(20).map(
         lambda x: {"image": np.full((4, 5), x, np.uint8), "label": (x, str(int(x)))}
     )
-    it = iter(dist(dataset, cluster2))
+    it = iter(dist(dataset, cluster2, data_transfer_protocol="grpc"))
     got = list(it)
     assert len(got) == 40
     e = got[0]

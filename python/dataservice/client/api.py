@@ -151,13 +151,8 @@ def _dispatcher_call(
 
 def _check_splittable(dataset: Dataset) -> None:
     """Raises ValueError naming the first op of `dataset` that cannot be split
-    (without building the split provider, which would glob files here)."""
-    node = dataset
-    while not node._is_splittable_source:
-        inputs = node._inputs()
-        if not (node._passes_splits and len(inputs) == 1):
-            raise node._no_split_provider_error()
-        node = inputs[0]
+    (without building split providers, which would glob files here)."""
+    dataset._num_split_sources()
 
 
 # ---------------------------------------------------------------- the dataset

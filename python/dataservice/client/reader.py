@@ -115,6 +115,13 @@ class _Reader:
         self._error: BaseException | None = None
         self._heartbeat_thread: threading.Thread | None = None
         self.stats = _Stats()
+        # coordinated reads (the consumer's thread only):
+        self.iteration_id = 0
+        self.coordination_timeout_s = 60.0
+        self._round = 0
+        self._round_tasks: dict[int, int] = {}
+        self._endpoints: dict[int, transfer.TaskEndpoint] = {}
+        self._round_clients: dict[int, transfer.TransferClient] = {}
 
     # ------------------------------------------------------------ dispatcher calls
     def call(self, method: str, request: Any, timeout_ms: int | None = None) -> Any:
@@ -151,6 +158,8 @@ class _Reader:
             ),
         )
         self.client_id = iteration.iteration_client_id
+        self.iteration_id = iteration.iteration_id
+        self.coordination_timeout_s = info.client_timeout_ms / 1000
         if iteration.already_finished:
             self.release()
             return False
@@ -212,6 +221,11 @@ class _Reader:
                 self._wake_heartbeat.clear()
 
     def _on_heartbeat(self, response: Any) -> None:
+        if self.options.num_consumers:  # coordinated: next() reads round by round
+            with self._cv:
+                self._iteration_finished = response.iteration_finished
+                self._cv.notify_all()
+            return
         live = {t.task_id for t in response.tasks}
         to_start = []
         with self._cv:
@@ -334,6 +348,102 @@ class _Reader:
             self._cv.notify_all()
 
     # ------------------------------------------------------------ consuming
+    # ------------------------------------------------------------ coordinated reads
+    def _round_task(self, round_index: int, dead_task_id: int = 0) -> int:
+        """The task serving `round_index` (asks the dispatcher per block of rounds)."""
+        if not dead_task_id and round_index in self._round_tasks:
+            return self._round_tasks[round_index]
+        response = self.call(
+            "GetRounds",
+            pb.GetRoundsRequest(
+                iteration_id=self.iteration_id,
+                first_round=round_index,
+                dead_task_id=dead_task_id,
+                incarnation_id=self.incarnation,
+            ),
+        )
+        for info in response.tasks:
+            if info.task_id not in self._round_clients:
+                self._endpoints[info.task_id] = transfer.TaskEndpoint(
+                    info.task_id, info.worker_address, info.transfer_address, info.host_id
+                )
+        for i, task_id in enumerate(response.task_ids):
+            self._round_tasks[response.first_round + i] = task_id
+        while len(self._round_tasks) > 4096:  # forget old rounds
+            del self._round_tasks[min(self._round_tasks)]
+        return self._round_tasks.get(round_index, 0)
+
+    def _round_client(self, task_id: int) -> transfer.TransferClient:
+        client = self._round_clients.get(task_id)
+        if client is None:
+            endpoint = self._endpoints[task_id]
+            client = transfer.make_client("grpc", endpoint, self.options.auth_token)
+            self._round_clients[task_id] = client
+        return client
+
+    def next_coordinated(self) -> Any:
+        """Consumer `consumer_index`'s element of the next round (tf.data
+        service's coordinated reads): every consumer reads round r from the
+        same worker, each its own element of that worker's round.
+
+        Raises:
+            DeadlineExceededError: The round was not ready within the
+                dispatcher's client_timeout_ms: another consumer stopped reading.
+            FailedPreconditionError: The round was already read (a restarted
+                consumer set on an old job name).
+        """
+        start = time.monotonic()
+        round_index = self._round
+        dead = 0
+        backoff = rpc_util.Backoff(0.05, 0.5)
+        while True:
+            if self._stop.is_set():
+                raise errors.CancelledError("the iterator was closed")
+            with self._cv:
+                if self._error is not None:
+                    raise self._error
+                if self._iteration_finished:
+                    raise StopIteration
+            waited = time.monotonic() - start
+            if waited > self.coordination_timeout_s:
+                raise errors.DeadlineExceededError(
+                    f"coordinated read: consumer {self.options.consumer_index} of "
+                    f"{self.options.num_consumers} waited {waited:.1f} s for round "
+                    f"{round_index} of job {self.options.job_name!r}; another consumer may "
+                    "have stopped reading (every consumer must read every round)"
+                )
+            task_id = self._round_task(round_index, dead)
+            dead = 0
+            if not task_id:
+                backoff.sleep(time.monotonic() + 0.5, self._stop)
+                continue
+            try:
+                result = self._round_client(task_id).get_elements(
+                    1,
+                    _MAX_BYTES_PER_FETCH,
+                    _FETCH_WAIT_S,
+                    consumer_index=self.options.consumer_index,
+                    round_index=round_index,
+                )
+            except (errors.UnavailableError, errors.NotFoundError) as err:
+                log.debug("round %d on task %d: %s", round_index, task_id, err)
+                dead = task_id
+                backoff.sleep(time.monotonic() + 0.5, self._stop)
+                continue
+            if result.elements:
+                self._round += 1
+                with self._cv:
+                    self.stats.elements += 1
+                    self.stats.bytes += result.nbytes
+                    self.stats.wait_s += time.monotonic() - start
+                    endpoint = self._endpoints[task_id]
+                    w = self.stats.workers.setdefault(endpoint.worker_address, _WorkerStats("grpc"))
+                    w.elements += 1
+                    w.bytes += result.nbytes
+                return result.elements[0]
+            if result.end_of_sequence:
+                raise StopIteration
+
     @property
     def consumed_nothing(self) -> bool:
         return self.stats.elements == 0
@@ -381,6 +491,8 @@ class _Reader:
         if self._heartbeat_thread is not None:
             threads.append(self._heartbeat_thread)
         self.release()
+        for client in list(self._round_clients.values()):
+            client.close()
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout=2.0)
@@ -425,6 +537,8 @@ class DataServiceIterator:
         if self._done:
             raise StopIteration
         try:
+            if self._reader.options.num_consumers:
+                return self._reader.next_coordinated()
             return self._reader.next()
         except StopIteration:
             self._done = True

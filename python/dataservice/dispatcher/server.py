@@ -32,6 +32,7 @@ from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, worker_index_i
 log = logging.getLogger(__name__)
 
 _MAX_SPLITS_PER_RPC = 4096
+_ROUND_BLOCK = 64  # coordinated reads: rounds assigned per block
 
 
 @dataclass
@@ -89,6 +90,9 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
 
     def GetSplits(self, request: Any, context: Any) -> Any:
         return self._call(self._d._get_splits, request, context)
+
+    def GetRounds(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._get_rounds, request, context)
 
 
 class DispatchServer:
@@ -416,7 +420,7 @@ class DispatchServer:
                 if request.dataset_id not in self._datasets:
                     raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
             try:
-                self._dataset_object(request.dataset_id)._split_provider(0)
+                self._dataset_object(request.dataset_id)._split_providers(0)
             except errors.DataServiceError:
                 raise
             except ValueError as err:
@@ -437,9 +441,13 @@ class DispatchServer:
                         "Coordinated reads require non-local workers: target_workers=LOCAL "
                         "cannot be used with num_consumers"
                     )
-                raise errors.UnimplementedError(
-                    "coordinated reads (num_consumers/consumer_index) are not implemented yet"
-                )
+                cardinality = self._state.datasets[request.dataset_id].cardinality
+                if cardinality >= 0:
+                    raise errors.FailedPreconditionError(
+                        "Round robin reads (num_consumers/consumer_index) require that the "
+                        "input dataset has infinite cardinality, but the dataset has "
+                        f"cardinality {cardinality}; add .repeat() before distribute"
+                    )
             target = request.target_workers or "AUTO"
             if request.job_name:
                 job = self._state.live_job_named(request.job_name)
@@ -511,9 +519,17 @@ class DispatchServer:
                         f"{len(self._workers)} workers are registered, none on the client's host"
                     )
                 iteration_id = st.IterationId(self._state.next_iteration_id)
+                num_providers = 1
+                if job.processing_mode == ShardingPolicy.DYNAMIC:
+                    dataset = self._dataset_object(job.dataset_id)
+                    num_providers = dataset._num_split_sources()
                 self._apply_locked(
                     st.CreateIteration(
-                        iteration_id, job.job_id, request.repetition, random.getrandbits(62)
+                        iteration_id,
+                        job.job_id,
+                        request.repetition,
+                        random.getrandbits(62),
+                        num_providers,
                     )
                 )
                 iteration = self._state.iterations[iteration_id]
@@ -590,23 +606,32 @@ class DispatchServer:
             iteration = self._state.iterations.get(iteration_id)
             if iteration is None:
                 raise errors.NotFoundError(f"Iteration {iteration_id} not found")
+            index = request.split_provider_index
             response = pb.GetSplitsResponse()
-            if iteration.finished or iteration.splits_ended:
+            if iteration.finished or iteration.splits_ended_by_provider.get(index, False):
                 response.end_of_splits = True
                 return response
-            provider = self._split_providers.get(iteration_id)
-            if provider is None:
+            providers = self._split_providers.get(iteration_id)
+            if providers is None:
                 job = self._state.jobs[iteration.job_id]
-                provider = self._dataset_object(job.dataset_id)._split_provider(iteration.seed)
-                for _ in range(iteration.splits_produced):  # replay: skip what was handed out
-                    if provider.get_next() is None:
-                        break
-                self._split_providers[iteration_id] = provider
+                dataset = self._dataset_object(job.dataset_id)
+                providers = dataset._split_providers(iteration.seed)
+                for i, provider in enumerate(providers):
+                    # Replay after a restart: skip what was handed out already.
+                    for _ in range(iteration.splits_produced.get(i, 0)):
+                        if provider.get_next() is None:
+                            break
+                self._split_providers[iteration_id] = providers
+            if not 0 <= index < len(providers):
+                raise errors.InvalidArgumentError(
+                    f"split provider {index} requested, the pipeline has {len(providers)}"
+                )
+            provider = providers[index]
             # Fair shares: never hand one task more than half of its even share
             # of what is left, so a small epoch (16 files) spreads over the workers.
             total = provider.cardinality()
             if total > 0:
-                remaining = max(0, total - iteration.splits_produced)
+                remaining = max(0, total - iteration.splits_produced.get(index, 0))
                 share = remaining // (2 * max(1, len(iteration.live_tasks())))
                 max_splits = max(1, min(max_splits, share))
             splits = []
@@ -617,12 +642,53 @@ class DispatchServer:
                     end = True
                     break
                 splits.append(split)
-            self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end))
+            self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end, index))
             if splits and isinstance(splits[0], str):
                 response.str_splits.extend(splits)
             else:
                 response.int_splits.extend(int(s) for s in splits)
             response.end_of_splits = end
+            return response
+
+    def _get_rounds(self, request: Any) -> Any:
+        iteration_id = st.IterationId(request.iteration_id)
+        first = request.first_round - request.first_round % _ROUND_BLOCK
+        with self._mu:
+            self._check_incarnation_locked(request.incarnation_id)
+            iteration = self._state.iterations.get(iteration_id)
+            if iteration is None:
+                raise errors.NotFoundError(f"Iteration {iteration_id} not found")
+            live = sorted(t.task_id for t in iteration.live_tasks())
+            response = pb.GetRoundsResponse(first_round=first)
+            if not live:
+                return response  # no worker yet: the client asks again
+            dead = st.TaskId(request.dead_task_id)
+            if dead and dead not in live:
+                # Move the rounds of a lost task, from this round on, to live tasks.
+                stale = sorted(
+                    r for r, t in iteration.rounds.items() if t == dead and r >= request.first_round
+                )
+                for r in stale:
+                    self._apply_locked(st.AssignRounds(iteration_id, r, (live[r % len(live)],)))
+            if first not in iteration.rounds:
+                self._apply_locked(
+                    st.AssignRounds(
+                        iteration_id,
+                        first,
+                        tuple(live[(first + i) % len(live)] for i in range(_ROUND_BLOCK)),
+                    )
+                )
+            task_ids = [iteration.rounds[first + i] for i in range(_ROUND_BLOCK)]
+            response.task_ids.extend(task_ids)
+            for task_id in sorted(set(task_ids)):
+                task = self._state.tasks[task_id]
+                worker = self._workers.get(task.worker_address)
+                response.tasks.add(
+                    task_id=task_id,
+                    worker_address=task.worker_address,
+                    transfer_address=worker.transfer_address if worker else task.worker_address,
+                    host_id=worker.host_id if worker else "",
+                )
             return response
 
     # ------------------------------------------------------------ maintenance

@@ -60,6 +60,7 @@ class CreateIteration:
     job_id: JobId
     repetition: int
     seed: int
+    num_split_providers: int = 1
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,23 @@ class RemoveTask:
 
 @dataclass(frozen=True)
 class ProduceSplits:
-    """`count` more splits of the iteration were handed out; `end` once the
-    split provider is exhausted."""
+    """`count` more splits of the iteration's provider `provider_index` were
+    handed out; `end` once that split provider is exhausted."""
 
     iteration_id: IterationId
     count: int
     end: bool
+    provider_index: int = 0
+
+
+@dataclass(frozen=True)
+class AssignRounds:
+    """Coordinated reads: rounds [first_round, first_round + len(task_ids)) are
+    served by these tasks (a new block, or a rewrite off a lost task)."""
+
+    iteration_id: IterationId
+    first_round: int
+    task_ids: tuple[TaskId, ...]
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,7 @@ Update = (
     | FinishTask
     | RemoveTask
     | ProduceSplits
+    | AssignRounds
     | GarbageCollectJob
 )
 
@@ -154,10 +167,19 @@ class Iteration:
     seed: int
     tasks: dict[TaskId, Task] = field(default_factory=dict)
     clients: set[IterationClientId] = field(default_factory=set)
-    splits_produced: int = 0
-    splits_ended: bool = False
+    # per split provider (one per splittable source): splits handed out, ended
+    splits_produced: dict[int, int] = field(default_factory=dict)
+    splits_ended_by_provider: dict[int, bool] = field(default_factory=dict)
+    num_split_providers: int = 1
     finished: bool = False
     ever_had_client: bool = False
+    rounds: dict[int, TaskId] = field(default_factory=dict)  # coordinated reads
+
+    @property
+    def splits_ended(self) -> bool:
+        """Every split provider of the iteration is exhausted."""
+        ended = self.splits_ended_by_provider
+        return len(ended) >= self.num_split_providers and all(ended.values())
 
     def live_tasks(self) -> list[Task]:
         return [t for t in self.tasks.values() if not t.finished and not t.removed]
@@ -218,6 +240,7 @@ class DispatcherState:
 
     def _apply_CreateIteration(self, u: CreateIteration) -> None:
         it = Iteration(u.iteration_id, u.job_id, u.repetition, u.seed)
+        it.num_split_providers = u.num_split_providers
         self.iterations[u.iteration_id] = it
         self.jobs[u.job_id].iterations[u.repetition] = u.iteration_id
         self.next_iteration_id = max(self.next_iteration_id, u.iteration_id + 1)
@@ -256,8 +279,14 @@ class DispatcherState:
 
     def _apply_ProduceSplits(self, u: ProduceSplits) -> None:
         it = self.iterations[u.iteration_id]
-        it.splits_produced += u.count
-        it.splits_ended = it.splits_ended or u.end
+        i = u.provider_index
+        it.splits_produced[i] = it.splits_produced.get(i, 0) + u.count
+        it.splits_ended_by_provider[i] = it.splits_ended_by_provider.get(i, False) or u.end
+
+    def _apply_AssignRounds(self, u: AssignRounds) -> None:
+        rounds = self.iterations[u.iteration_id].rounds
+        for i, task_id in enumerate(u.task_ids):
+            rounds[u.first_round + i] = task_id
 
     def _apply_GarbageCollectJob(self, u: GarbageCollectJob) -> None:
         job = self.jobs[u.job_id]

@@ -84,6 +84,11 @@ class DispatcherServiceStub:
                 request_serializer=dataservice_dot_rpc_dot_service__pb2.GetSplitsRequest.SerializeToString,
                 response_deserializer=dataservice_dot_rpc_dot_service__pb2.GetSplitsResponse.FromString,
                 _registered_method=True)
+        self.GetRounds = channel.unary_unary(
+                '/dataservice.rpc.DispatcherService/GetRounds',
+                request_serializer=dataservice_dot_rpc_dot_service__pb2.GetRoundsRequest.SerializeToString,
+                response_deserializer=dataservice_dot_rpc_dot_service__pb2.GetRoundsResponse.FromString,
+                _registered_method=True)
 
 
 class DispatcherServiceServicer:
@@ -149,6 +154,12 @@ class DispatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRounds(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DispatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +212,11 @@ def add_DispatcherServiceServicer_to_server(servicer, server):
                     servicer.GetSplits,
                     request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetSplitsRequest.FromString,
                     response_serializer=dataservice_dot_rpc_dot_service__pb2.GetSplitsResponse.SerializeToString,
+            ),
+            'GetRounds': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRounds,
+                    request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetRoundsRequest.FromString,
+                    response_serializer=dataservice_dot_rpc_dot_service__pb2.GetRoundsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +489,33 @@ class DispatcherService:
             '/dataservice.rpc.DispatcherService/GetSplits',
             dataservice_dot_rpc_dot_service__pb2.GetSplitsRequest.SerializeToString,
             dataservice_dot_rpc_dot_service__pb2.GetSplitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRounds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataservice.rpc.DispatcherService/GetRounds',
+            dataservice_dot_rpc_dot_service__pb2.GetRoundsRequest.SerializeToString,
+            dataservice_dot_rpc_dot_service__pb2.GetRoundsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,6 +29,7 @@ from dataservice.rpc import service_pb2_grpc
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, apply_static_sharding
 from dataservice.transfer import base as transfer
+from dataservice.transfer import codec
 from dataservice.worker.task_runner import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ class _SplitFetcher:
     growing batches (16, 32, ... 1024 per RPC), not one RPC per element.
     One consumer thread (the task's producer)."""
 
-    def __init__(self, worker: WorkerServer, task: Any) -> None:
+    def __init__(self, worker: WorkerServer, task: Any, provider_index: int = 0) -> None:
         self._worker = worker
         self._task = task
+        self._provider_index = provider_index
         self._splits: list[Any] = []
         self._pos = 0
         self._batch = _FIRST_SPLIT_BATCH
@@ -62,6 +64,7 @@ class _SplitFetcher:
             task_id=self._task.task_id,
             max_splits=self._batch,
             incarnation_id=self._worker._incarnation,
+            split_provider_index=self._provider_index,
         )
         try:
             response = self._worker._call_dispatcher("GetSplits", request)
@@ -365,10 +368,14 @@ class WorkerServer:
                     dataset, policy, task.num_workers, task.worker_index
                 )
             if policy == ShardingPolicy.DYNAMIC:
-                return dataset._make_iterator(IterContext(split_source=_SplitFetcher(self, task)))
+                sources = tuple(
+                    _SplitFetcher(self, task, i) for i in range(dataset._num_split_sources())
+                )
+                return dataset._make_iterator(IterContext(split_sources=sources))
             return iter(dataset)
 
         runner = TaskRunner(task.task_id, make_iterator, self._address)
+        runner.num_consumers = task.num_consumers
         with self._mu:
             if task.task_id in self._tasks or self._stop_event.is_set():
                 runner.stop()
@@ -400,11 +407,20 @@ class WorkerServer:
                 f"worker {self._address} no longer runs task {request.task_id} "
                 "(the dispatcher deleted it)"
             )
-        elements, end, error = runner.get_elements(
-            max(1, request.max_elements or 1),
-            request.max_bytes or (16 << 20),
-            max(0.0, deadline - time.monotonic()),
-        )
+        if request.round_index >= 0:
+            raw, end, error = runner.get_round_element(
+                request.consumer_index,
+                runner.num_consumers,
+                request.round_index,
+                max(0.0, deadline - time.monotonic()),
+            )
+            elements = [codec.encode(e) for e in raw]
+        else:
+            elements, end, error = runner.get_elements(
+                max(1, request.max_elements or 1),
+                request.max_bytes or (16 << 20),
+                max(0.0, deadline - time.monotonic()),
+            )
         response = pb.GetElementsResponse(elements=elements, end_of_sequence=end)
         if error is not None:
             response.error_type, response.error_message = error

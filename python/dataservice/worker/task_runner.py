@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER_ELEMENTS = 4096
 DEFAULT_BUFFER_BYTES = 64 << 20
+MAX_OPEN_ROUNDS = 4
 
 
 class TaskRunner:
@@ -41,6 +42,7 @@ class TaskRunner:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> None:
         self.task_id = task_id
+        self.num_consumers = 0  # > 0: a coordinated read (rounds)
         self._make_iterator = make_iterator
         self._worker_address = worker_address
         self._buffer_elements = buffer_elements
@@ -53,6 +55,11 @@ class TaskRunner:
         self._end = False
         self._error: tuple[str, str] | None = None
         self._stopped = False
+        # coordinated reads (guarded by self._cv): round -> [element per consumer]
+        self._rounds: dict[int, list[Any]] = {}
+        self._round_taken: dict[int, set[int]] = {}
+        self._completed_rounds: set[int] = set()
+        self._max_round = -1
         self._thread = threading.Thread(
             target=self._produce, name=f"ds-task-{task_id}", daemon=True
         )
@@ -153,6 +160,64 @@ class TaskRunner:
         """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`)."""
         elements, end, error = self.get_elements_raw(max_elements, max_bytes, timeout_s)
         return [codec.encode(e) for e in elements], end, error
+
+    def get_round_element(
+        self, consumer_index: int, num_consumers: int, round_index: int, timeout_s: float
+    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+        """Coordinated reads (tf.data service's RoundRobinTaskRunner): consumer
+        `consumer_index` of `num_consumers` takes its element of round
+        `round_index`. The first request for a round takes the next
+        `num_consumers` elements of the stream as that round; each consumer gets
+        its own one. At most `MAX_OPEN_ROUNDS` rounds may be incomplete, so a
+        consumer that stops reading stops the others (they time out) instead of
+        letting its elements pile up.
+
+        Returns:
+            ([element] or [] if not ready within `timeout_s`, end_of_sequence, error).
+
+        Raises:
+            FailedPreconditionError: The round was already read by every consumer
+                (e.g. a restarted set of consumers asking for round 0 again).
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            if round_index in self._completed_rounds:
+                raise errors.FailedPreconditionError(
+                    f"Consumer {consumer_index} requested data for round {round_index}, but "
+                    f"the current round has already reached {self._max_round + 1}: every "
+                    "consumer already read that round (restarted consumers must use a new "
+                    "job_name)"
+                )
+            while round_index not in self._rounds:
+                open_rounds = len(self._rounds)
+                if open_rounds < MAX_OPEN_ROUNDS and (
+                    len(self._buffer) >= num_consumers or self._end
+                ):
+                    if len(self._buffer) < num_consumers:  # the stream ended mid-round
+                        return [], True, self._error
+                    items = [self._buffer.popleft() for _ in range(num_consumers)]
+                    self._buffered_bytes -= sum(nbytes for _, nbytes in items)
+                    self._rounds[round_index] = [element for element, _ in items]
+                    self._round_taken[round_index] = set()
+                    self._max_round = max(self._max_round, round_index)
+                    self._cv.notify_all()
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopped:
+                    return [], False, None
+                self._cv.wait(remaining)
+            element = self._rounds[round_index][consumer_index]
+            taken = self._round_taken[round_index]
+            taken.add(consumer_index)
+            if len(taken) == num_consumers:
+                del self._rounds[round_index]
+                del self._round_taken[round_index]
+                self._completed_rounds.add(round_index)
+                if len(self._completed_rounds) > 100_000:
+                    floor = self._max_round - 50_000
+                    self._completed_rounds = {r for r in self._completed_rounds if r > floor}
+                self._cv.notify_all()
+            return [element], False, None
 
     def stop(self) -> None:
         """Stops producing (the producer thread exits at its next element)."""

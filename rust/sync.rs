@@ -9,9 +9,13 @@ use std::time::Duration;
 
 #[cfg(loom)]
 pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64};
+#[cfg(loom)]
+pub use loom::sync::{Mutex, MutexGuard};
 pub use std::sync::atomic::Ordering;
 #[cfg(not(loom))]
 pub use std::sync::atomic::{fence, AtomicU32, AtomicU64};
+#[cfg(not(loom))]
+pub use std::sync::{Mutex, MutexGuard};
 
 /// Busy-wait hint; under loom a yield, so that spinning models stay finite.
 #[inline]

@@ -28,12 +28,12 @@
 //! A crashed peer leaves only its half-written bytes beyond `write_pos` (never published) or
 //! a stale `read_pos`; nothing is locked, so the survivor drains what was published and stops.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::Error;
 use crate::shm::layout::{RingHeader, FRAME_ALIGN};
-use crate::sync::{fence, spin_loop, Ordering, Woken};
+use crate::sync::{fence, spin_loop, Mutex, MutexGuard, Ordering, Woken};
 
 /// Frame-header words the ring itself reads (the rest is `transport::frame`'s).
 pub const FRAME_MAGIC: u32 = 0xD5 << 8;
@@ -453,7 +453,7 @@ impl Reclaim {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, ReclaimInner> {
+    fn lock(&self) -> MutexGuard<'_, ReclaimInner> {
         // A poisoned lock only means a panic elsewhere; the table itself stays consistent.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -54,7 +54,12 @@ _STATUS_BY_ERROR: dict[type[errors.DataServiceError], grpc.StatusCode] = {
     errors.CancelledError: grpc.StatusCode.CANCELLED,
 }
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: a server that stops cancels its in-flight RPCs (a restart).
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 def parse_address(service: str) -> str:

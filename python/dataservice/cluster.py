@@ -167,6 +167,9 @@ class LocalCluster:
             and ("%port%" not in options["worker_address"])
         ):
             raise ValueError("with several workers, `worker_address` must contain '%port%'")
+        # Workers bind loopback: advertise exactly that address, not "localhost"
+        # (which may resolve to ::1 first).
+        options.setdefault("worker_address", "127.0.0.1:%port%")
         # Validates the values (raises ValueError naming a bad field).
         self._worker_template = WorkerConfig(dispatcher_address="127.0.0.1:1", **options)
         if grace_period_s < 0 or start_timeout_s <= 0:

@@ -103,6 +103,23 @@ def _check_consumers(job_name: str, consumer_index: Any, num_consumers: Any) -> 
     return num_consumers
 
 
+def _check_cache(cache: Any, job_name: str, num_consumers: int) -> None:
+    if cache is None:
+        return
+    if not isinstance(cache, CrossTrainerCache):
+        raise ValueError(f"`cross_trainer_cache` must be a CrossTrainerCache, got {cache!r}")
+    if not job_name:
+        raise ValueError(
+            "`cross_trainer_cache` needs a named job: set `job_name` (trainers share the "
+            "job's elements through the cache)"
+        )
+    if num_consumers:
+        raise ValueError(
+            "`cross_trainer_cache` cannot be used with coordinated reads "
+            "(`num_consumers` / `consumer_index`)"
+        )
+
+
 def _check_target_workers(target_workers: Any) -> str:
     if not isinstance(target_workers, str) or target_workers.upper() not in _TARGET_WORKERS:
         raise ValueError(
@@ -285,6 +302,9 @@ class DistributedDataset(Dataset):
             data_transfer_protocol=self._data_transfer_protocol,
             target_workers=self._target_workers,
             client_timeout_ms=self._client_timeout_ms,
+            trainer_id=""
+            if peek or self._cross_trainer_cache is None
+            else self._cross_trainer_cache.trainer_id,
         )
         return DataServiceIterator(options, dataset_id, repetition)
 
@@ -360,10 +380,7 @@ def distribute(
     _check_compression(compression)
     target = _check_target_workers(target_workers)
     timeout_ms = _client_timeout_ms(client_timeout_ms)
-    if cross_trainer_cache is not None and not isinstance(cross_trainer_cache, CrossTrainerCache):
-        raise ValueError(
-            f"`cross_trainer_cache` must be a CrossTrainerCache, got {cross_trainer_cache!r}"
-        )
+    _check_cache(cross_trainer_cache, name, consumers)
 
     def _apply(dataset: Dataset) -> Dataset:
         if not isinstance(dataset, Dataset):
@@ -447,6 +464,7 @@ def from_dataset_id(
     address = _service_address(service)
     name = _check_job_name(job_name)
     consumers = _check_consumers(name, consumer_index, num_consumers)
+    _check_cache(cross_trainer_cache, name, consumers)
     if not isinstance(dataset_id, str) or not dataset_id:
         raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
     return DistributedDataset(

@@ -57,6 +57,7 @@ class ReadOptions:
     target_workers: str
     client_timeout_ms: int
     auth_token: str | None = None
+    trainer_id: str = ""  # set: read through the job's cross-trainer cache
 
 
 @dataclass
@@ -149,6 +150,7 @@ class _Reader:
                 target_workers=self.options.target_workers,
                 client_host_id=host_id(),
                 incarnation_id=self.incarnation,
+                use_cross_trainer_cache=bool(self.options.trainer_id),
             ),
         )
         iteration = self.call(
@@ -257,6 +259,9 @@ class _Reader:
         client: transfer.TransferClient | None = None
         try:
             candidates = transfer.protocol_candidates(self.options.data_transfer_protocol, endpoint)
+            if self.options.trainer_id:
+                # Cross-trainer cache reads are served by the worker's gRPC server.
+                candidates = ["grpc"]
             for protocol in candidates:
                 try:
                     client = transfer.make_client(protocol, endpoint, self.options.auth_token)
@@ -297,7 +302,15 @@ class _Reader:
                         if self._stop.is_set() or state.removed:
                             return
                 try:
-                    result = client.get_elements(want, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S)
+                    if self.options.trainer_id:
+                        result = client.get_elements(
+                            want,
+                            _MAX_BYTES_PER_FETCH,
+                            _FETCH_WAIT_S,
+                            trainer_id=self.options.trainer_id,
+                        )
+                    else:
+                        result = client.get_elements(want, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S)
                 except (
                     errors.UnavailableError,
                     errors.NotFoundError,

@@ -352,6 +352,7 @@ class DispatchServer:
                     worker_index=task.worker_index,
                     num_workers=len(self._config.worker_addresses or ()),
                     job_name=job.job_name,
+                    use_cross_trainer_cache=job.use_cross_trainer_cache,
                 )
             response.tasks_to_delete.extend(sorted(current - assigned_ids))
             return response
@@ -448,6 +449,18 @@ class DispatchServer:
                         "input dataset has infinite cardinality, but the dataset has "
                         f"cardinality {cardinality}; add .repeat() before distribute"
                     )
+            cache = request.use_cross_trainer_cache
+            if cache:
+                if not request.job_name:
+                    raise errors.InvalidArgumentError(
+                        "A cross-trainer cache needs a named job: set `job_name`"
+                    )
+                cardinality = self._state.datasets[request.dataset_id].cardinality
+                if cardinality >= 0:
+                    raise errors.FailedPreconditionError(
+                        "Cross-trainer caching requires the input dataset to be infinite, "
+                        f"but it has cardinality {cardinality}; add .repeat() before distribute"
+                    )
             target = request.target_workers or "AUTO"
             if request.job_name:
                 job = self._state.live_job_named(request.job_name)
@@ -467,6 +480,11 @@ class DispatchServer:
                     if job.target_workers != target:
                         diffs.append(
                             f"target_workers (existing: {job.target_workers}, requested: {target})"
+                        )
+                    if job.use_cross_trainer_cache != cache:
+                        diffs.append(
+                            f"cross-trainer cache (existing: {job.use_cross_trainer_cache}, "
+                            f"requested: {cache})"
                         )
                     if job.num_consumers != request.num_consumers:
                         diffs.append(
@@ -490,6 +508,7 @@ class DispatchServer:
                     request.num_consumers,
                     target,
                     request.client_host_id,
+                    cache,
                 )
             )
             self._job_last_used[job_id] = time.monotonic()
@@ -505,6 +524,12 @@ class DispatchServer:
                 raise errors.NotFoundError(
                     f"Job {request.job_id} ({job.job_name or 'anonymous'}) was garbage "
                     "collected: no client read it for job_gc_timeout_ms"
+                )
+            if job.use_cross_trainer_cache and request.repetition > 0:
+                raise errors.FailedPreconditionError(
+                    f"job {job.job_name!r} reads through a cross-trainer cache over an infinite "
+                    f"dataset: it has one repetition, and repetition {request.repetition} was "
+                    "requested (iterate each distributed dataset once, or use a new job_name)"
                 )
             iteration_id = job.iterations.get(request.repetition)
             already_finished = False

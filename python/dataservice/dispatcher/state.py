@@ -52,6 +52,7 @@ class CreateJob:
     num_consumers: int
     target_workers: str
     client_host_id: str
+    use_cross_trainer_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class Job:
     num_consumers: int
     target_workers: str
     client_host_id: str
+    use_cross_trainer_cache: bool = False
     iterations: dict[int, IterationId] = field(default_factory=dict)  # repetition -> id
     garbage_collected: bool = False
 

@@ -30,6 +30,7 @@ class GrpcTransferClient(base.TransferClient):
         timeout_s: float,
         consumer_index: int = -1,
         round_index: int = -1,
+        trainer_id: str = "",
     ) -> base.ElementsResult:
         request = service_pb2.GetElementsRequest(
             task_id=self._endpoint.task_id,
@@ -37,6 +38,7 @@ class GrpcTransferClient(base.TransferClient):
             max_bytes=max_bytes,
             consumer_index=consumer_index,
             round_index=round_index,
+            trainer_id=trainer_id,
         )
         try:
             response = self._stub.GetElements(

@@ -30,7 +30,10 @@ from dataservice.rpc import util as rpc_util
 from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, apply_static_sharding
 from dataservice.transfer import base as transfer
 from dataservice.transfer import codec
+from dataservice.worker.cross_trainer_cache import CrossTrainerCache
 from dataservice.worker.task_runner import TaskRunner
+
+DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +379,11 @@ class WorkerServer:
 
         runner = TaskRunner(task.task_id, make_iterator, self._address)
         runner.num_consumers = task.num_consumers
+        if task.use_cross_trainer_cache:
+            runner.cross_trainer_cache = CrossTrainerCache(
+                runner,
+                self._config.cross_trainer_cache_size_bytes or DEFAULT_CROSS_TRAINER_CACHE_BYTES,
+            )
         with self._mu:
             if task.task_id in self._tasks or self._stop_event.is_set():
                 runner.stop()
@@ -407,7 +415,20 @@ class WorkerServer:
                 f"worker {self._address} no longer runs task {request.task_id} "
                 "(the dispatcher deleted it)"
             )
-        if request.round_index >= 0:
+        if request.trainer_id:
+            cache = runner.cross_trainer_cache
+            if cache is None:
+                raise errors.FailedPreconditionError(
+                    f"task {request.task_id} does not use a cross-trainer cache, but a "
+                    f"read for trainer {request.trainer_id!r} asked for one"
+                )
+            raw, end, error = cache.get_elements(
+                request.trainer_id,
+                max(1, request.max_elements or 1),
+                max(0.0, deadline - time.monotonic()),
+            )
+            elements = [codec.encode(e) for e in raw]
+        elif request.round_index >= 0:
             raw, end, error = runner.get_round_element(
                 request.consumer_index,
                 runner.num_consumers,

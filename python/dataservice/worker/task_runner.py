@@ -43,6 +43,7 @@ class TaskRunner:
     ) -> None:
         self.task_id = task_id
         self.num_consumers = 0  # > 0: a coordinated read (rounds)
+        self.cross_trainer_cache: Any = None  # set for jobs with a cross-trainer cache
         self._make_iterator = make_iterator
         self._worker_address = worker_address
         self._buffer_elements = buffer_elements

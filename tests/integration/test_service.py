@@ -272,3 +272,31 @@ def test_c01_script_that_stops_its_servers_exits_at_once(tmp_path):
     stopped_at = time.monotonic()
     assert proc.wait(timeout=10) == 0
     assert time.monotonic() - stopped_at < 3.0
+
+
+@pytest.mark.parametrize("compression", ["zstd", "ZSTD", None, "AUTO"])
+def test_compression_round_trip(cluster, compression):
+    dataset = ds.Dataset.range(50).map(lambda x: np.full((64, 64), x, np.int32))
+    it = iter(dist(dataset, cluster, compression=compression, data_transfer_protocol="grpc"))
+    got = list(it)
+    assert [int(a[0, 0]) for a in got] == list(range(50))
+    assert all(a.shape == (64, 64) and a.dtype == np.int32 for a in got)
+    nbytes = it.stats()["bytes"]
+    if compression in ("zstd", "ZSTD"):  # constant arrays compress well
+        assert nbytes < 50 * 64 * 64 * 4 / 20
+    else:  # AUTO on one host does not compress
+        assert nbytes > 50 * 64 * 64 * 4
+
+
+def test_auto_compression_across_hosts(make_cluster, monkeypatch):
+    c = make_cluster(0)
+    monkeypatch.setenv("DATASERVICE_HOST_ID", "worker-host")
+    c.add_worker()
+    monkeypatch.setenv("DATASERVICE_HOST_ID", "trainer-host")
+    dataset = ds.Dataset.range(20).map(lambda x: np.zeros(4096, np.float64) + x)
+    it = iter(dist(dataset, c, compression="AUTO"))
+    assert [float(a[0]) for a in it] == [float(i) for i in range(20)]
+    stats = it.stats()
+    (worker,) = stats["workers"].values()
+    assert worker["transfer_protocol"] == "grpc"  # another host: no shared memory
+    assert stats["bytes"] < 20 * 4096 * 8 / 10  # zstd across hosts

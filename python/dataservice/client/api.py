@@ -28,7 +28,7 @@ from dataservice.sharding import ShardingPolicy, to_sharding_policy
 
 CLIENT_TIMEOUT_ENV = "DATASERVICE_CLIENT_TIMEOUT_MS"
 DEFAULT_CLIENT_TIMEOUT_MS = 60_000
-_COMPRESSIONS = ("AUTO", "NONE")
+_COMPRESSIONS = ("AUTO", "NONE", "ZSTD")
 _TARGET_WORKERS = ("AUTO", "ANY", "LOCAL")
 
 
@@ -302,6 +302,7 @@ class DistributedDataset(Dataset):
             data_transfer_protocol=self._data_transfer_protocol,
             target_workers=self._target_workers,
             client_timeout_ms=self._client_timeout_ms,
+            compression=self._compression,
             trainer_id=""
             if peek or self._cross_trainer_cache is None
             else self._cross_trainer_cache.trainer_id,
@@ -357,7 +358,8 @@ def distribute(
         consumer_index, num_consumers: Coordinated reads (both or neither; needs `job_name`).
         max_outstanding_requests: Most concurrent element requests (default: one per worker).
         data_transfer_protocol: None/"auto", "grpc", or another registered protocol.
-        compression: "AUTO" or None (elements are not compressed yet).
+        compression: "AUTO" (zstd for elements that cross hosts, none on the same
+            host), None (never), or "zstd" (always over gRPC; never on shared memory).
         cross_trainer_cache: A `CrossTrainerCache` to share a job's elements between trainers.
         target_workers: "AUTO", "ANY" or "LOCAL" (case-insensitive).
         client_timeout_ms: How long to retry an unreachable dispatcher (ms); default
@@ -478,7 +480,7 @@ def from_dataset_id(
         target_workers=_check_target_workers(target_workers),
         client_timeout_ms=_client_timeout_ms(client_timeout_ms),
         cross_trainer_cache=cross_trainer_cache,
-        compression=None,
+        compression="AUTO",
         dataset_id=dataset_id,
         element_spec=element_spec,
     )

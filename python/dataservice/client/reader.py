@@ -58,6 +58,7 @@ class ReadOptions:
     client_timeout_ms: int
     auth_token: str | None = None
     trainer_id: str = ""  # set: read through the job's cross-trainer cache
+    compression: str | None = "AUTO"  # "AUTO", None or "ZSTD" (distribute's argument)
 
 
 @dataclass
@@ -279,6 +280,9 @@ class _Reader:
                         err,
                     )
             assert client is not None
+            compression = self._compression_for(endpoint)
+            if compression:
+                client.set_compression(compression)
         except errors.DataServiceError as err:
             self._fail(err)
             return
@@ -346,6 +350,13 @@ class _Reader:
             self._fail(err)
         finally:
             client.close()
+
+    def _compression_for(self, endpoint: transfer.TaskEndpoint) -> str:
+        """ "zstd" or "": AUTO compresses only elements that cross hosts."""
+        requested = (self.options.compression or "NONE").upper()
+        if requested == "AUTO":
+            return "zstd" if endpoint.host_id != host_id() else ""
+        return "" if requested == "NONE" else requested.lower()
 
     def _read_ahead_locked(self) -> int:
         """How many elements may wait here unconsumed: it grows with what the

@@ -65,6 +65,10 @@ class TransferClient(abc.ABC):
             NotFoundError: The worker does not know the task.
         """
 
+    def set_compression(self, compression: str) -> None:  # noqa: B027  (optional hook)
+        """Asks the worker to compress elements ("zstd"); protocols that move
+        bytes within one host (shared memory) ignore it."""
+
     def close(self) -> None:  # noqa: B027  (optional hook: most clients hold nothing)
         """Frees what the client holds (channels, rings)."""
 

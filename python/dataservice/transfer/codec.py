@@ -23,7 +23,26 @@ import numpy as np
 from dataservice import errors
 
 _MAGIC = b"DSE1"
+_ZSTD_MAGIC = b"DSZ1"  # then a zstd frame of an encoded element
 _PREFIX = struct.Struct("<4sIQ")
+COMPRESSIONS = ("zstd",)
+
+
+def compress(data: bytes, compression: str) -> bytes:
+    """An encoded element compressed with `compression` ("zstd"; "" = as is).
+
+    Raises:
+        InvalidArgumentError: An unknown compression name.
+    """
+    if not compression:
+        return data
+    if compression != "zstd":
+        raise errors.InvalidArgumentError(
+            f"unknown compression {compression!r}; known: {', '.join(COMPRESSIONS)}"
+        )
+    import zstandard
+
+    return _ZSTD_MAGIC + zstandard.ZstdCompressor(level=1).compress(data)
 
 
 def encode(element: Any) -> bytes:
@@ -46,6 +65,10 @@ def decode(data: bytes) -> Any:
     Raises:
         DataLossError: `data` is not an encoded element.
     """
+    if data[:4] == _ZSTD_MAGIC:
+        import zstandard
+
+        data = zstandard.ZstdDecompressor().decompress(data[4:])
     view = memoryview(data)
     if len(view) < _PREFIX.size or bytes(view[:4]) != _MAGIC:
         raise errors.DataLossError("received an element that is not in the dataservice format")

@@ -17,8 +17,11 @@ class GrpcTransferClient(base.TransferClient):
 
     protocol = "grpc"
 
-    def __init__(self, endpoint: base.TaskEndpoint, auth_token: str | None) -> None:
+    def __init__(
+        self, endpoint: base.TaskEndpoint, auth_token: str | None, compression: str = ""
+    ) -> None:
         self._endpoint = endpoint
+        self._compression = compression  # "" or "zstd", chosen by the reader
         self._channel = rpc_util.make_channel(endpoint.transfer_address)
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
         self._metadata = rpc_util.call_metadata(rpc_util.token_from_env(auth_token))
@@ -39,6 +42,7 @@ class GrpcTransferClient(base.TransferClient):
             consumer_index=consumer_index,
             round_index=round_index,
             trainer_id=trainer_id,
+            compression=self._compression,
         )
         try:
             response = self._stub.GetElements(
@@ -53,6 +57,9 @@ class GrpcTransferClient(base.TransferClient):
         elements: list[Any] = [codec.decode(e) for e in response.elements]
         nbytes = sum(len(e) for e in response.elements)
         return base.ElementsResult(elements, nbytes, response.end_of_sequence)
+
+    def set_compression(self, compression: str) -> None:
+        self._compression = compression
 
     def close(self) -> None:
         self._channel.close()

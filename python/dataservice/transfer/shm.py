@@ -43,6 +43,7 @@ MIN_RING_BYTES = 8 << 20
 ZERO_COPY_ENV = "DATASERVICE_SHM_ZERO_COPY"
 _HANDSHAKE_TIMEOUT_S = 5.0
 _TASK_WAIT_S = 2.0
+_CONNECT_RETRY_S = 3.0
 _GRANT = struct.Struct("<cQ")  # b"G", elements wanted
 _PUT_SLICE_MS = 200
 
@@ -380,12 +381,7 @@ class ShmTransferClient(base.TransferClient):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            try:
-                sock.connect(shm_socket_name(endpoint.worker_address))
-            except OSError as err:
-                raise base.TransferUnavailable(
-                    f"no shared-memory endpoint for worker {endpoint.worker_address}: {err}"
-                ) from err
+            self._connect(sock, endpoint.worker_address)
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             peer_pid, peer_uid, _ = struct.unpack("3i", creds)
             if peer_uid not in (os.getuid(), 0):
@@ -421,6 +417,30 @@ class ShmTransferClient(base.TransferClient):
             sock.close()
             raise
         self._sock = sock
+
+    @staticmethod
+    def _connect(sock: socket.socket, worker_address: str) -> None:
+        """Connects to the worker's socket, retrying a refused connection for up to
+        `_CONNECT_RETRY_S` seconds: a worker being restarted (same address) comes
+        back, while one without a shm endpoint makes the caller fall back then."""
+        name = shm_socket_name(worker_address)
+        deadline = time.monotonic() + _CONNECT_RETRY_S
+        delay = 0.02
+        while True:
+            try:
+                sock.connect(name)
+                return
+            except (ConnectionRefusedError, FileNotFoundError) as err:
+                if time.monotonic() + delay > deadline:
+                    raise base.TransferUnavailable(
+                        f"no shared-memory endpoint for worker {worker_address}: {err}"
+                    ) from err
+            except OSError as err:
+                raise base.TransferUnavailable(
+                    f"no shared-memory endpoint for worker {worker_address}: {err}"
+                ) from err
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def get_elements(
         self,

@@ -442,6 +442,8 @@ class WorkerServer:
                 request.max_bytes or (16 << 20),
                 max(0.0, deadline - time.monotonic()),
             )
+        if request.compression:
+            elements = [codec.compress(e, request.compression) for e in elements]
         response = pb.GetElementsResponse(elements=elements, end_of_sequence=end)
         if error is not None:
             response.error_type, response.error_message = error

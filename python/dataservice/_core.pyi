@@ -7,11 +7,14 @@ a file is records back to back, optionally inside one GZIP or ZLIB stream.
 
 from os import PathLike
 from types import TracebackType
-from typing import Self, final
+from typing import Any, Self, final
 
 from typing_extensions import Buffer
 
 __all__ = [
+    "RingLease",
+    "ShmRingConsumer",
+    "ShmRingProducer",
     "TFRecordReader",
     "TFRecordWriter",
     "crc32c",
@@ -141,3 +144,122 @@ def crc32c(data: Buffer) -> int:
 
 def masked_crc32c(data: Buffer) -> int:
     """The masked CRC32C TFRecord stores: ((crc >> 15) | (crc << 17)) + 0xa282ead8 (mod 2**32)."""
+
+
+@final
+class ShmRingProducer:
+    """The producer (worker) end of a shared-memory ring: creates a sealed, pre-faulted
+    memfd (nothing in /dev/shm). One producer thread (a concurrent call raises
+    RuntimeError "in use"); the GIL is released for every wait and for copies of at least
+    256 KiB.
+
+    Args:
+        capacity_bytes: Data bytes, a power of two in [64 KiB, 4 GiB]. Frames up to a
+            quarter of it go in one piece; bigger elements travel as CHUNK frames.
+        max_element_bytes: Largest element accepted (bytes).
+
+    Raises:
+        ValueError: `capacity_bytes` is not a supported size.
+        dataservice.errors.ResourceExhaustedError: The memory cannot be reserved (full
+            tmpfs or memory cgroup): never a later SIGBUS.
+    """
+
+    def __new__(cls, capacity_bytes: int, max_element_bytes: int = 1 << 40) -> Self: ...
+    def fileno(self) -> int:
+        """The ring's memfd, owned by this object (send a copy with `socket.send_fds`)."""
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def max_frame_bytes(self) -> int: ...
+    @property
+    def nonce(self) -> bytes:
+        """16 random bytes the consumer checks against the ring's header."""
+    def set_peer(self, control_fd: int | None = None, pid: int | None = None) -> None:
+        """Watches the consumer: HUP on `control_fd` (duplicated) or exit of `pid`."""
+    def consumer_waiting(self) -> bool:
+        """True while the consumer may be asleep waiting for data."""
+    def put_many(self, elements: Any, timeout_ms: int | None = None) -> int:
+        """Writes elements (numpy arrays of any fixed-size dtype, numpy scalars, bytes,
+        str, int/float/bool/None, object arrays of bytes, nested tuple/list/dict/
+        namedtuple; anything else pickled), in order, blocking while the ring is full up
+        to `timeout_ms` (None: no limit).
+
+        Returns:
+            How many elements were written: all of them unless the time ran out.
+        Raises:
+            dataservice.errors.UnavailableError: The consumer is gone.
+            dataservice.errors.ElementTooLargeError: An element exceeds
+                `max_element_bytes` (the message names both sizes).
+        """
+    def put_error(self, type_name: str, message: str, timeout_ms: int | None = None) -> bool:
+        """Writes an ERROR frame (a worker-side exception); False on timeout."""
+    def put_end(self, timeout_ms: int | None = None) -> bool:
+        """Writes the END frame and closes the ring; False on timeout."""
+    def stats(self) -> dict[str, int]:
+        """`bytes`, `full_waits`, `detaches`, `buffered_bytes`, `elements`; any thread."""
+    def close(self) -> None:
+        """Frees this end (the memory goes once the consumer unmaps too). Idempotent."""
+
+@final
+class ShmRingConsumer:
+    """The consumer (trainer) end of a shared-memory ring: maps a received memfd after
+    checking its seals, size, magic, layout version and nonce. One consumer thread.
+
+    Numpy leaves of at least `copy_threshold_bytes` come back as writeable views of the
+    ring (page-aligned), kept valid by a `RingLease`; smaller leaves are copied. While
+    leased frames would pin more than `max_pinned_fraction` of the ring, frames are copied
+    instead; if the producer still stalls on leased frames, they are moved to private
+    memory (detach), so keeping every element never deadlocks.
+
+    Args:
+        fd: The ring's memfd (duplicated here).
+        control_fd: The handshake socket, watched for HUP (duplicated here).
+        pid: The producer's pid, watched with a pidfd.
+        nonce: The 16 bytes from the handshake.
+        zero_copy: False copies every leaf.
+        copy_threshold_bytes: Smallest leaf handed out as a view (bytes).
+        max_pinned_fraction: Share of the ring leases may pin before frames are copied.
+
+    Raises:
+        dataservice.errors.FailedPreconditionError: `fd` is not a ring of this layout.
+    """
+
+    def __new__(
+        cls,
+        fd: int,
+        control_fd: int | None = None,
+        pid: int | None = None,
+        nonce: bytes | None = None,
+        zero_copy: bool = True,
+        copy_threshold_bytes: int = 65536,
+        max_pinned_fraction: float = 0.5,
+    ) -> Self: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+    def get_many(
+        self, max_elements: int = 256, timeout_ms: int | None = None
+    ) -> tuple[list[Any], int, bool, tuple[str, str] | None]:
+        """Takes up to `max_elements` elements, waiting up to `timeout_ms` for the first.
+
+        Returns:
+            (elements, nbytes, end_of_sequence, error): `nbytes` is the size of their
+            frames; `error` is a worker-side (type name, message) reported once the
+            elements before it were returned; an empty list without end means the time
+            ran out.
+        Raises:
+            dataservice.errors.UnavailableError: The producer died; every element it
+                published before was returned first.
+            dataservice.errors.DataLossError: The ring's bytes are not valid frames.
+        """
+    def stats(self) -> dict[str, int]:
+        """`elements`, `leased`, `detaches`, `pinned_bytes`, `empty_waits`."""
+    def close(self) -> None:
+        """Frees this end; views handed out stay valid. Idempotent."""
+
+@final
+class RingLease:
+    """A writeable buffer over one leaf of a ring frame; numpy views of it keep the frame
+    from being reused. Created by `ShmRingConsumer.get_many`."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __len__(self) -> int: ...

@@ -374,3 +374,24 @@ def test_ring_budget_halves_then_refuses():
     assert size_c == 16 << 20
     b.close()
     c.close()
+
+
+class _Leaf:
+    """Pickles unless told not to."""
+
+    def __init__(self, ok):
+        self.ok = ok
+
+    def __reduce__(self):
+        if not self.ok:
+            raise TypeError("cannot pickle this leaf")
+        return (_Leaf, (True,))
+
+
+def test_unencodable_element_is_a_worker_error_not_a_lost_worker(cluster):
+    data = ds.Dataset.range(3).map(lambda x: (x, _Leaf(int(x) != 2)))
+    got = []
+    with pytest.raises(TypeError, match="cannot pickle this leaf"):
+        for x, _ in dist(data, cluster, data_transfer_protocol="shm"):
+            got.append(int(x))
+    assert got == [0, 1]

@@ -220,7 +220,9 @@ class _Connection:
             while put < len(elements):
                 try:
                     put += self.ring.put_many(elements[put:], _PUT_SLICE_MS)
-                except errors.ElementTooLargeError as err:
+                except errors.UnavailableError:
+                    raise  # the consumer is gone
+                except Exception as err:  # e.g. ElementTooLarge, an unpicklable leaf
                     self.ring.put_error(type(err).__name__, str(err), None)
                     return
                 if server.stopping:

@@ -23,3 +23,11 @@ def test_readme_usage_example_runs(capsys):
     lines = out.splitlines()
     # DYNAMIC: each of the 1000 elements once per epoch (each worker batches its share)
     assert [line.split()[:2] for line in lines] == [["0", "1000"], ["1", "1000"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_readme_mode_examples_run(index):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert len(blocks) == 4, "README.md: the usage example and three mode examples"
+    exec(compile(blocks[index], f"README.md block {index}", "exec"), {})

@@ -61,7 +61,7 @@ pub enum Error {
     /// Reserving the ring's memory failed (full tmpfs, memory cgroup limit).
     #[error(
         "cannot reserve {requested_bytes} bytes of shared memory for a ring \
-         ({available_bytes} bytes MemAvailable): {source}"
+         ({available_bytes} bytes available to this process): {source}"
     )]
     ShmExhausted {
         requested_bytes: u64,

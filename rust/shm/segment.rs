@@ -95,6 +95,17 @@ impl Mapping {
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
         )
         .map_err(|e| os_error("creating", e))?;
+        // A memory cgroup at its limit answers fallocate on shmem with its OOM killer, not
+        // ENOMEM: refuse up front what the cgroup cannot hold.
+        if let Some(free) = cgroup_free_bytes() {
+            if total > free {
+                return Err(Error::ShmExhausted {
+                    requested_bytes: total,
+                    available_bytes: free.min(mem_available_bytes()),
+                    source: std::io::Error::from_raw_os_error(libc_enomem()),
+                });
+            }
+        }
         if let Err(err) = rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, total) {
             return Err(Error::ShmExhausted {
                 requested_bytes: total,
@@ -258,4 +269,47 @@ pub fn mem_available_bytes() -> u64 {
                 .and_then(|v| v.parse::<u64>().ok())
         })
         .map_or(0, |kib| kib * 1024)
+}
+
+fn libc_enomem() -> i32 {
+    rustix::io::Errno::NOMEM.raw_os_error()
+}
+
+/// Memory limit minus usage of this process's cgroup (v2 `memory.max`/`memory.current`, or
+/// v1 `memory.limit_in_bytes`/`memory.usage_in_bytes`), or None if unlimited or unknown.
+pub fn cgroup_free_bytes() -> Option<u64> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let (limit, usage) = if controllers.is_empty() {
+            (
+                format!("/sys/fs/cgroup{path}/memory.max"),
+                format!("/sys/fs/cgroup{path}/memory.current"),
+            )
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (
+                format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"),
+                format!("/sys/fs/cgroup/memory{path}/memory.usage_in_bytes"),
+            )
+        } else {
+            continue;
+        };
+        let read = |p: &str| {
+            std::fs::read_to_string(p)
+                .ok()
+                .map(|s| s.trim().to_string())
+        };
+        let (Some(limit), Some(usage)) = (read(&limit), read(&usage)) else {
+            continue;
+        };
+        let (Ok(limit), Ok(usage)) = (limit.parse::<u64>(), usage.parse::<u64>()) else {
+            continue; // "max": unlimited
+        };
+        if limit >= 1 << 60 {
+            continue; // v1's "unlimited"
+        }
+        return Some(limit.saturating_sub(usage));
+    }
+    None
 }

@@ -395,3 +395,86 @@ def test_unencodable_element_is_a_worker_error_not_a_lost_worker(cluster):
         for x, _ in dist(data, cluster, data_transfer_protocol="shm"):
             got.append(int(x))
     assert got == [0, 1]
+
+
+_CGROUP_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    import dataservice as ds
+    from dataservice import _core, errors
+    from tests.conftest import InProcessCluster
+    cg, limit_file = sys.argv[1], sys.argv[2]
+    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    with open(os.path.join(cg, limit_file), "w") as f:
+        f.write(str(100 << 20))
+    try:
+        _core.ShmRingProducer(256 << 20)
+        print("created")
+    except errors.ResourceExhaustedError as err:
+        assert "268439552 bytes" in str(err), err
+        print("refused")
+    c = InProcessCluster(0)
+    try:
+        c.add_worker(shm_ring_bytes=256 << 20)
+        d = ds.Dataset.range(2000).map(lambda x: np.full(1000, x, np.int32))
+        it = iter(d.apply(ds.distribute(ds.ShardingPolicy.OFF, c.target)))
+        assert [int(x[0]) for x in it] == list(range(2000))
+        print(sorted({w["transfer_protocol"] for w in it.stats()["workers"].values()}))
+    finally:
+        c.stop()
+    """
+)
+
+
+def _child_memory_cgroup() -> tuple[str, str] | None:
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            parent, limit_file = f"/sys/fs/cgroup/memory{path}", "memory.limit_in_bytes"
+        elif controllers == "" and os.path.exists(f"/sys/fs/cgroup{path}/memory.max"):
+            parent, limit_file = f"/sys/fs/cgroup{path}", "memory.max"
+        else:
+            continue
+        child = os.path.join(parent, f"ds-test-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            os.mkdir(child)
+        except OSError:
+            return None
+        return child, limit_file
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_c11_memory_cgroup_limit_is_a_clear_error_never_a_crash():
+    """C-11 for memory: a 256 MiB ring in a 100 MiB memory cgroup is refused with
+    ResourceExhaustedError naming the size (fallocate under a full cgroup would
+    invoke the OOM killer); a worker asked for 256 MiB rings there still serves,
+    with a smaller ring or over gRPC."""
+    made = _child_memory_cgroup()
+    if made is None:
+        pytest.skip("cannot create a memory cgroup here")
+    child, limit_file = made
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        out = subprocess.run(
+            [sys.executable, "-c", _CGROUP_SCRIPT, child, limit_file],
+            capture_output=True, text=True, timeout=100, cwd=root,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = out.stdout.split("\n")
+        assert lines[0] == "refused"
+        assert lines[1] in ("['shm']", "['grpc']")
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(child)
+                break
+            except OSError:
+                time.sleep(0.1)

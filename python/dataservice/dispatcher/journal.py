@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import struct
 from collections.abc import Iterator
 
 from dataservice import _core, errors
@@ -27,6 +28,25 @@ log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "segment-"
 SEGMENT_SUFFIX = ".tfrecord"
+SNAPSHOT_PREFIX = "snapshot-"
+SNAPSHOT_SUFFIX = ".pickle"
+SNAPSHOT_EVERY_RECORDS = 20_000  # bounds replay: a snapshot, then at most this many records
+
+
+def _is_torn_tail(path: str, offset: int) -> bool:
+    """Whether the damaged record at `offset` is the file's last one: its
+    header is cut short, or the length it declares reaches the end of the
+    file (appends are sequential, so a crash can only damage the tail)."""
+    size = os.path.getsize(path)
+    if size - offset < 12:  # u64 length + u32 masked CRC of the length
+        return True
+    with open(path, "rb") as f:
+        f.seek(offset)
+        header = f.read(12)
+    (length,) = struct.unpack("<Q", header[:8])
+    if _core.masked_crc32c(header[:8]) != struct.unpack("<I", header[8:])[0]:
+        return False  # a garbled length inside the file: real damage
+    return offset + 16 + length >= size
 
 
 class Journal:
@@ -39,6 +59,62 @@ class Journal:
         os.makedirs(os.path.join(work_dir, "datasets"), exist_ok=True)
         os.makedirs(self._journal_dir, exist_ok=True)
         self._writer: _core.TFRecordWriter | None = None
+        self._segment = -1  # index of the segment being written
+        self.records_in_segment = 0
+
+    @staticmethod
+    def _index(path: str, prefix: str, suffix: str) -> int:
+        return int(os.path.basename(path)[len(prefix) : -len(suffix)])
+
+    def _snapshots(self) -> list[str]:
+        names = [
+            n
+            for n in os.listdir(self._journal_dir)
+            if n.startswith(SNAPSHOT_PREFIX) and n.endswith(SNAPSHOT_SUFFIX)
+        ]
+        names.sort(key=lambda n: self._index(n, SNAPSHOT_PREFIX, SNAPSHOT_SUFFIX))
+        return [os.path.join(self._journal_dir, n) for n in names]
+
+    def load_snapshot(self) -> state.DispatcherState | None:
+        """The newest snapshot's state (segments before it are replaced by it), or None.
+
+        Raises:
+            DataLossError: The snapshot cannot be read; names the file.
+        """
+        snapshots = self._snapshots()
+        if not snapshots:
+            return None
+        path = snapshots[-1]
+        try:
+            with open(path, "rb") as f:
+                loaded: state.DispatcherState = pickle.load(f)
+        except Exception as err:
+            raise errors.DataLossError(f"journal snapshot {path} cannot be read: {err}") from err
+        return loaded
+
+    def snapshot(self, current: state.DispatcherState) -> None:
+        """Writes `current` as a snapshot, starts a new segment, and deletes
+        the segments and snapshots it replaces (bounded replay time)."""
+        self.close()
+        n = self._segment + 1
+        path = os.path.join(self._journal_dir, f"{SNAPSHOT_PREFIX}{n:06d}{SNAPSHOT_SUFFIX}")
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(current, f, protocol=5)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(self._journal_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._segment = n - 1  # the next append opens segment n
+        for old in self._segments():
+            if self._index(old, SEGMENT_PREFIX, SEGMENT_SUFFIX) < n:
+                os.remove(old)
+        for old in self._snapshots()[:-1]:
+            os.remove(old)
 
     def _segments(self) -> list[str]:
         names = [
@@ -56,7 +132,11 @@ class Journal:
         Raises:
             DataLossError: A record cannot be decoded; names the file and offset.
         """
+        snapshots = self._snapshots()
+        first = self._index(snapshots[-1], SNAPSHOT_PREFIX, SNAPSHOT_SUFFIX) if snapshots else 0
         for path in self._segments():
+            if self._index(path, SEGMENT_PREFIX, SEGMENT_SUFFIX) < first:
+                continue  # replaced by the snapshot
             reader = _core.TFRecordReader(path)
             good_offset = 0
             records: list[bytes] = []
@@ -65,8 +145,14 @@ class Journal:
                     records.append(record)
                     good_offset = reader.offset
             except errors.DataLossError as err:
-                # TFRecord framing cannot resynchronise after damage: what
-                # follows the last whole record is the torn write of a crash.
+                if not _is_torn_tail(path, good_offset):
+                    raise errors.DataLossError(
+                        f"journal {path}: damaged record at offset {good_offset}, and it is "
+                        f"not the last one (so not a torn write): {err}. The dispatcher "
+                        "cannot replay its state past it; restore the work_dir or start "
+                        "with a new one"
+                    ) from err
+                # The last record is incomplete or garbled: the torn write of a crash.
                 log.warning(
                     "journal %s: dropping a torn tail of %d bytes at offset %d (%s)",
                     path,
@@ -93,14 +179,16 @@ class Journal:
         """Writes `update` and fsyncs it before returning."""
         if self._writer is None:
             segments = self._segments()
-            last = segments[-1] if segments else None
-            n = 0
-            if last:
-                n = int(os.path.basename(last)[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]) + 1
-            path = os.path.join(self._journal_dir, f"{SEGMENT_PREFIX}{n:06d}{SEGMENT_SUFFIX}")
+            last = self._index(segments[-1], SEGMENT_PREFIX, SEGMENT_SUFFIX) if segments else -1
+            self._segment = max(self._segment, last) + 1
+            path = os.path.join(
+                self._journal_dir, f"{SEGMENT_PREFIX}{self._segment:06d}{SEGMENT_SUFFIX}"
+            )
             self._writer = _core.TFRecordWriter(path)
+            self.records_in_segment = 0
         self._writer.write(pickle.dumps(update, protocol=5))
         self._writer.sync()
+        self.records_in_segment += 1
 
     def dataset_path(self, dataset_id: str) -> str:
         safe = "".join(c if c.isalnum() or c in "-_." else f"%{ord(c):02x}" for c in dataset_id)

@@ -22,6 +22,7 @@ import grpc
 
 from dataservice import errors
 from dataservice.config import DispatcherConfig
+from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.journal import Journal
 from dataservice.rpc import service_pb2 as pb
@@ -222,6 +223,7 @@ class DispatchServer:
             if self._config.fault_tolerant_mode:
                 assert self._config.work_dir
                 journal = Journal(self._config.work_dir)
+                self._state = journal.load_snapshot() or self._state
                 for update in journal.replay():
                     self._state.apply(update)
                 for dataset_id in self._state.datasets:
@@ -240,6 +242,11 @@ class DispatchServer:
         if self._journal is not None:
             self._journal.append(update)
         self._state.apply(update)
+        if (
+            self._journal is not None
+            and self._journal.records_in_segment >= journal_module.SNAPSHOT_EVERY_RECORDS
+        ):
+            self._journal.snapshot(self._state)
 
     # ------------------------------------------------------------ helpers
     def _check_incarnation_locked(self, incarnation_id: str) -> None:

@@ -665,8 +665,6 @@ struct ConsumerState {
     zero_copy: bool,
     copy_threshold: u64,
     max_pinned: u64,
-    /// Freed frames not yet pushed to the reclaim table (batched).
-    free_upto: Option<u64>,
     chunks: Option<Chunks>,
     /// An ERROR frame's (type, message), reported after the elements before it.
     error: Option<(String, String)>,
@@ -697,13 +695,11 @@ impl ConsumerState {
     }
 
     fn flush_free(&mut self) {
-        if let Some(end) = self.free_upto.take() {
-            self.ring.reclaim.push(end, 0);
-        }
+        self.ring.flush_free();
     }
 
     fn mark_free(&mut self, end: u64) {
-        self.free_upto = Some(end);
+        self.ring.mark_free(end);
     }
 
     fn corrupted(pos: u64, what: &str) -> PyErr {
@@ -894,8 +890,7 @@ impl ConsumerState {
                         if frame_end - pinned_start > s.max_pinned {
                             return None;
                         }
-                        s.flush_free();
-                        let ticket = s.ring.reclaim.push(frame_end, 1);
+                        let ticket = s.ring.push_leased(frame_end);
                         leased = true;
                         Some(LeaseOwnerRef::Frame(Arc::new(FrameLease {
                             reclaim: s.ring.reclaim.clone(),
@@ -1129,7 +1124,6 @@ impl PyRingConsumer {
                 zero_copy,
                 copy_threshold: copy_threshold_bytes.max(1),
                 max_pinned: (capacity as f64 * fraction) as u64,
-                free_upto: None,
                 chunks: None,
                 error: None,
                 end: false,

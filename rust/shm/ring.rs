@@ -108,11 +108,17 @@ impl Producer {
     }
 
     fn free_bytes(&mut self, need: u64) -> u64 {
-        let mut free = self.cached_read + self.cap - self.write;
+        // Saturating: a consumer is not trusted either. If its read_pos ever went backwards
+        // (a bug, or a dying process), the producer only stalls; it never writes beyond
+        // what it was once told is free (cached_read only grows).
+        let mut free = (self.cached_read + self.cap).saturating_sub(self.write);
         if free < need {
             // SYNC(freed): Release in Reclaim::store_read_pos_locked.
-            self.cached_read = self.hdr().consumer.read_pos.load(Ordering::Acquire);
-            free = self.cached_read + self.cap - self.write;
+            let read = self.hdr().consumer.read_pos.load(Ordering::Acquire);
+            if read <= self.write {
+                self.cached_read = self.cached_read.max(read);
+            }
+            free = (self.cached_read + self.cap).saturating_sub(self.write);
         }
         free
     }
@@ -260,6 +266,8 @@ pub struct Consumer {
     next_read: u64,
     /// Last `write_pos` seen.
     cached_write: u64,
+    /// Frames handed out and done with, up to here, not yet pushed to `reclaim`.
+    pending_free: Option<u64>,
     pub reclaim: Arc<Reclaim>,
 }
 
@@ -273,6 +281,7 @@ impl Consumer {
             cap,
             next_read: read,
             cached_write: read,
+            pending_free: None,
         }
     }
 
@@ -310,7 +319,8 @@ impl Consumer {
     }
 
     /// The next published frame, skipping PADs (which are released at once), or None.
-    /// The frame is handed out but not released: the caller must `reclaim.push` it.
+    /// The frame is handed out but not released: the caller must `mark_free` it (copied) or
+    /// `push_leased` it, in ring order; PADs are marked free here.
     ///
     /// Raises `RingCorrupted` if the bytes at `next_read` are not a well-formed frame that
     /// lies inside `[next_read, write_pos)` and inside the data area.
@@ -322,6 +332,12 @@ impl Consumer {
             let pos = self.next_read;
             let slot = pos & (self.cap - 1);
             let avail = self.cached_write - pos;
+            if avail > self.cap {
+                return Err(corrupted(
+                    pos,
+                    "write_pos is more than a ring ahead of read_pos",
+                ));
+            }
             if slot % FRAME_ALIGN != 0 || avail < MIN_FRAME || self.cap - slot < MIN_FRAME {
                 return Err(corrupted(
                     pos,
@@ -354,7 +370,7 @@ impl Consumer {
             let kind = word0 & 0xFF;
             self.next_read = pos + total;
             if kind == KIND_PAD {
-                self.reclaim.push(pos + total, 0);
+                self.mark_free(pos + total);
                 continue;
             }
             return Ok(Some(FrameRef {
@@ -364,6 +380,27 @@ impl Consumer {
                 kind,
             }));
         }
+    }
+
+    /// Records that every frame handed out up to `end` is done with (copied out); pushed to
+    /// the lease table in one step by [`Consumer::flush_free`] (fewer `read_pos` stores).
+    pub fn mark_free(&mut self, end: u64) {
+        debug_assert!(self.pending_free.is_none_or(|p| p <= end));
+        self.pending_free = Some(end);
+    }
+
+    /// Pushes the frames marked free so far (their bytes may be reused now).
+    pub fn flush_free(&mut self) {
+        if let Some(end) = self.pending_free.take() {
+            self.reclaim.push(end, 0);
+        }
+    }
+
+    /// Records a handed-out frame ending at `end` that stays pinned by one lease; frames
+    /// marked free before it are pushed first, so the table stays in ring order.
+    pub fn push_leased(&mut self, end: u64) -> Ticket {
+        self.flush_free();
+        self.reclaim.push(end, 1)
     }
 
     /// Pointer to the frame's first byte.
@@ -465,6 +502,9 @@ impl Reclaim {
     /// Records a handed-out frame ending at `end` with `live` leases (0: free now).
     pub fn push(&self, end: u64, live: u32) -> Ticket {
         let mut g = self.lock();
+        let last = g.entries.back().map_or(g.read_pos, |e| e.0);
+        debug_assert!(end >= last, "frames pushed out of ring order");
+        let end = end.max(last);
         let seq = g.base_seq + g.entries.len() as u64;
         g.entries.push_back((end, live));
         if live == 0 {

@@ -5,6 +5,8 @@ and shapes (0-d and 0-size included)."""
 from __future__ import annotations
 
 import collections
+import mmap
+import struct
 
 import numpy as np
 import pytest
@@ -113,7 +115,13 @@ def test_ring_matches_a_deque(ops, zero_copy):
     model: collections.deque = collections.deque()
     held = []
     seq = 0
+    header = mmap.mmap(p.fileno(), mmap.PAGESIZE, prot=mmap.PROT_READ)
+    last_read = 0
     for op, a, b in ops:
+        write_pos = struct.unpack_from("<Q", header, 128)[0]
+        read_pos = struct.unpack_from("<Q", header, 256)[0]
+        assert last_read <= read_pos <= write_pos <= read_pos + p.capacity_bytes
+        last_read = read_pos
         if op == "put":
             batch = []
             for _ in range(b):

@@ -344,3 +344,38 @@ def test_one_thread_per_ring_end():
     for t in threads:
         t.join()
     assert len(errs) == 1 and "in use" in str(errs[0])
+
+
+def _positions(p):
+    import struct
+
+    m = mmap.mmap(p.fileno(), mmap.PAGESIZE, prot=mmap.PROT_READ)
+    try:
+        return struct.unpack_from("<Q", m, 128)[0], struct.unpack_from("<Q", m, 256)[0]
+    finally:
+        m.close()
+
+
+def test_read_pos_never_moves_back_over_a_pad():
+    """Regression: a copied frame, then a PAD, then a leased frame, read in one
+    get_many, used to store read_pos at the PAD's end and then back at the
+    copied frame's end; a producer that had trusted the first value then
+    overran the ring."""
+    p, c = pair(1 << 20)
+    small = np.zeros(1000, np.uint8)
+    while True:  # fill up to ~40 KB before the end, draining as we go
+        write, _ = _positions(p)
+        if (1 << 20) - (write % (1 << 20)) < 40_000:
+            break
+        p.put_many([small], 1000)
+        c.get_many(100, 1000)
+    write, read = _positions(p)
+    assert read == write
+    p.put_many([small, np.ones(100_000, np.uint8)], 1000)  # the big one needs a PAD
+    got, _, _, _ = c.get_many(10, 1000)
+    assert len(got) == 2 and c.stats()["leased"] == 1
+    _, read_after = _positions(p)
+    assert read_after % (1 << 20) == 0  # freed through the PAD, up to the leased frame
+    del got
+    _, read_final = _positions(p)
+    assert read_final >= read_after

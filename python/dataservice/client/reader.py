@@ -255,38 +255,55 @@ class _Reader:
             state.thread.start()
 
     # ------------------------------------------------------------ fetching
-    def _fetch_loop(self, state: _TaskState) -> None:
-        endpoint = state.endpoint
-        client: transfer.TransferClient | None = None
-        try:
-            candidates = transfer.protocol_candidates(self.options.data_transfer_protocol, endpoint)
-            if self.options.trainer_id:
-                # Cross-trainer cache reads are served by the worker's gRPC server.
-                candidates = ["grpc"]
-            for protocol in candidates:
-                try:
-                    client = transfer.make_client(protocol, endpoint, self.options.auth_token)
-                    break
-                except transfer.TransferUnavailable as err:
-                    if len(candidates) == 1:  # forced: no fallback
-                        raise errors.UnavailableError(
-                            f"data transfer protocol {protocol!r} cannot reach worker "
-                            f"{endpoint.worker_address}: {err}"
-                        ) from err
-                    log.warning(
-                        "%s transfer to %s unavailable (%s); falling back",
-                        protocol,
-                        endpoint.worker_address,
-                        err,
-                    )
-            assert client is not None
+    def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
+        """A transfer client for `endpoint`: the first candidate protocol whose
+        handshake succeeds ("auto": shared memory on the same host, else gRPC).
+
+        Raises:
+            UnavailableError: A forced protocol cannot reach the worker.
+            NotFoundError: An unknown protocol was requested.
+        """
+        candidates = transfer.protocol_candidates(self.options.data_transfer_protocol, endpoint)
+        if self.options.trainer_id:
+            # Cross-trainer cache reads are served by the worker's gRPC server.
+            candidates = ["grpc"]
+        for protocol in candidates:
+            try:
+                client = transfer.make_client(protocol, endpoint, self.options.auth_token)
+            except transfer.TransferUnavailable as err:
+                if len(candidates) == 1:  # forced: no fallback
+                    raise errors.UnavailableError(
+                        f"data transfer protocol {protocol!r} cannot reach worker "
+                        f"{endpoint.worker_address}: {err}"
+                    ) from err
+                log.warning(
+                    "%s transfer to %s unavailable (%s); falling back",
+                    protocol,
+                    endpoint.worker_address,
+                    err,
+                )
+                continue
             compression = self._compression_for(endpoint)
             if compression:
                 client.set_compression(compression)
+            return client
+        raise errors.UnavailableError(f"no transfer protocol reaches {endpoint.worker_address}")
+
+    def _fetch_loop(self, state: _TaskState) -> None:
+        endpoint = state.endpoint
+        try:
+            client: transfer.TransferClient | None = self._connect(endpoint)
         except errors.DataServiceError as err:
-            self._fail(err)
-            return
-        state.protocol = protocol = client.protocol
+            if isinstance(err, errors.UnavailableError) and self.options.data_transfer_protocol in (
+                None,
+                "auto",
+            ):
+                client = None  # the worker may be restarting: retried below
+            else:
+                self._fail(err)
+                return
+        if client is not None:
+            state.protocol = client.protocol
         backoff = rpc_util.Backoff(0.05, 1.0)
         try:
             while not self._stop.is_set():
@@ -306,6 +323,9 @@ class _Reader:
                         if self._stop.is_set() or state.removed:
                             return
                 try:
+                    if client is None:  # reconnect (a restarted worker needs a new handshake)
+                        client = self._connect(endpoint)
+                        state.protocol = client.protocol
                     if self.options.trainer_id:
                         result = client.get_elements(
                             want,
@@ -323,6 +343,9 @@ class _Reader:
                 ) as err:
                     # The worker may be restarting, or lost: the heartbeat decides.
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
+                    if client is not None:
+                        client.close()
+                        client = None
                     if self._outstanding is not None:
                         self._outstanding.release()
                     backoff.sleep(time.monotonic() + 1.0, self._stop)
@@ -337,7 +360,7 @@ class _Reader:
                             self._results.append((element, per, endpoint.worker_address))
                         self._buffered_bytes += result.nbytes
                         w = self.stats.workers.setdefault(
-                            endpoint.worker_address, _WorkerStats(protocol)
+                            endpoint.worker_address, _WorkerStats(state.protocol)
                         )
                         w.elements += len(result.elements)
                         w.bytes += result.nbytes
@@ -349,7 +372,8 @@ class _Reader:
         except BaseException as err:  # e.g. WorkerError: the pipeline raised
             self._fail(err)
         finally:
-            client.close()
+            if client is not None:
+                client.close()
 
     def _compression_for(self, endpoint: transfer.TaskEndpoint) -> str:
         """ "zstd" or "": AUTO compresses only elements that cross hosts."""

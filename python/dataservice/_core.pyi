@@ -145,7 +145,6 @@ def crc32c(data: Buffer) -> int:
 def masked_crc32c(data: Buffer) -> int:
     """The masked CRC32C TFRecord stores: ((crc >> 15) | (crc << 17)) + 0xa282ead8 (mod 2**32)."""
 
-
 @final
 class ShmRingProducer:
     """The producer (worker) end of a shared-memory ring: creates a sealed, pre-faulted

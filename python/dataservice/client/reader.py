@@ -233,6 +233,13 @@ class _Reader:
         to_start = []
         with self._cv:
             for info in response.tasks:
+                known = self._tasks.get(info.task_id)
+                if known is not None and known.removed and not known.finished:
+                    # Its worker was declared lost, then came back with the task.
+                    known.removed = False
+                    if known.thread is None or not known.thread.is_alive():
+                        to_start.append(known)
+                    continue
                 if info.task_id not in self._tasks:
                     endpoint = transfer.TaskEndpoint(
                         info.task_id, info.worker_address, info.transfer_address, info.host_id

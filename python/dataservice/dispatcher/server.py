@@ -124,6 +124,7 @@ class DispatchServer:
         self._journal: Journal | None = None
         self._datasets: dict[str, bytes] = {}
         self._workers: dict[str, _Worker] = {}
+        self._lost_uids: dict[str, str] = {}  # address -> uid of a worker declared lost
         self._client_seen: dict[st.IterationClientId, float] = {}
         self._job_last_used: dict[st.JobId, float] = {}
         self._split_providers: dict[st.IterationId, Any] = {}
@@ -215,6 +216,7 @@ class DispatchServer:
             self._state = st.DispatcherState()
             self._datasets = {}
             self._workers = {}
+            self._lost_uids = {}
             self._client_seen = {}
             self._job_last_used = {}
             self._split_providers = {}
@@ -318,6 +320,19 @@ class DispatchServer:
                         f"(worker_addresses={self._config.worker_addresses}); a dispatcher "
                         "with a worker list only accepts those workers"
                     )
+            if worker is None and self._lost_uids.get(address) == request.worker_uid:
+                # Declared lost but it is the same process (it was only slow):
+                # revive the tasks it still runs instead of starting them over.
+                for task_id in request.current_tasks:
+                    task = self._state.tasks.get(st.TaskId(task_id))
+                    if (
+                        task is not None
+                        and task.removed
+                        and task.worker_address == address
+                        and not self._state.iterations[task.iteration_id].finished
+                    ):
+                        self._apply_locked(st.ReviveTask(task.task_id))
+                log.info("worker %s is back (it was only slow)", address)
             if worker is None or worker.uid != request.worker_uid:
                 if worker is None:
                     log.info("worker %s registered", address)
@@ -762,6 +777,7 @@ class DispatchServer:
                         "worker %s lost: no heartbeat for %.1f s", address, worker_timeout_s
                     )
                     del self._workers[address]
+                    self._lost_uids[address] = worker.uid
                     self._remove_tasks_of_locked(address)
             if now - self._restart_time > timeout_s:
                 # Tasks journaled for workers that never came back after a restart.

@@ -96,6 +96,14 @@ class RemoveTask:
 
 
 @dataclass(frozen=True)
+class ReviveTask:
+    """A worker declared lost came back (same process: it was only slow) and
+    still runs the task: the task is live again."""
+
+    task_id: TaskId
+
+
+@dataclass(frozen=True)
 class ProduceSplits:
     """`count` more splits of the iteration's provider `provider_index` were
     handed out; `end` once that split provider is exhausted."""
@@ -131,6 +139,7 @@ Update = (
     | CreateTask
     | FinishTask
     | RemoveTask
+    | ReviveTask
     | ProduceSplits
     | AssignRounds
     | GarbageCollectJob
@@ -278,6 +287,11 @@ class DispatcherState:
             return
         task.removed = True
         self._maybe_finish_iteration(self.iterations[task.iteration_id])
+
+    def _apply_ReviveTask(self, u: ReviveTask) -> None:
+        task = self.tasks.get(u.task_id)
+        if task is not None and not self.iterations[task.iteration_id].finished:
+            task.removed = False
 
     def _apply_ProduceSplits(self, u: ProduceSplits) -> None:
         it = self.iterations[u.iteration_id]

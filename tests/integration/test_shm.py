@@ -259,7 +259,7 @@ def test_c25_slow_consumer_bounds_bytes_in_flight(make_cluster):
     """C-25: 1 MB elements, a 1 MiB ring (elements chunked), a client sleeping
     0.25 s per element: the ring never holds more than its capacity, and the
     worker never runs far ahead of the client's requests."""
-    cluster = make_cluster(0)
+    cluster = make_cluster(0, worker_timeout_ms=10_000)  # big copies under load
     worker = cluster.add_worker(shm_ring_bytes=1 << 20)
     data = ds.Dataset.range(6).map(lambda x: np.full(1_000_000, x, np.uint8))
     got = []
@@ -288,7 +288,7 @@ def test_c17_element_of_2_5_gib(make_cluster):
 
 
 def _big_element(make_cluster, nbytes: int, ring_bytes: int) -> None:
-    cluster = make_cluster(0)
+    cluster = make_cluster(0, worker_timeout_ms=10_000)  # big copies under load
     cluster.add_worker(shm_ring_bytes=ring_bytes)
 
     def make(_):

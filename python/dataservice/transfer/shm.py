@@ -44,7 +44,10 @@ ZERO_COPY_ENV = "DATASERVICE_SHM_ZERO_COPY"
 _HANDSHAKE_TIMEOUT_S = 5.0
 _TASK_WAIT_S = 2.0
 _CONNECT_RETRY_S = 3.0
-_GRANT = struct.Struct("<cQ")  # b"G", elements wanted
+_REQUEST = struct.Struct("<cQQI")  # b"G", max elements, max bytes, timeout (ms)
+_RESPONSE = struct.Struct("<cQB")  # b"R", elements that follow in the ring, flags
+_END_FLAG = 1  # an END frame follows them
+_ERROR_FLAG = 2  # an ERROR frame follows them
 _PUT_SLICE_MS = 200
 
 
@@ -187,47 +190,44 @@ class _Connection:
         self.ring.set_peer(self._sock.fileno(), peer_pid)
         self._produce(runner)
 
-    def _recv_grants(self, block_s: float) -> int | None:
-        """Credits granted since the last call; None once the client is gone."""
-        total = 0
-        self._sock.settimeout(block_s if block_s > 0 else 0.0)
-        while True:
+    def _produce(self, runner: Any) -> None:
+        """Serves requests as gRPC's GetElements does: each request takes up to its
+        number of elements from the task (waiting up to its timeout for the first),
+        announces how many follow on the socket, then writes them into the ring. The
+        worker never takes an element from a shared task that no request asked for."""
+        server = self._server
+        max_frame = max(1, self.ring.max_frame_bytes)
+        while not server.stopping:
+            self._sock.settimeout(0.2)
             try:
                 data = self._sock.recv(64)
-            except (BlockingIOError, TimeoutError, InterruptedError):
-                return total
-            except OSError:
-                return None
-            if not data:
-                return None
-            if len(data) == _GRANT.size and data[:1] == b"G":
-                total += _GRANT.unpack(data)[1]
-            self._sock.settimeout(0.0)
-
-    def _produce(self, runner: Any) -> None:
-        server = self._server
-        credit = 0
-        max_bytes = max(1, self.ring.max_frame_bytes)
-        while not server.stopping:
-            granted = self._recv_grants(0.0 if credit else 0.05)
-            if granted is None:
-                return
-            credit += granted
-            if credit <= 0:
+            except (TimeoutError, InterruptedError):
                 continue
-            elements, end, error = runner.get_elements_raw(min(credit, 1024), max_bytes, 0.05)
+            except OSError:
+                return
+            if not data:
+                return  # the client closed the connection
+            if len(data) != _REQUEST.size or data[:1] != b"G":
+                log.warning("shm: unexpected %d-byte message from a client", len(data))
+                return
+            _, want, max_bytes, timeout_ms = _REQUEST.unpack(data)
+            elements, end, error = runner.get_elements_raw(
+                max(1, want), max(1, min(max_bytes, 16 * max_frame)), timeout_ms / 1000
+            )
+            flags = (_END_FLAG if end and error is None else 0) | (_ERROR_FLAG if error else 0)
+            self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+            self._sock.send(_RESPONSE.pack(b"R", len(elements), flags))
             put = 0
             while put < len(elements):
                 try:
                     put += self.ring.put_many(elements[put:], _PUT_SLICE_MS)
                 except errors.UnavailableError:
                     raise  # the consumer is gone
-                except Exception as err:  # e.g. ElementTooLarge, an unpicklable leaf
+                except Exception as err:  # e.g. an unpicklable leaf: a worker error
                     self.ring.put_error(type(err).__name__, str(err), None)
                     return
                 if server.stopping:
                     return
-            credit -= len(elements)
             if error is not None:
                 self.ring.put_error(error[0], error[1], None)
                 return
@@ -376,9 +376,8 @@ class ShmTransferClient(base.TransferClient):
         self._endpoint = endpoint
         if zero_copy is None:
             zero_copy = os.environ.get(ZERO_COPY_ENV, "1") not in ("0", "false", "False")
-        self._granted = 0
-        self._received = 0
-        self._window = 0
+        self._end = False
+        self._error: BaseException | None = None
         self._ring: Any = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -452,26 +451,75 @@ class ShmTransferClient(base.TransferClient):
         consumer_index: int = -1,
         round_index: int = -1,
     ) -> base.ElementsResult:
+        """One request, as gRPC's GetElements: the worker answers with how many
+        elements follow (at most `max_elements`; none if none came within
+        `timeout_s`), then they arrive through the ring."""
         ring = self._ring
         if ring is None:
             raise errors.CancelledError("shm transfer client is closed")
-        # Keep up to the largest request seen so far granted (the reader's fetch size,
-        # which grows with consumption): tiny requests then still find elements
-        # waiting, and the worker never runs further ahead than the reader allows.
-        self._window = max(self._window, max_elements)
-        outstanding = self._granted - self._received
-        if outstanding < max(max_elements, self._window // 2):
-            want = self._window - outstanding
+        if self._error is not None:
+            raise self._error
+        if self._end:
+            return base.ElementsResult([], 0, True)
+        timeout_ms = max(1, int(timeout_s * 1000))
+        try:
+            self._sock.send(_REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
+            self._sock.settimeout(timeout_s + 10.0)
+            reply = self._sock.recv(64)
+        except OSError:
+            reply = b""
+        if len(reply) != _RESPONSE.size:
+            return self._after_death([], 0)
+        _, count, flags = _RESPONSE.unpack(reply)
+        out: list[Any] = []
+        nbytes = 0
+        while len(out) < count:
             try:
-                self._sock.send(_GRANT.pack(b"G", want))
-            except OSError:
-                pass  # the worker is gone: get_many drains, then raises UnavailableError
-            self._granted += want
-        elements, nbytes, end, error = ring.get_many(max_elements, int(timeout_s * 1000))
-        self._received += len(elements)
-        if error is not None:
-            raise errors.remote_error(error[0], error[1], self._endpoint.worker_address)
-        return base.ElementsResult(elements, nbytes, end)
+                elements, n, _, error = ring.get_many(count - len(out), 30_000)
+            except errors.UnavailableError:
+                return self._after_death(out, nbytes)
+            out.extend(elements)
+            nbytes += n
+            if error is not None:  # an element could not be encoded: the rest never come
+                self._error = errors.remote_error(error[0], error[1], self._endpoint.worker_address)
+                if not out:
+                    raise self._error
+                return base.ElementsResult(out, nbytes, False)
+        end = False
+        if flags & (_END_FLAG | _ERROR_FLAG):
+            try:
+                _, _, end, error = ring.get_many(1, 30_000)
+            except errors.UnavailableError:
+                return self._after_death(out, nbytes)
+            if error is not None:
+                self._error = errors.remote_error(error[0], error[1], self._endpoint.worker_address)
+                if not out:
+                    raise self._error
+            self._end = end
+        return base.ElementsResult(out, nbytes, end)
+
+    def _after_death(self, out: list[Any], nbytes: int) -> base.ElementsResult:
+        """The worker side is gone: hand out what it published, then UnavailableError."""
+        ring = self._ring
+        while ring is not None:
+            try:
+                elements, n, _, error = ring.get_many(1024, 0)
+            except errors.UnavailableError:
+                break
+            out.extend(elements)
+            nbytes += n
+            if error is not None:
+                self._error = errors.remote_error(error[0], error[1], self._endpoint.worker_address)
+                break
+            if not elements:
+                break
+        if self._error is None:
+            self._error = errors.UnavailableError(
+                f"shared-memory connection to worker {self._endpoint.worker_address} lost"
+            )
+        if out:
+            return base.ElementsResult(out, nbytes, False)
+        raise self._error
 
     def stats(self) -> dict[str, Any]:
         return dict(self._ring.stats()) if self._ring is not None else {}

@@ -281,13 +281,6 @@ def _take(dataset, n: int, timeout_s: float) -> list[int]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a worker caches dataset definitions by dataset_id across dispatcher "
-    "incarnations (worker/server.py WorkerServer._datasets); a dispatcher restarted without "
-    "FT numbers datasets from 1000 again, so the next job's dataset '1000' runs the OLD "
-    "cached pipeline: the new job gets 0, 1, 2, ... instead of range(1000, 1020)",
-)
 @pytest.mark.timeout(120)
 def test_c03_worker_serves_the_next_job_after_a_non_ft_restart(servers) -> None:
     """C-03: after dropping the forgotten task, the worker serves the next job
@@ -308,14 +301,6 @@ def test_c03_worker_serves_the_next_job_after_a_non_ft_restart(servers) -> None:
     report(f"C-03: next job done {time.monotonic() - t_registered:.2f} s after re-registration")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: task ids restart at 4000 in a dispatcher restarted without FT, and a worker "
-    "heartbeat does not say which incarnation its tasks came from; a job created before the "
-    "stale worker reconnects gets task 4000 on that worker, the dispatcher sees 4000 in the "
-    "worker's current_tasks and keeps the OLD runner: the new job reads the old job's "
-    "elements (dispatcher/server.py _worker_heartbeat)",
-)
 @pytest.mark.timeout(120)
 def test_c03_job_created_before_the_stale_worker_reconnects(servers) -> None:
     """C-03 / C-04: a trainer that recreates its job at once, before a worker

@@ -27,18 +27,7 @@ WORKER_TIMEOUT_MS = 2_000
     "fault",
     [
         "sigkill",
-        pytest.param(
-            "sigstop",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug (since a1e7e88, shm request/response): at the end of the epoch "
-                "DataServiceIterator.__next__ runs _Reader.close(), which joins every fetch "
-                "thread for up to 2 s; the one reading the frozen worker is blocked in "
-                "ShmTransferClient.get_elements's sock.recv (timeout timeout_s + 10 s), so "
-                "StopIteration comes 2 s after the dispatcher said the iteration finished: "
-                "the read ends ~4.5 s after the SIGSTOP, over 2 x worker_timeout_ms = 4 s",
-            ),
-        ),
+        "sigstop",
     ],
 )
 @pytest.mark.parametrize(

@@ -548,9 +548,11 @@ class _Reader:
         self.release()
         for client in list(self._round_clients.values()):
             client.close()
+        # Daemon threads: each ends within one fetch wait; don't hold the
+        # caller for a thread stuck on a frozen worker.
         for t in threads:
             if t is not threading.current_thread():
-                t.join(timeout=2.0)
+                t.join(timeout=0.2)
         self._channel.close()
 
 

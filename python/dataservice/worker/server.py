@@ -330,6 +330,28 @@ class WorkerServer:
         if stub is None:
             return
         response = stub.WorkerHeartbeat(request, timeout=10.0, metadata=self._metadata)
+        if self._incarnation and response.incarnation_id != self._incarnation:
+            # The dispatcher restarted without its state: ids it hands out now
+            # (datasets, tasks) may reuse old ones. Drop everything of the old
+            # incarnation and report again with no tasks (C-03, C-04).
+            with self._mu:
+                runners = list(self._tasks.values())
+                for task_id in self._tasks:
+                    self._deleted[task_id] = None
+                self._tasks.clear()
+                self._datasets.clear()
+            for runner in runners:
+                runner.stop()
+            log.warning(
+                "worker %s: the dispatcher at %s restarted and lost its state; dropped %d "
+                "tasks of its previous incarnation",
+                self._address,
+                self._dispatcher_address,
+                len(runners),
+            )
+            self._incarnation = response.incarnation_id
+            self._wake.set()  # heartbeat again at once, holding no task
+            return
         self._incarnation = response.incarnation_id
         self._registered.set()
         for task_id in response.tasks_to_delete:

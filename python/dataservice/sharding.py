@@ -139,17 +139,22 @@ def apply_static_sharding(
     return dataset
 
 
-def worker_index_in(worker_address: str, worker_addresses: list[str]) -> int:
+def worker_index_in(
+    worker_address: str, worker_addresses: list[str], taken: frozenset[int] = frozenset()
+) -> int:
     """The position of `worker_address` in a configured worker list, where an
-    entry "host:%port%" matches any port and "host" alone matches any port;
-    -1 if it is not in the list."""
-    host, _, port = worker_address.rpartition(":")
+    entry "host:%port%" (or "host" alone) matches any port of that host. An
+    exact entry wins; among wildcard entries, the first one not in `taken`
+    (positions held by other registered workers), so each "%port%" entry
+    serves one worker. -1 if it is not in the list (or every match is taken)."""
+    host, _, _ = worker_address.rpartition(":")
     for i, entry in enumerate(worker_addresses):
         if entry == worker_address:
             return i
+    for i, entry in enumerate(worker_addresses):
         e_host, sep, e_port = entry.rpartition(":")
         if not sep:
             e_host, e_port = entry, "%port%"
-        if e_host == host and e_port == "%port%":
+        if e_host == host and e_port == "%port%" and i not in taken:
             return i
     return -1

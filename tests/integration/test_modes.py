@@ -248,12 +248,6 @@ def test_worker_not_in_the_list_is_refused_naming_it(make_cluster):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="bug: sharding.worker_index_in returns the FIRST entry matching a worker, so "
-    "with worker_addresses=['127.0.0.1:%port%'] * 2 both workers get index 0 and read shard "
-    "0 (tf.data assigns each %port% entry to one worker); shard 1 is never read",
-    strict=True,
-)
 def test_port_placeholders_give_each_worker_its_own_index(make_cluster):
     c = make_cluster(0, worker_addresses=["127.0.0.1:%port%", "127.0.0.1:%port%"])
     for port in free_ports(2):

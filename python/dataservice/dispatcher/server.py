@@ -313,7 +313,11 @@ class DispatchServer:
             worker = self._workers.get(address)
             index = -1
             if self._config.worker_addresses is not None:
-                index = worker_index_in(address, self._config.worker_addresses)
+                if worker is not None and worker.index >= 0:
+                    index = worker.index  # keeps its position across heartbeats
+                else:
+                    taken = frozenset(w.index for a, w in self._workers.items() if a != address)
+                    index = worker_index_in(address, self._config.worker_addresses, taken)
                 if index < 0:
                     raise errors.InvalidArgumentError(
                         f"worker {address} is not in the dispatcher's fixed worker list "

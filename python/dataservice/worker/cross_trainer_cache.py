@@ -69,15 +69,17 @@ class CrossTrainerCache:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return [], False, None
-            self._extend(remaining)
+            self._extend(end_index, remaining)
 
-    def _extend(self, timeout_s: float) -> None:
-        """Appends the pipeline's next elements to the window, evicting the oldest."""
+    def _extend(self, seen_end_index: int, timeout_s: float) -> None:
+        """Appends the pipeline's next elements to the window, evicting the
+        oldest; does nothing if another trainer extended it past
+        `seen_end_index` meanwhile (its new elements are still unread)."""
         if not self._fill.acquire(timeout=timeout_s):
             return
         try:
             with self._mu:
-                if self._end:
+                if self._end or self._first_index + len(self._window) > seen_end_index:
                     return
             # At most a window's worth, so the trainer that asked (at the newest
             # element) finds every new element still cached.

@@ -155,12 +155,8 @@ def _dispatcher_call(
     try:
         stub = service_pb2_grpc.DispatcherServiceStub(channel)
         metadata = rpc_util.call_metadata(rpc_util.token_from_env(auth_token))
-        fn = getattr(stub, method)
-        return rpc_util.call_with_retries(
-            lambda: fn(request, timeout=10.0, metadata=metadata),
-            address=address,
-            what=f"{method} to the dispatcher",
-            timeout_ms=timeout_ms,
+        return rpc_util.call_dispatcher(
+            stub, method, request, address=address, metadata=metadata, timeout_ms=timeout_ms
         )
     finally:
         channel.close()

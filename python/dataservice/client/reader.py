@@ -127,11 +127,12 @@ class _Reader:
 
     # ------------------------------------------------------------ dispatcher calls
     def call(self, method: str, request: Any, timeout_ms: int | None = None) -> Any:
-        fn = getattr(self._stub, method)
-        return rpc_util.call_with_retries(
-            lambda: fn(request, timeout=10.0, metadata=self._metadata),
+        return rpc_util.call_dispatcher(
+            self._stub,
+            method,
+            request,
             address=self.options.dispatcher_address,
-            what=f"{method} to the dispatcher",
+            metadata=self._metadata,
             timeout_ms=timeout_ms or self.options.client_timeout_ms,
             stop=self._stop,
         )
@@ -347,6 +348,7 @@ class _Reader:
                     errors.NotFoundError,
                     errors.DeadlineExceededError,
                     errors.CancelledError,
+                    ConnectionError,  # a shared-memory socket reset by a restarting worker
                 ) as err:
                     # The worker may be restarting, or lost: the heartbeat decides.
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)

@@ -201,3 +201,25 @@ def call_with_retries(
             if stop is not None and stop.is_set():
                 raise errors.CancelledError(f"{what} to {address} cancelled") from None
             backoff.sleep(deadline, stop)
+
+
+def call_dispatcher(
+    stub: Any,
+    method: str,
+    request: Any,
+    *,
+    address: str,
+    metadata: list[tuple[str, str]] | None,
+    timeout_ms: int,
+    stop: threading.Event | None = None,
+) -> Any:
+    """`stub.<method>(request)` on the dispatcher, retried as `call_with_retries`
+    for up to `timeout_ms` (each attempt bounded at 10 s)."""
+    fn = getattr(stub, method)
+    return call_with_retries(
+        lambda: fn(request, timeout=10.0, metadata=metadata),
+        address=address,
+        what=f"{method} to the dispatcher",
+        timeout_ms=timeout_ms,
+        stop=stop,
+    )

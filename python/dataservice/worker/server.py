@@ -260,11 +260,12 @@ class WorkerServer:
         stub = self._stub
         if stub is None:
             raise errors.CancelledError("worker stopped")
-        fn = getattr(stub, method)
-        return rpc_util.call_with_retries(
-            lambda: fn(request, timeout=10.0, metadata=self._metadata),
+        return rpc_util.call_dispatcher(
+            stub,
+            method,
+            request,
             address=self._dispatcher_address,
-            what=f"{method} to the dispatcher",
+            metadata=self._metadata,
             timeout_ms=self._config.dispatcher_timeout_ms_or_default,
             stop=self._stop_event,
         )

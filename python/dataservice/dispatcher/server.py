@@ -287,6 +287,17 @@ class DispatchServer:
                 continue
             self._create_task_locked(iteration, worker)
 
+    def _add_task_info_locked(self, infos: Any, task: st.Task) -> None:
+        """Appends where `task` runs to a repeated TaskInfo field (the worker's
+        transfer address and host id once it has registered since a restart)."""
+        worker = self._workers.get(task.worker_address)
+        infos.add(
+            task_id=task.task_id,
+            worker_address=task.worker_address,
+            transfer_address=worker.transfer_address if worker else task.worker_address,
+            host_id=worker.host_id if worker else "",
+        )
+
     def _dataset_object(self, dataset_id: str) -> Any:
         from dataservice.data.serialize import deserialize
 
@@ -620,13 +631,7 @@ class DispatchServer:
                     self._apply_locked(st.FinishTask(task.task_id))
             response = pb.ClientHeartbeatResponse(iteration_finished=iteration.finished)
             for task in iteration.live_tasks():
-                worker = self._workers.get(task.worker_address)
-                response.tasks.add(
-                    task_id=task.task_id,
-                    worker_address=task.worker_address,
-                    transfer_address=worker.transfer_address if worker else task.worker_address,
-                    host_id=worker.host_id if worker else "",
-                )
+                self._add_task_info_locked(response.tasks, task)
             return response
 
     def _release_iteration_client(self, request: Any) -> Any:
@@ -732,14 +737,7 @@ class DispatchServer:
             task_ids = [iteration.rounds[first + i] for i in range(_ROUND_BLOCK)]
             response.task_ids.extend(task_ids)
             for task_id in sorted(set(task_ids)):
-                task = self._state.tasks[task_id]
-                worker = self._workers.get(task.worker_address)
-                response.tasks.add(
-                    task_id=task_id,
-                    worker_address=task.worker_address,
-                    transfer_address=worker.transfer_address if worker else task.worker_address,
-                    host_id=worker.host_id if worker else "",
-                )
+                self._add_task_info_locked(response.tasks, self._state.tasks[task_id])
             return response
 
     # ------------------------------------------------------------ maintenance

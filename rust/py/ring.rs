@@ -21,6 +21,11 @@ use crate::transport::codec::{self, DecodeSpec, Encoder, SendPtr, GIL_FREE_COPY_
 use crate::transport::frame::{self, FrameHeader, FramePlan, LeafKind, Spec};
 
 const SLICE: Duration = Duration::from_millis(50);
+/// `put_many` publishes early for a waiting consumer once this many elements or bytes are
+/// written (not after every element: one wake-up, a futex syscall, per small element would
+/// cost more than the element), and always at its end.
+const PUBLISH_EVERY_ELEMENTS: u32 = 64;
+const PUBLISH_EVERY_BYTES: u64 = 64 << 10;
 
 fn dup_fd(fd: RawFd) -> PyResult<OwnedFd> {
     // SAFETY: the caller passes an fd it owns and keeps open for this call; we only borrow it
@@ -394,6 +399,7 @@ impl PyRingProducer {
         check_pid(s.pid)?;
         let deadline = timeout_ms.map(|t| Instant::now() + Duration::from_millis(t));
         let mut written = 0;
+        let mut unpublished = 0u32;
         let result = (|| -> PyResult<()> {
             for element in elements.try_iter()? {
                 let element = element?;
@@ -436,8 +442,13 @@ impl PyRingProducer {
                 drop(objects);
                 written += 1;
                 s.elements += 1;
-                if s.ring.consumer_waiting() {
+                unpublished += 1;
+                if (unpublished >= PUBLISH_EVERY_ELEMENTS
+                    || s.ring.unpublished_bytes() >= PUBLISH_EVERY_BYTES)
+                    && s.ring.consumer_waiting()
+                {
                     s.ring.publish();
+                    unpublished = 0;
                 }
             }
             Ok(())

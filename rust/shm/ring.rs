@@ -184,6 +184,11 @@ impl Producer {
         }
     }
 
+    /// Bytes reserved and written but not yet published.
+    pub fn unpublished_bytes(&self) -> u64 {
+        self.write - self.published
+    }
+
     /// True while the consumer may be asleep waiting for data (a cheap load): a batching
     /// producer flushes at once then.
     pub fn consumer_waiting(&self) -> bool {

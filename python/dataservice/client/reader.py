@@ -78,6 +78,8 @@ class _TaskState:
     finished: bool = False  # the consumer took every element, up to the end
     removed: bool = False  # the dispatcher dropped it (worker lost)
     protocol: str = ""
+    unconsumed_bytes: int = 0  # fetched from this task, not yet taken by next()
+    max_unconsumed_bytes: int = _RESULT_BUFFER_BYTES  # the transfer client's bound
 
 
 @dataclass
@@ -110,8 +112,16 @@ class _Reader:
             _SHARED_RESULT_BUFFER_ELEMENTS if shared else _RESULT_BUFFER_ELEMENTS
         )
         # guarded by self._cv:
-        self._results: collections.deque[tuple[Any, int, str]] = collections.deque()
+        # Fetched elements, one entry per fetch: (elements, bytes per element,
+        # task), or (_END, 0, task) once the task's stream ended.
+        self._results: collections.deque[tuple[Any, int, _TaskState]] = collections.deque()
+        self._buffered_elements = 0  # in self._results
         self._buffered_bytes = 0
+        # The chunk the consumer is taking elements from (the consumer's thread
+        # only: next() takes them without the lock, one lock per fetch).
+        self._chunk: list[Any] = []
+        self._chunk_pos = 0
+        self._chunk_nbytes = 0
         self._tasks: dict[int, _TaskState] = {}
         self._iteration_finished = False
         self._error: BaseException | None = None
@@ -311,20 +321,33 @@ class _Reader:
                 self._fail(err)
                 return
         if client is not None:
-            state.protocol = client.protocol
+            self._connected(state, client)
         backoff = rpc_util.Backoff(0.05, 1.0)
         try:
             while not self._stop.is_set():
                 with self._cv:
                     while not self._stop.is_set() and (
-                        len(self._results) >= self._read_ahead_locked()
+                        self._buffered_elements >= self._read_ahead_locked()
                         or self._buffered_bytes >= _RESULT_BUFFER_BYTES
+                        or state.unconsumed_bytes >= state.max_unconsumed_bytes
                     ):
                         self._cv.wait(0.5)
                     if state.removed or self._stop.is_set():
                         return
                     want = max(
-                        1, min(self._fetch_elements, self._read_ahead_locked() - len(self._results))
+                        1,
+                        min(
+                            self._fetch_elements,
+                            self._read_ahead_locked() - self._buffered_elements,
+                        ),
+                    )
+                    # (at least one element is always sent, whatever its size)
+                    max_bytes = max(
+                        1,
+                        min(
+                            _MAX_BYTES_PER_FETCH,
+                            state.max_unconsumed_bytes - state.unconsumed_bytes,
+                        ),
                     )
                 if self._outstanding is not None:
                     while not self._outstanding.acquire(timeout=0.5):
@@ -333,16 +356,16 @@ class _Reader:
                 try:
                     if client is None:  # reconnect (a restarted worker needs a new handshake)
                         client = self._connect(endpoint)
-                        state.protocol = client.protocol
+                        self._connected(state, client)
                     if self.options.trainer_id:
                         result = client.get_elements(
                             want,
-                            _MAX_BYTES_PER_FETCH,
+                            max_bytes,
                             _FETCH_WAIT_S,
                             trainer_id=self.options.trainer_id,
                         )
                     else:
-                        result = client.get_elements(want, _MAX_BYTES_PER_FETCH, _FETCH_WAIT_S)
+                        result = client.get_elements(want, max_bytes, _FETCH_WAIT_S)
                 except (
                     errors.UnavailableError,
                     errors.NotFoundError,
@@ -364,17 +387,19 @@ class _Reader:
                 backoff = rpc_util.Backoff(0.05, 1.0)
                 with self._cv:
                     if result.elements:
-                        per = result.nbytes // len(result.elements)
-                        for element in result.elements:
-                            self._results.append((element, per, endpoint.worker_address))
-                        self._buffered_bytes += result.nbytes
+                        count = len(result.elements)
+                        per = result.nbytes // count
+                        self._results.append((list(result.elements), per, state))
+                        self._buffered_elements += count
+                        self._buffered_bytes += per * count
+                        state.unconsumed_bytes += per * count
                         w = self.stats.workers.setdefault(
                             endpoint.worker_address, _WorkerStats(state.protocol)
                         )
                         w.elements += len(result.elements)
                         w.bytes += result.nbytes
                     if result.end_of_sequence:
-                        self._results.append((_END, 0, str(endpoint.task_id)))
+                        self._results.append((_END, 0, state))
                     self._cv.notify_all()
                 if result.end_of_sequence:
                     return
@@ -383,6 +408,12 @@ class _Reader:
         finally:
             if client is not None:
                 client.close()
+
+    def _connected(self, state: _TaskState, client: transfer.TransferClient) -> None:
+        state.protocol = client.protocol
+        state.max_unconsumed_bytes = min(
+            _RESULT_BUFFER_BYTES, client.max_unconsumed_bytes or _RESULT_BUFFER_BYTES
+        )
 
     def _compression_for(self, endpoint: transfer.TaskEndpoint) -> str:
         """ "zstd" or "": AUTO compresses only elements that cross hosts."""
@@ -506,24 +537,40 @@ class _Reader:
         return self.stats.elements == 0
 
     def next(self) -> Any:
+        """The next element: from the current chunk without a lock, else the next
+        fetched chunk (blocking until one arrives, the iteration ends, or fails)."""
+        pos = self._chunk_pos
+        chunk = self._chunk
+        if pos < len(chunk):
+            element = chunk[pos]
+            chunk[pos] = None  # the consumer holds the only reference (views: leases)
+            self._chunk_pos = pos + 1
+            stats = self.stats
+            stats.elements += 1
+            stats.bytes += self._chunk_nbytes
+            return element
+        return self._next_chunk()
+
+    def _next_chunk(self) -> Any:
         start = time.monotonic()
         with self._cv:
             while True:
                 if self._results:
-                    element, nbytes, origin = self._results.popleft()
-                    if element is _END:
+                    elements, nbytes, origin = self._results.popleft()
+                    if elements is _END:
                         # Consumed to the end: report it (the dispatcher then knows
                         # whether the iteration is over).
-                        self._tasks[int(origin)].finished = True
+                        origin.finished = True
                         self._wake_heartbeat.set()
                         continue
-                    self._buffered_bytes -= nbytes
-                    self.stats.elements += 1
-                    self.stats.bytes += nbytes
+                    self._buffered_elements -= len(elements)
+                    self._buffered_bytes -= nbytes * len(elements)
+                    origin.unconsumed_bytes -= nbytes * len(elements)
                     self.stats.wait_s += time.monotonic() - start
-                    if len(self._results) < self._read_ahead_locked():
+                    if self._buffered_elements < self._read_ahead_locked():
                         self._cv.notify_all()
-                    return element
+                    self._chunk, self._chunk_pos, self._chunk_nbytes = elements, 0, nbytes
+                    break
                 if self._error is not None:
                     raise self._error
                 if self._stop.is_set():
@@ -536,13 +583,16 @@ class _Reader:
                 if self._tasks and all(s.finished or s.removed for s in self._tasks.values()):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
                 self._cv.wait(0.1)
+        return self.next()
 
     def close(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
         self._wake_heartbeat.set()
+        self._chunk = []  # drop fetched elements (and their shared-memory leases)
         with self._cv:
+            self._results.clear()
             self._cv.notify_all()
             threads = [s.thread for s in self._tasks.values() if s.thread is not None]
         if self._heartbeat_thread is not None:

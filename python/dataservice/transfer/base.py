@@ -46,6 +46,11 @@ class TransferClient(abc.ABC):
     """Fetches elements of one task from one worker. One caller thread at a time."""
 
     protocol: str = ""
+    # Elements fetched from this client and not yet consumed may pin this many
+    # bytes at most (None: no limit of the protocol's own). Shared-memory views
+    # keep their ring slots: a reader that buffered more than the ring holds
+    # would stall the worker (and force copies out of the ring).
+    max_unconsumed_bytes: int | None = None
 
     @abc.abstractmethod
     def get_elements(

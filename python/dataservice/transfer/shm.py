@@ -418,6 +418,9 @@ class ShmTransferClient(base.TransferClient):
             sock.close()
             raise
         self._sock = sock
+        # A quarter of the ring: the worker can write on while the reader holds
+        # what it fetched (views into the ring) and the consumer holds one more.
+        self.max_unconsumed_bytes = max(1, int(reply["capacity_bytes"]) // 4)
 
     @staticmethod
     def _connect(sock: socket.socket, worker_address: str) -> None:

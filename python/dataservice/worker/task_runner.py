@@ -19,6 +19,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from dataservice import errors
 from dataservice.transfer import codec
 
@@ -27,6 +29,57 @@ log = logging.getLogger(__name__)
 DEFAULT_BUFFER_ELEMENTS = 4096
 DEFAULT_BUFFER_BYTES = 64 << 20
 MAX_OPEN_ROUNDS = 4
+_PRODUCE_BATCH = 64  # elements per hand-off to the shared buffer (fast pipelines)
+_PRODUCE_BATCH_BYTES = 1 << 20
+_PRODUCE_BATCH_ELEMENT_S = 50e-6  # an element slower than this is handed off at once
+
+
+class _StructureCheck:
+    """Checks that every element of a stream has the first one's structure
+    (`codec.signature`) and returns its `codec.element_nbytes`; a single array
+    or scalar leaf of the same type and dtype object takes a fast path."""
+
+    def __init__(self, task_id: int) -> None:
+        self._task_id = task_id
+        self._index = 0
+        self._signature: Any = None
+        self._type: type | None = None
+        self._dtype: Any = None
+        self._ndim = -1
+
+    def __call__(self, element: Any) -> int:
+        self._index += 1
+        kind = type(element)
+        if kind is self._type:
+            if kind is np.ndarray:
+                if element.dtype is self._dtype and element.ndim == self._ndim:
+                    return int(element.nbytes)
+            elif self._dtype is not None:  # a numpy scalar
+                if element.dtype is self._dtype:
+                    return 8
+            elif kind is bytes or kind is str:
+                return len(element)
+            elif kind in _PLAIN_SCALARS:
+                return 8
+        sig = codec.signature(element)
+        if self._signature is None:
+            self._signature = sig
+            if kind is np.ndarray or isinstance(element, np.generic) or kind in _PLAIN_LEAVES:
+                self._type = kind
+                self._dtype = getattr(element, "dtype", None)
+                self._ndim = getattr(element, "ndim", -1)
+        elif sig != self._signature:
+            raise errors.InvalidArgumentError(
+                f"element {self._index - 1} of task {self._task_id} has structure "
+                f"{codec.describe(sig)}, but the stream's elements so far have "
+                f"{codec.describe(self._signature)}: every element of a dataset must have "
+                "the same structure and dtypes"
+            )
+        return codec.element_nbytes(element)
+
+
+_PLAIN_SCALARS = (int, float, bool, type(None))
+_PLAIN_LEAVES = (*_PLAIN_SCALARS, bytes, str)
 
 
 class TaskRunner:
@@ -56,6 +109,7 @@ class TaskRunner:
         self._end = False
         self._error: tuple[str, str] | None = None
         self._stopped = False
+        self._waiting = 0  # consumers blocked on an empty buffer
         # coordinated reads (guarded by self._cv): round -> [element per consumer]
         self._rounds: dict[int, list[Any]] = {}
         self._round_taken: dict[int, set[int]] = {}
@@ -73,51 +127,87 @@ class TaskRunner:
             return self._end and not self._buffer
 
     def _produce(self) -> None:
-        signature: Any = None
-        index = 0
+        check = _StructureCheck(self.task_id)
+        # Elements of a fast pipeline go to the shared buffer in small batches (one
+        # lock and wake-up per batch, not per element); an element that took a
+        # while to produce, or one a consumer is waiting for, goes at once.
+        batch: list[tuple[Any, int]] = []
+        batch_bytes = 0
         try:
             iterator = self._make_iterator()
+            clock = time.perf_counter
+            last = clock()
             for element in iterator:
-                sig = codec.signature(element)
-                if signature is None:
-                    signature = sig
-                elif sig != signature:
-                    raise errors.InvalidArgumentError(
-                        f"element {index} of task {self.task_id} has structure "
-                        f"{codec.describe(sig)}, but the stream's elements so far have "
-                        f"{codec.describe(signature)}: every element of a dataset must have "
-                        "the same structure and dtypes"
-                    )
-                nbytes = codec.element_nbytes(element)
-                index += 1
-                with self._cv:
-                    while (
-                        not self._stopped
-                        and self._buffer
-                        and (
-                            len(self._buffer) >= self._buffer_elements
-                            or self._buffered_bytes + nbytes > self._buffer_bytes
-                        )
-                    ):
-                        self._cv.wait(0.5)
-                    if self._stopped:
+                nbytes = check(element)
+                now = clock()
+                batch.append((element, nbytes))
+                batch_bytes += nbytes
+                if (
+                    self._waiting
+                    or len(batch) >= _PRODUCE_BATCH
+                    or now - last > _PRODUCE_BATCH_ELEMENT_S
+                    or batch_bytes >= _PRODUCE_BATCH_BYTES
+                ):
+                    if not self._publish(batch, batch_bytes):
                         break
-                    self._buffer.append((element, nbytes))
-                    self._buffered_bytes += nbytes
-                    self._produced += 1
-                    self._cv.notify_all()
+                    batch = []
+                    batch_bytes = 0
+                last = now
+            else:
+                if batch:
+                    self._publish(batch, batch_bytes)
+                batch = []
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
         except BaseException as err:  # deliver any pipeline failure to the consumer
             if not isinstance(err, errors.DataServiceError):
                 log.debug("task %d failed:\n%s", self.task_id, traceback.format_exc())
+            if batch:  # the elements produced before the failure come first
+                self._publish(batch, batch_bytes)
             with self._cv:
                 self._error = (type(err).__name__, str(err))
         finally:
             with self._cv:
                 self._end = True
                 self._cv.notify_all()
+
+    def _publish(self, batch: list[tuple[Any, int]], batch_bytes: int) -> bool:
+        """Appends `batch` to the shared buffer, waiting while the buffer is full
+        (a full buffer takes a batch element by element, so the bounds hold to
+        one element). Returns False if the runner was stopped."""
+        with self._cv:
+            buffer = self._buffer
+            if (
+                not self._stopped
+                and len(buffer) + len(batch) <= self._buffer_elements
+                and self._buffered_bytes + batch_bytes <= self._buffer_bytes
+            ):  # room for all of it
+                buffer.extend(batch)
+                self._buffered_bytes += batch_bytes
+                self._produced += len(batch)
+                if self._waiting:
+                    self._cv.notify_all()
+                return True
+            for item in batch:
+                while (
+                    not self._stopped
+                    and self._buffer
+                    and (
+                        len(self._buffer) >= self._buffer_elements
+                        or self._buffered_bytes + item[1] > self._buffer_bytes
+                    )
+                ):
+                    self._cv.notify_all()
+                    self._cv.wait(0.5)
+                if self._stopped:
+                    return False
+                self._buffer.append(item)
+                self._buffered_bytes += item[1]
+                self._produced += 1
+            if self._waiting:
+                self._cv.notify_all()
+        return True
 
     def get_elements_raw(
         self, max_elements: int, max_bytes: int, timeout_s: float
@@ -136,8 +226,18 @@ class TaskRunner:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return out, False, None
-                self._cv.wait(remaining)
+                self._waiting += 1
+                try:
+                    self._cv.wait(remaining)
+                finally:
+                    self._waiting -= 1
             total = 0
+            buffer = self._buffer
+            if len(buffer) <= max_elements and self._buffered_bytes <= max_bytes:
+                out = [element for element, _ in buffer]  # all of it
+                total = self._buffered_bytes
+                buffer.clear()
+                self._buffered_bytes = 0
             while self._buffer and len(out) < max_elements:
                 nbytes = self._buffer[0][1]
                 if out and total + nbytes > max_bytes:

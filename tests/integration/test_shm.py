@@ -208,6 +208,31 @@ def test_zero_copy_can_be_turned_off(cluster, monkeypatch):
     assert all(g.flags.owndata for g in got)
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_zero_copy_option_of_distribute(cluster, zero_copy):
+    data = ds.Dataset.range(5).map(lambda x: np.full(100_000, x, np.uint8))
+    it = iter(
+        data.apply(
+            ds.distribute(OFF, cluster.target, data_transfer_protocol="shm", zero_copy=zero_copy)
+        )
+    )
+    got, flags = [], []
+    for g in it:
+        # a view of the ring owns no memory; a copy is the caller's own (views
+        # still held when the ring closes are copied out of it then)
+        flags.append(g.flags.owndata)
+        got.append(g)
+    assert [int(g[0]) for g in got] == [0, 1, 2, 3, 4]
+    assert all(int(g.sum()) == 100_000 * i for i, g in enumerate(got))
+    assert flags == [not zero_copy] * 5
+    assert {w["transfer_protocol"] for w in it.stats()["workers"].values()} == {"shm"}
+
+
+def test_zero_copy_must_be_a_bool(cluster):
+    with pytest.raises(ValueError, match="zero_copy.*'no'"):
+        ds.distribute(OFF, cluster.target, zero_copy="no")
+
+
 def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -195,6 +195,7 @@ class DistributedDataset(Dataset):
         client_timeout_ms: int,
         cross_trainer_cache: CrossTrainerCache | None,
         compression: str | None,
+        zero_copy: bool = True,
         input_dataset: Dataset | None = None,
         dataset_id: str | None = None,
         element_spec: Any = None,
@@ -211,6 +212,7 @@ class DistributedDataset(Dataset):
         self._client_timeout_ms = client_timeout_ms
         self._cross_trainer_cache = cross_trainer_cache
         self._compression = compression
+        self._zero_copy = zero_copy
         self._input_dataset = input_dataset
         self._dataset_id = dataset_id
         self._given_spec = element_spec
@@ -299,6 +301,7 @@ class DistributedDataset(Dataset):
             target_workers=self._target_workers,
             client_timeout_ms=self._client_timeout_ms,
             compression=self._compression,
+            zero_copy=self._zero_copy,
             trainer_id=""
             if peek or self._cross_trainer_cache is None
             else self._cross_trainer_cache.trainer_id,
@@ -340,6 +343,7 @@ def distribute(
     target_workers: str = "AUTO",
     *,
     client_timeout_ms: int | None = None,
+    zero_copy: bool = True,
 ) -> Callable[[Dataset], Dataset]:
     """A transformation that runs a dataset on the data service, for `Dataset.apply`.
 
@@ -360,6 +364,11 @@ def distribute(
         target_workers: "AUTO", "ANY" or "LOCAL" (case-insensitive).
         client_timeout_ms: How long to retry an unreachable dispatcher (ms); default
             $DATASERVICE_CLIENT_TIMEOUT_MS or 60,000.
+        zero_copy: Same-host shared-memory reads hand out numpy arrays of >= 64 KiB
+            as views of the ring, no copy (`flags.owndata` False; each stays valid
+            while referenced: one the consumer keeps is copied out when the ring
+            runs short or closes). False: every array is the caller's own copy.
+            (Not in tf.data service, which always copies.)
 
     Returns:
         A function `Dataset -> Dataset` for `dataset.apply(...)`.
@@ -379,6 +388,8 @@ def distribute(
     target = _check_target_workers(target_workers)
     timeout_ms = _client_timeout_ms(client_timeout_ms)
     _check_cache(cross_trainer_cache, name, consumers)
+    if not isinstance(zero_copy, bool):
+        raise ValueError(f"`zero_copy` must be a bool, got {zero_copy!r}")
 
     def _apply(dataset: Dataset) -> Dataset:
         if not isinstance(dataset, Dataset):
@@ -396,6 +407,7 @@ def distribute(
             client_timeout_ms=timeout_ms,
             cross_trainer_cache=cross_trainer_cache,
             compression=compression,
+            zero_copy=zero_copy,
             input_dataset=dataset,
         )
 
@@ -448,11 +460,13 @@ def from_dataset_id(
     target_workers: str = "AUTO",
     *,
     client_timeout_ms: int | None = None,
+    zero_copy: bool = True,
 ) -> Dataset:
     """Reads a registered dataset, as tf.data service's `from_dataset_id`.
 
     The job name is scoped by the dataset id ("dataset_id=<id>/<job_name>"),
-    as tf.data does, so one name over two datasets makes two jobs.
+    as tf.data does, so one name over two datasets makes two jobs. Arguments
+    as `distribute`'s.
 
     Raises:
         ValueError: A bad argument.
@@ -465,6 +479,8 @@ def from_dataset_id(
     _check_cache(cross_trainer_cache, name, consumers)
     if not isinstance(dataset_id, str) or not dataset_id:
         raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
+    if not isinstance(zero_copy, bool):
+        raise ValueError(f"`zero_copy` must be a bool, got {zero_copy!r}")
     return DistributedDataset(
         address=address,
         processing_mode=policy,
@@ -477,6 +493,7 @@ def from_dataset_id(
         client_timeout_ms=_client_timeout_ms(client_timeout_ms),
         cross_trainer_cache=cross_trainer_cache,
         compression="AUTO",
+        zero_copy=zero_copy,
         dataset_id=dataset_id,
         element_spec=element_spec,
     )

@@ -59,6 +59,7 @@ class ReadOptions:
     auth_token: str | None = None
     trainer_id: str = ""  # set: read through the job's cross-trainer cache
     compression: str | None = "AUTO"  # "AUTO", None or "ZSTD" (distribute's argument)
+    zero_copy: bool = True  # shared memory: large arrays may be views of the ring
 
 
 @dataclass
@@ -287,7 +288,9 @@ class _Reader:
             candidates = ["grpc"]
         for protocol in candidates:
             try:
-                client = transfer.make_client(protocol, endpoint, self.options.auth_token)
+                client = transfer.make_client(
+                    protocol, endpoint, self.options.auth_token, zero_copy=self.options.zero_copy
+                )
             except transfer.TransferUnavailable as err:
                 if len(candidates) == 1:  # forced: no fallback
                     raise errors.UnavailableError(

@@ -92,7 +92,9 @@ class TransferServer(abc.ABC):
         """Stops serving and frees what it holds (sockets, rings, threads)."""
 
 
-ClientFactory = Callable[[TaskEndpoint, "str | None"], TransferClient]
+# factory(endpoint, auth_token, zero_copy=bool): a protocol whose elements are
+# always copies (gRPC) ignores zero_copy.
+ClientFactory = Callable[..., TransferClient]
 ServerFactory = Callable[[Any], TransferServer]
 
 _lock = threading.Lock()
@@ -150,9 +152,18 @@ def protocol_candidates(requested: str | None, endpoint: TaskEndpoint) -> list[s
     return [requested]  # type: ignore[list-item]
 
 
-def make_client(protocol: str, endpoint: TaskEndpoint, auth_token: str | None) -> TransferClient:
+def make_client(
+    protocol: str, endpoint: TaskEndpoint, auth_token: str | None, *, zero_copy: bool = True
+) -> TransferClient:
+    """A client of `protocol` for `endpoint`. `zero_copy=False` makes a protocol
+    that can hand out views of shared memory copy every element instead.
+
+    Raises:
+        NotFoundError: `protocol` is not registered.
+        TransferUnavailable: The protocol cannot serve this endpoint.
+    """
     with _lock:
         factory = _factories.get(protocol)
     if factory is None:
         raise errors.NotFoundError(f"data transfer protocol {protocol!r} is not available")
-    return factory(endpoint, auth_token)
+    return factory(endpoint, auth_token, zero_copy=zero_copy)

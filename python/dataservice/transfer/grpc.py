@@ -18,7 +18,11 @@ class GrpcTransferClient(base.TransferClient):
     protocol = "grpc"
 
     def __init__(
-        self, endpoint: base.TaskEndpoint, auth_token: str | None, compression: str = ""
+        self,
+        endpoint: base.TaskEndpoint,
+        auth_token: str | None,
+        compression: str = "",
+        zero_copy: bool = True,  # elements over gRPC are always copies
     ) -> None:
         self._endpoint = endpoint
         self._compression = compression  # "" or "zstd", chosen by the reader

@@ -13,8 +13,10 @@ Ring bytes per worker are capped at 25 % of min(MemAvailable, cgroup limit -
 usage); past that a new ring is halved (down to 8 MiB), and then refused, so
 "auto" clients fall back to gRPC.
 
-Args of the client factory come from the registry; the environment variable
-`DATASERVICE_SHM_ZERO_COPY=0` makes clients copy every leaf (no views).
+Zero-copy reads (numpy leaves of >= 64 KiB handed out as views of the ring,
+kept valid by leases) are on by default; `distribute(..., zero_copy=False)` or
+the environment variable `DATASERVICE_SHM_ZERO_COPY=0` makes a client copy
+every leaf out of the ring instead.
 """
 
 from __future__ import annotations
@@ -371,11 +373,11 @@ class ShmTransferClient(base.TransferClient):
         self,
         endpoint: base.TaskEndpoint,
         auth_token: str | None = None,
-        zero_copy: bool | None = None,
+        zero_copy: bool = True,
     ) -> None:
         self._endpoint = endpoint
-        if zero_copy is None:
-            zero_copy = os.environ.get(ZERO_COPY_ENV, "1") not in ("0", "false", "False")
+        if os.environ.get(ZERO_COPY_ENV, "1") in ("0", "false", "False"):
+            zero_copy = False
         self._end = False
         self._error: BaseException | None = None
         self._ring: Any = None

@@ -8,9 +8,12 @@ torch is importable), and single-core memcpy, on four workloads:
     cpu_map  2,000 elements of a ~2 ms CPU-bound map, 1 vs 2 workers
 
 Usage:
-    python bench/transport.py [--quick] [--json out.json] [--only ring,shm,grpc,torch,memcpy]
+    python bench/transport.py [--quick] [--json out.json]
+        [--only ring,raw_shm,shm,grpc,torch,memcpy,cpu_map]
 
-Prints a table (elements/s and MB/s per workload and path) and writes JSON.
+Prints a table (elements/s and MB/s per workload and path), issue 3's targets
+as ratios measured in this run, and writes JSON (default
+bench/results/transport.json). The DataLoader columns need torch installed.
 """
 
 from __future__ import annotations
@@ -54,6 +57,83 @@ _RING_CONSUMER = textwrap.dedent(
     print(c.stats(), file=sys.stderr)
     """
 )
+
+
+_RAW_CONSUMER = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    from multiprocessing import resource_tracker, shared_memory
+    from multiprocessing.connection import Connection
+    name, slots, slot_bytes, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    full, free = Connection(int(sys.argv[5])), Connection(int(sys.argv[6]))
+    shm = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # the producer unlinks it
+    buf = np.ndarray((slots, slot_bytes), np.uint8, buffer=shm.buf)
+    t0 = None
+    for _ in range(n):
+        slot = full.recv_bytes()
+        if t0 is None:
+            t0 = time.perf_counter()
+        view = buf[slot[0]]  # the consumer's element: a view of the slot
+        view = None
+        free.send_bytes(slot)
+    print(n, time.perf_counter() - t0, flush=True)
+    del buf, view
+    shm.close()
+    """
+)
+
+
+def bench_raw_shm(name: str, n: int, slots: int = 8) -> dict[str, float] | None:
+    """The issue's "raw shared-memory hand-off": `multiprocessing.shared_memory`
+    slots, the producer copies each element into a free slot and passes the slot
+    index through a pipe, the consumer views it and hands the slot back."""
+    from multiprocessing import shared_memory
+    from multiprocessing.connection import Pipe
+
+    spec = WORKLOADS[name]
+    if spec["shape"] is None:
+        return None  # a hand-off of 8-byte scalars measures the pipe, not memory
+    nbytes = spec["nbytes"]
+    shm = shared_memory.SharedMemory(create=True, size=slots * nbytes)
+    try:
+        buf = np.ndarray((slots, nbytes), np.uint8, buffer=shm.buf)
+        buf[:] = 0  # pre-fault, as the ring is
+        full_r, full_w = Pipe(duplex=False)
+        free_r, free_w = Pipe(duplex=False)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _RAW_CONSUMER,
+                shm.name,
+                str(slots),
+                str(nbytes),
+                str(n),
+                str(full_r.fileno()),
+                str(free_w.fileno()),
+            ],
+            pass_fds=[full_r.fileno(), free_w.fileno()],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        elements = [e.reshape(-1) for e in _source(name, min(n, 64))]
+        for k in range(slots):
+            free_w.send_bytes(bytes([k]))
+        for i in range(n):
+            slot = free_r.recv_bytes()
+            np.copyto(buf[slot[0]], elements[i % len(elements)])
+            full_w.send_bytes(slot)
+        out, _ = child.communicate(timeout=600)
+        got, dt = out.split()
+        assert int(got) == n
+        secs = max(float(dt), 1e-9)
+        del buf
+    finally:
+        shm.close()
+        shm.unlink()
+    return {"elements_per_s": n / secs, "mb_per_s": n * nbytes / secs / 1e6}
 
 
 def _source(name: str, n: int) -> Any:
@@ -174,6 +254,31 @@ def bench_cpu_map(cluster_workers: int, protocol: str | None, n: int = 2000) -> 
     return n / dt
 
 
+def bench_torch_cpu_map(num_workers: int, n: int = 2000) -> float | None:
+    """The cpu_map workload through PyTorch's DataLoader (elements/s)."""
+    try:
+        from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+    except ImportError:
+        return None
+
+    class Burn(IterableDataset):  # type: ignore[type-arg,misc]
+        def __iter__(self) -> Any:
+            info = get_worker_info()
+            wid, nw = (info.id, info.num_workers) if info else (0, 1)
+            for i in range(wid, n, nw):
+                t = time.process_time() + 0.002
+                while time.process_time() < t:
+                    pass
+                yield np.int64(i)
+
+    loader = DataLoader(Burn(), batch_size=None, num_workers=num_workers)
+    t0 = time.perf_counter()
+    count = sum(1 for _ in loader)
+    dt = time.perf_counter() - t0
+    assert count == n
+    return n / dt
+
+
 def bench_torch(name: str, n: int, num_workers: int) -> dict[str, float] | None:
     try:
         import torch  # noqa: F401
@@ -215,11 +320,41 @@ def bench_memcpy(name: str) -> dict[str, float]:
     return {"elements_per_s": reps / dt, "mb_per_s": reps * nbytes / dt / 1e6}
 
 
+def _targets(results: dict[str, Any]) -> list[str]:
+    """Issue 3's targets, as ratios of figures measured in this run."""
+    lines = []
+
+    def rate(name: str, col: str) -> float | None:
+        r = results.get(name, {}).get(col)
+        return None if r is None else r["elements_per_s"]
+
+    def check(label: str, got: float | None, base: float | None, want: float) -> None:
+        if got is None or base is None:
+            lines.append(f"target {label}: not measured")
+            return
+        ratio = got / base
+        verdict = "met" if ratio >= want else "MISSED"
+        lines.append(f"target {label}: {ratio:.2f}x (want >= {want}x) {verdict}")
+
+    for name, want in (("scalars", 50), ("images", 15), ("batches", 3)):
+        check(f"{name} shm vs DataLoader(2)", rate(name, "shm"), rate(name, "torch2"), want)
+    for name in ("images", "batches"):
+        check(f"{name} shm vs our gRPC", rate(name, "shm"), rate(name, "grpc"), 5)
+    check("images ring vs raw shm hand-off", rate("images", "ring"), rate("images", "raw_shm"), 1)
+    scalars_ring = rate("scalars", "ring")
+    if scalars_ring is not None:
+        check("scalars ring >= 1M/s", scalars_ring, 1e6, 1)
+    cpu = results.get("cpu_map")
+    if cpu:
+        check("cpu_map 2 workers vs 1", cpu["2_workers"], cpu["1_worker"], 1.7)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of each workload")
-    parser.add_argument("--json", default="bench-transport.json")
-    parser.add_argument("--only", default="ring,shm,grpc,torch,memcpy,cpu_map")
+    parser.add_argument("--json", default="bench/results/transport.json")
+    parser.add_argument("--only", default="ring,raw_shm,shm,grpc,torch,memcpy,cpu_map")
     args = parser.parse_args()
     only = set(args.only.split(","))
     scale = 0.1 if args.quick else 1.0
@@ -235,6 +370,10 @@ def main() -> None:
             row: dict[str, Any] = {"n": n}
             if "ring" in only:
                 row["ring"] = bench_ring(name, n)
+            if "raw_shm" in only:
+                raw = bench_raw_shm(name, n)
+                if raw is not None:
+                    row["raw_shm"] = raw
             for protocol in ("shm", "grpc"):
                 if protocol in only and cluster is not None:
                     row[protocol] = bench_service(name, n, protocol, cluster)
@@ -255,8 +394,12 @@ def main() -> None:
         one = bench_cpu_map(1, None, n)
         two = bench_cpu_map(2, None, n)
         results["cpu_map"] = {"n": n, "1_worker": one, "2_workers": two, "speedup": two / one}
+        if "torch" in only:
+            t1, t2 = bench_torch_cpu_map(1, n), bench_torch_cpu_map(2, n)
+            if t1 and t2:
+                results["cpu_map"].update(torch1=t1, torch2=t2, torch_speedup=t2 / t1)
 
-    cols = ["ring", "shm", "grpc", "torch1", "torch2", "memcpy"]
+    cols = ["ring", "raw_shm", "shm", "grpc", "torch1", "torch2", "memcpy"]
     print(f"{'workload':<9} " + " ".join(f"{c:>18}" for c in cols))
     for name in WORKLOADS:
         row = results.get(name, {})
@@ -276,6 +419,16 @@ def main() -> None:
             f"cpu_map   1 worker {r['1_worker']:.0f}/s, 2 workers {r['2_workers']:.0f}/s "
             f"({r['speedup']:.2f}x)"
         )
+    if "cpu_map" in results and "torch_speedup" in results["cpu_map"]:
+        r = results["cpu_map"]
+        print(
+            f"cpu_map   DataLoader 1 worker {r['torch1']:.0f}/s, 2 workers {r['torch2']:.0f}/s "
+            f"({r['torch_speedup']:.2f}x)"
+        )
+    results["targets"] = _targets(results)
+    for line in results["targets"]:
+        print(line)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": os.uname().nodename, "cpus": os.cpu_count(), **results}, f, indent=2)
     print(f"wrote {args.json}")

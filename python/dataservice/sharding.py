@@ -12,9 +12,13 @@ The names and meanings are tf.data service's
 from __future__ import annotations
 
 import enum
+import logging
+import threading
 from typing import Any
 
 from dataservice import errors
+
+log = logging.getLogger(__name__)
 
 SHARD_HINT = -1
 """Placeholder for `Dataset.shard(SHARD_HINT, SHARD_HINT)`: under the HINT
@@ -22,7 +26,35 @@ policy it becomes `shard(num_workers, worker_index)` on each worker."""
 
 
 class ShardingPolicy(enum.IntEnum):
-    """How a distributed dataset is split across workers (tf.data service's ShardingPolicy)."""
+    """How a distributed dataset is split across workers (tf.data service's ShardingPolicy).
+
+    * OFF: no sharding; every worker produces the whole dataset.
+    * DYNAMIC: the dispatcher hands out splits of the source on demand; each
+      element is produced once per epoch across all workers.
+    * FILE: each file source (`list_files`, `TFRecordDataset` of file names)
+      of worker `i` of `n` reads files `i, i + n, ...`. Needs at least one
+      file per worker: fewer files than workers is an error naming both
+      counts, and a pipeline without a file source is an error too.
+    * DATA: worker `i` of `n` keeps elements `i, i + n, ...` of the whole stream.
+    * FILE_OR_DATA: FILE when the pipeline has a file source with at least as
+      many files as workers; otherwise DATA. With no file source this is
+      tf.data's behaviour. With fewer files than workers it departs from
+      tf.data, which picks FILE anyway and then fails at run time because a
+      shard has no file: here it falls back to DATA (logged once at INFO
+      naming both counts), so every element is still read exactly once and
+      workers whose shard is empty simply end (CASES.md C-29). Why:
+      FILE_OR_DATA asks for "by files when that works, else by elements",
+      and by files cannot work with fewer files than workers; FILE stays
+      strict for those who need whole files per worker.
+    * HINT: `shard(SHARD_HINT, SHARD_HINT)` placeholders become
+      `shard(num_workers, worker_index)`.
+
+    The static policies (FILE, DATA, FILE_OR_DATA, HINT) need
+    `DispatcherConfig.worker_addresses`; a worker's index is its position in
+    it. With `target_workers="AUTO"` (the default) a static job is read from
+    the workers local to the client only (same host id, see API.md
+    "Locality"); `"ANY"` reads every worker's shard.
+    """
 
     OFF = 0
     DYNAMIC = 1
@@ -65,44 +97,67 @@ STATIC_POLICIES = (
 )
 
 
-def _file_sources(dataset: Any) -> list[Any]:
+def _file_lists(node: Any) -> tuple[str, tuple[str, ...]] | None:
+    """(attribute holding the file names, the names) of a file source, else None."""
     from dataservice.data.sources import ListFilesDataset, TFRecordDataset
 
-    return [
-        node
-        for node in dataset._walk()
-        if isinstance(node, ListFilesDataset)
-        or (isinstance(node, TFRecordDataset) and node.filenames is not None)
-    ]
+    if isinstance(node, ListFilesDataset):
+        return "_files", tuple(node.files)
+    if isinstance(node, TFRecordDataset) and node.filenames is not None:
+        return "_filenames", tuple(node.filenames)
+    return None
 
 
-def _shard_files(dataset: Any, num_workers: int, worker_index: int) -> Any:
+def _file_sources(dataset: Any) -> list[Any]:
+    """The file sources of `dataset`'s graph (`list_files`, `TFRecordDataset` of names)."""
+    return [node for node in dataset._walk() if _file_lists(node) is not None]
+
+
+def _shard_files(dataset: Any, policy: ShardingPolicy, num_workers: int, worker_index: int) -> Any:
     """The pipeline with each file source reading only files `worker_index`,
-    `worker_index + num_workers`, ... (tf.data's FILE auto-sharding)."""
+    `worker_index + num_workers`, ... (tf.data's FILE auto-sharding).
+
+    Raises:
+        FailedPreconditionError: A file source has fewer files than workers.
+    """
     import copy
 
-    from dataservice.data.sources import ListFilesDataset, TFRecordDataset
-
     def rewrite(node: Any) -> Any:
-        if isinstance(node, ListFilesDataset):
-            files = node.files
-            attr = "_files"
-        elif isinstance(node, TFRecordDataset) and node.filenames is not None:
-            files = node.filenames
-            attr = "_filenames"
-        else:
+        found = _file_lists(node)
+        if found is None:
             return node
+        attr, files = found
         if len(files) < num_workers:
             raise errors.FailedPreconditionError(
-                f"FILE sharding: not enough files to shard: `{node._op_name}` has "
-                f"{len(files)} files for {num_workers} workers (each worker needs at least "
-                "one file); use ShardingPolicy.DATA or FILE_OR_DATA with more files"
+                f"{policy.name} sharding: not enough files to shard: `{node._op_name}` has "
+                f"{len(files)} files for {num_workers} workers (FILE sharding needs at least "
+                "one file per worker); use ShardingPolicy.DATA, or FILE_OR_DATA (which "
+                "falls back to DATA sharding when there are fewer files than workers)"
             )
         new = copy.copy(node)
-        setattr(new, attr, tuple(files[worker_index::num_workers]))
+        setattr(new, attr, files[worker_index::num_workers])
         return new
 
     return dataset._map_graph(rewrite)
+
+
+_fallback_logged: set[tuple[int, tuple[tuple[str, ...], ...]]] = set()
+_fallback_logged_mu = threading.Lock()
+
+
+def _log_data_fallback_once(num_workers: int, file_lists: list[tuple[str, ...]]) -> None:
+    key = (num_workers, tuple(file_lists))
+    with _fallback_logged_mu:
+        if key in _fallback_logged:
+            return
+        _fallback_logged.add(key)
+    counts = ", ".join(str(len(files)) for files in file_lists)
+    log.info(
+        "FILE_OR_DATA sharding: the pipeline's file source has %s files for %d workers "
+        "(FILE sharding needs at least one file per worker); using DATA sharding instead",
+        counts,
+        num_workers,
+    )
 
 
 def apply_static_sharding(
@@ -114,7 +169,9 @@ def apply_static_sharding(
     * FILE: each file source (`list_files`, `TFRecordDataset` of names) reads
       every `num_workers`-th file from `worker_index` on;
     * DATA: the whole stream is `shard(num_workers, worker_index)`-ed at the end;
-    * FILE_OR_DATA: FILE when the pipeline has a file source, else DATA;
+    * FILE_OR_DATA: FILE when every file source has at least `num_workers`
+      files, else DATA (no file source, or fewer files than workers: the
+      latter departs from tf.data, see `ShardingPolicy`);
     * HINT: `shard(SHARD_HINT, SHARD_HINT)` becomes `shard(num_workers, worker_index)`.
 
     Raises:
@@ -125,14 +182,20 @@ def apply_static_sharding(
         if not _file_sources(dataset):
             raise errors.InvalidArgumentError(
                 "FILE sharding: the pipeline is unshardable by files: it has no file source "
-                "(`list_files` or `TFRecordDataset` of file names); use ShardingPolicy.DATA"
+                "(`list_files` or `TFRecordDataset` of file names), i.e. 0 files for "
+                f"{num_workers} workers; use ShardingPolicy.DATA or FILE_OR_DATA"
             )
-        return _shard_files(dataset, num_workers, worker_index)
+        return _shard_files(dataset, policy, num_workers, worker_index)
     if policy == ShardingPolicy.DATA:
         return dataset.shard(num_workers, worker_index)
     if policy == ShardingPolicy.FILE_OR_DATA:
-        if _file_sources(dataset):
-            return _shard_files(dataset, num_workers, worker_index)
+        file_lists = [
+            found[1] for node in dataset._walk() if (found := _file_lists(node)) is not None
+        ]
+        if file_lists and all(len(files) >= num_workers for files in file_lists):
+            return _shard_files(dataset, policy, num_workers, worker_index)
+        if file_lists:
+            _log_data_fallback_once(num_workers, file_lists)
         return dataset.shard(num_workers, worker_index)
     if policy == ShardingPolicy.HINT:
         return dataset._with_shard_hints_resolved(num_workers, worker_index)

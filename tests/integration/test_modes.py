@@ -717,16 +717,7 @@ C29_TWO_FILES = sorted(record(f, r) for f in (0, 1) for r in range(3))
         "dynamic_3_elements_and_none_8_workers",
         "file_2_files_4_workers",
         "data_2_files_4_workers",
-        pytest.param(
-            "file_or_data_2_files_4_workers",
-            marks=pytest.mark.xfail(
-                reason="FILE_OR_DATA with 2 files for 4 workers raises 'not enough files' "
-                "(sharding._shard_files) instead of falling back to DATA as C-29 expects "
-                "(tf.data itself errors here too: its FILE_OR_DATA falls back only when "
-                "there is no file source; the spec needs deciding)",
-                strict=True,
-            ),
-        ),
+        "file_or_data_2_files_4_workers",
         "data_empty_shards",
         "coordinated_3_consumers_2_elements_per_epoch",
     ],

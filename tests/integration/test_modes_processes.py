@@ -780,15 +780,7 @@ def test_c19_big_source_is_not_copied_once_per_worker():
         "dynamic_3_elements_4_workers",
         "file_2_files_4_workers",
         "data_2_files_4_workers",
-        pytest.param(
-            "file_or_data_2_files_4_workers",
-            marks=pytest.mark.xfail(
-                reason="FILE_OR_DATA with 2 files for 4 workers raises 'not enough files' "
-                "(sharding._shard_files) instead of falling back to DATA as C-29 expects "
-                "(tf.data errors here too; the spec needs deciding)",
-                strict=True,
-            ),
-        ),
+        "file_or_data_2_files_4_workers",
         "data_empty_shards",
         "coordinated_3_consumers_2_elements_per_epoch",
     ],

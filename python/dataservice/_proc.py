@@ -132,8 +132,10 @@ class OutputPump:
     """Drains one pipe of a child process line by line in a daemon thread.
 
     Keeps the last `tail_lines` lines (for error messages), optionally copies
-    each line to `forward` with a prefix, and records the first line matching
-    `ready_pattern` (see `wait_ready`). Ends at EOF, i.e. when the child exits.
+    each line to `forward` with a prefix, records the first line matching
+    `ready_pattern` (see `wait_ready`) and whether a line matched
+    `progress_pattern` (see `progress_seen`). Ends at EOF, i.e. when the child
+    exits.
     """
 
     def __init__(
@@ -143,14 +145,17 @@ class OutputPump:
         ready_pattern: re.Pattern[str] | None = None,
         tail_lines: int = 200,
         forward: IO[str] | None = None,
+        progress_pattern: re.Pattern[str] | None = None,
     ) -> None:
         self._stream = stream
         self._name = name
         self._ready_pattern = ready_pattern
+        self._progress_pattern = progress_pattern
         self._forward = forward
         self._mu = threading.Lock()
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)  # guarded
         self._ready_match: re.Match[str] | None = None  # guarded by self._mu
+        self._progress = False  # guarded by self._mu
         self._changed = threading.Condition(self._mu)
         self._eof = False  # guarded by self._mu
         self._thread = threading.Thread(target=self._run, name=f"pump-{name}", daemon=True)
@@ -169,6 +174,12 @@ class OutputPump:
                     ):
                         self._ready_match = m
                         self._changed.notify_all()
+                    elif (
+                        not self._progress
+                        and self._progress_pattern is not None
+                        and self._progress_pattern.search(line)
+                    ):
+                        self._progress = True
                 if self._forward is not None:
                     try:
                         self._forward.write(f"[{self._name}] {line}\n")
@@ -195,6 +206,11 @@ class OutputPump:
                     break
                 self._changed.wait(min(remaining, 0.1))
             return self._ready_match
+
+    def progress_seen(self) -> bool:
+        """Whether a line matched `progress_pattern` (so far)."""
+        with self._mu:
+            return self._progress
 
     def tail(self, n: int = 20) -> str:
         with self._mu:

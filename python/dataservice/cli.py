@@ -14,9 +14,12 @@ the config's defaults.
 
 The server subcommands print one line when they serve, e.g.
 `dataservice dispatcher listening on 127.0.0.1:5050` (flushed; `LocalCluster`
-reads the address from it), then block. SIGTERM or SIGINT stops the server
-(in-flight RPCs finish) and exits 0; a second signal exits at once. With the
-hidden `--parent-pid PID` the server also stops when that process dies.
+reads the address from it), then block. A worker also prints `dataservice
+worker handed out its first element` once, before that element leaves it
+(`LocalCluster`'s sign that a restarted worker made progress). SIGTERM or
+SIGINT stops the server (in-flight RPCs finish) and exits 0; a second signal
+exits at once. With the hidden `--parent-pid PID` the server also stops when
+that process dies.
 
 Exit codes: 0 stopped by a signal, 1 a server error (e.g. the dispatcher was
 unreachable for `--dispatcher-timeout-ms`), 2 bad flags (argparse's message).
@@ -51,6 +54,12 @@ ORPHAN_STOP_TIMEOUT_S = 3.0
 
 READY_RE = re.compile(r"^dataservice (dispatcher|worker) listening on (\S+)")
 """Matches the ready line; group 2 is the address ("host:port")."""
+
+FIRST_ELEMENT_LINE = "dataservice worker handed out its first element"
+FIRST_ELEMENT_RE = re.compile("^" + re.escape(FIRST_ELEMENT_LINE) + "$")
+"""Matches the line a worker prints when it hands out its first element."""
+
+_STDOUT_MU = threading.Lock()  # whole lines: the ready line and the first-element line
 
 # Flags besides the field's own kebab-case name.
 _FLAG_ALIASES: dict[str, list[str]] = {
@@ -176,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(p, WorkerConfig)
     _add_process_flags(p)
+    # LocalCluster restarts a worker that exited without handing out an element
+    # with this: task pipelines start at a consumer's first request.
+    p.add_argument("--lazy-tasks", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(subparser=p)
 
     from dataservice import demo  # light: heavy imports happen in demo.run
@@ -243,7 +255,8 @@ def _serve(
         logger.info("%s: interrupted by signal %d while starting", kind, e.signum)
         watchdog.arm(STOP_TIMEOUT_S, code=128 + e.signum)
         return 128 + e.signum
-    print(f"dataservice {kind} listening on {address}", flush=True)
+    with _STDOUT_MU:
+        print(f"dataservice {kind} listening on {address}", flush=True)
 
     ended_by_itself = threading.Event()
     join_error: list[BaseException] = []
@@ -326,6 +339,13 @@ def _run_dispatcher(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return _serve("dispatcher", make, args.parent_pid)
 
 
+def _announce_first_element() -> None:
+    """Prints FIRST_ELEMENT_LINE (on the serving thread, before the element is sent)."""
+    with _STDOUT_MU:
+        sys.stdout.write(FIRST_ELEMENT_LINE + "\n")
+        sys.stdout.flush()
+
+
 def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         config = WorkerConfig(**_config_kwargs(args, WorkerConfig))
@@ -336,7 +356,12 @@ def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         from dataservice.worker.server import WorkerServer
 
         _wait_for_dispatcher(config.dispatcher_address, config.dispatcher_timeout_ms_or_default)
-        server = WorkerServer(config, start=True)
+        server = WorkerServer(
+            config,
+            start=True,
+            lazy_tasks=args.lazy_tasks,
+            on_first_element=_announce_first_element,
+        )
         # Ready means registered, where the server can tell us (else the first
         # heartbeat registers it right after start).
         wait_registered = getattr(server, "wait_registered", None)

@@ -17,6 +17,19 @@ Lifecycle (CASES C-01, C-23, C-24):
   parent) and exit within a few seconds.
 * Servers run in their own session, so Ctrl-C in a terminal reaches only this
   process, which then tears the cluster down.
+
+Worker restarts (`restart_workers=True`, CASES K4: repeated crashes give
+progress or a bounded failure): a worker process that exits is restarted on
+its port. One that exits without having handed out an element (a pipeline that
+calls `os._exit`, segfaults, is OOM-killed before its consumer reached it)
+counts against `max_worker_restarts`; it is restarted after a backoff and
+starts its tasks' pipelines only when a consumer asks, so the consumer gets
+the elements produced before the next crash. A worker that hands out an
+element (or stays up 30 s) resets the count. When the count runs out the
+cluster gives up on that worker and tells the dispatcher, which fails the
+iterations no worker is left to run: their consumers raise
+`errors.WorkerCrashedError` naming each worker, its pids and exit codes, as
+PyTorch's DataLoader raises "worker (pid X) exited unexpectedly".
 """
 
 from __future__ import annotations
@@ -34,14 +47,19 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from dataservice import _proc
-from dataservice.cli import READY_RE
+from dataservice import _proc, errors
+from dataservice.cli import FIRST_ELEMENT_RE, READY_RE
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_PERIOD_S = 5.0
 DEFAULT_START_TIMEOUT_S = 60.0
+DEFAULT_MAX_WORKER_RESTARTS = 3
+RESTART_BACKOFF_S = 0.1  # before the first restart after an exit without progress
+MAX_RESTART_BACKOFF_S = 2.0  # the backoff doubles up to this
+HEALTHY_UPTIME_S = 30.0  # a worker up this long made progress, even if idle
+_MONITOR_PERIOD_S = 0.1
 
 
 @dataclasses.dataclass
@@ -53,6 +71,29 @@ class _Proc:
     stdout: _proc.OutputPump
     stderr: _proc.OutputPump
     address: str = ""
+
+
+@dataclasses.dataclass
+class _Slot:
+    """The monitor's view of one worker index (monitor thread only)."""
+
+    state: str = "running"  # running | waiting (to be restarted) | starting | failed
+    ready_at: float = 0.0  # time.monotonic() when the current process became ready
+    retry_at: float = 0.0  # waiting: when to restart
+    start_deadline: float = 0.0  # starting: when to give up waiting for the ready line
+    exits: list[str] = dataclasses.field(default_factory=list)  # in a row, without progress
+    pids: list[int] = dataclasses.field(default_factory=list)  # of those exits
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "did not report ready"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _config_flags(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
@@ -112,7 +153,23 @@ class LocalCluster:
             `{"heartbeat_interval_ms": 100, "data_transfer_protocol": "grpc"}`.
             `dispatcher_address` is set by the cluster.
         restart_workers: Start a monitor thread that restarts a worker process
-            that died, on the same port so its address stays the same.
+            that died, on the same port so its address stays the same. A
+            worker that exited without handing out an element (and was up
+            less than 30 s) is restarted after a backoff (0.1 s, doubling, at
+            most 2 s) with its tasks' pipelines started only when a consumer
+            asks for them; one that handed out an element is restarted at
+            once and resets the count below.
+        max_worker_restarts: With `restart_workers`, how many times in a row a
+            worker that exits without handing out an element is restarted
+            (>= 0; None: forever). At the next such exit the cluster gives up
+            on that worker: it logs an error, lists it in `failed_workers`,
+            and tells the dispatcher, which drops the worker and fails every
+            iteration that no worker is left to run: its consumers' `next()`
+            raises `errors.WorkerCrashedError`, e.g. "no worker is left to run
+            job 1000, repetition 0: ... worker-1 at 127.0.0.1:PORT exited with
+            code 1, 4 times in a row, without handing out an element (pids
+            ...); LocalCluster gave up restarting it (max_worker_restarts=3)".
+            While another worker still serves the iteration, it goes on.
         start_timeout_s: How long each server may take to print its ready line.
         grace_period_s: Seconds between SIGTERM and SIGKILL on teardown.
         forward_output: Copy the servers' stdout/stderr lines to our stderr,
@@ -136,6 +193,7 @@ class LocalCluster:
         dispatcher_config: DispatcherConfig | None = None,
         worker_options: Mapping[str, Any] | None = None,
         restart_workers: bool = False,
+        max_worker_restarts: int | None = DEFAULT_MAX_WORKER_RESTARTS,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
         forward_output: bool = False,
@@ -174,10 +232,19 @@ class LocalCluster:
         self._worker_template = WorkerConfig(dispatcher_address="127.0.0.1:1", **options)
         if grace_period_s < 0 or start_timeout_s <= 0:
             raise ValueError("`grace_period_s` must be >= 0 and `start_timeout_s` > 0")
+        if max_worker_restarts is not None and (
+            not isinstance(max_worker_restarts, int)
+            or isinstance(max_worker_restarts, bool)
+            or max_worker_restarts < 0
+        ):
+            raise ValueError(
+                f"`max_worker_restarts` must be an int >= 0 or None, got {max_worker_restarts!r}"
+            )
 
         self._num_workers = num_workers
         self._dispatcher_config = dispatcher_config
         self._restart_workers = restart_workers
+        self._max_worker_restarts = max_worker_restarts
         self._start_timeout_s = start_timeout_s
         self._grace_period_s = grace_period_s
         self._forward = sys.stderr if forward_output else None
@@ -187,6 +254,7 @@ class LocalCluster:
         self._dispatcher: _Proc | None = None  # guarded by self._lock
         self._workers: list[_Proc] = []  # guarded by self._lock
         self._restarts = 0  # guarded by self._lock
+        self._failed: dict[str, str] = {}  # guarded by self._lock: address -> why given up
         self._started = False  # guarded by self._lock
         self._stopped = False  # guarded by self._lock
         self._stopping = threading.Event()
@@ -221,7 +289,13 @@ class LocalCluster:
         return _Proc(
             name=name,
             popen=popen,
-            stdout=_proc.OutputPump(popen.stdout, name, READY_RE, forward=self._forward),
+            stdout=_proc.OutputPump(
+                popen.stdout,
+                name,
+                READY_RE,
+                forward=self._forward,
+                progress_pattern=FIRST_ELEMENT_RE if kind == "worker" else None,
+            ),
             stderr=_proc.OutputPump(popen.stderr, name, None, forward=self._forward),
         )
 
@@ -316,56 +390,172 @@ class LocalCluster:
     # -------------------------------------------------------------- monitor
 
     def _monitor_workers(self) -> None:
-        """Restarts dead workers on their old port until the cluster stops."""
-        retry_after: dict[int, float] = {}
-        while not self._stopping.wait(0.2):
+        """Restarts dead workers on their old port until the cluster stops, or
+        gives up on one (see `max_worker_restarts`). Never blocks on one worker:
+        each index is a small state machine polled every 0.1 s."""
+        with self._lock:
+            num = len(self._workers)
+        now = time.monotonic()
+        slots = [_Slot(ready_at=now) for _ in range(num)]
+        while not self._stopping.wait(_MONITOR_PERIOD_S):
+            for i, slot in enumerate(slots):
+                if self._stopping.is_set():
+                    return
+                with self._lock:
+                    w = self._workers[i]
+                if slot.state == "running":
+                    code = w.popen.poll()
+                    if code is not None:
+                        self._on_worker_exit(slot, w, code, was_ready=True)
+                elif slot.state == "starting":
+                    self._check_started(slot, w)
+                elif slot.state == "waiting" and time.monotonic() >= slot.retry_at:
+                    if not self._restart(i, slot, w):
+                        return
+
+    def _on_worker_exit(self, slot: _Slot, w: _Proc, code: int | None, was_ready: bool) -> None:
+        """Counts the exit of `w` and schedules its restart, or gives up on it."""
+        if self._stopping.is_set():
+            return
+        _proc.terminate_processes([w.popen], 0.0, own_groups=True)  # reap, and its group
+        w.stdout.join(0.5)  # EOF: the first-element line, if any, has been read
+        w.stderr.join(0.5)
+        now = time.monotonic()
+        progressed = w.stdout.progress_seen() or (
+            was_ready and now - slot.ready_at >= HEALTHY_UPTIME_S
+        )
+        how = _describe_exit(code) if was_ready else f"{_describe_exit(code)} before it was ready"
+        if progressed:
+            slot.exits, slot.pids = [], []
+        else:
+            slot.exits.append(how)
+            slot.pids.append(w.popen.pid)
+        limit = self._max_worker_restarts
+        if limit is not None and len(slot.exits) > limit:
+            self._give_up(slot, w)
+            return
+        delay = 0.0
+        if slot.exits:
+            delay = min(RESTART_BACKOFF_S * 2 ** (len(slot.exits) - 1), MAX_RESTART_BACKOFF_S)
+        logger.warning(
+            "LocalCluster: %s (pid %d, %s) %s%s; restarting it on port %s in %.1f s",
+            w.name,
+            w.popen.pid,
+            w.address,
+            how,
+            "" if progressed else f" without handing out an element ({len(slot.exits)} in a row)",
+            w.address.rsplit(":", 1)[-1],
+            delay,
+        )
+        if not was_ready:
+            tail = w.stderr.tail(20)
+            if tail:
+                logger.error("LocalCluster: last lines of %s's stderr:\n%s", w.name, tail)
+        slot.state = "waiting"
+        slot.retry_at = now + delay
+
+    def _restart(self, i: int, slot: _Slot, w: _Proc) -> bool:
+        """Starts worker `i` again on `w`'s port. Returns False if the cluster stopped."""
+        port = int(w.address.rsplit(":", 1)[1])
+        flags = self._worker_flags(port=port)
+        if slot.exits:  # it made no progress: start pipelines only when a consumer asks
+            flags.append("--lazy-tasks")
+        try:
+            new = self._spawn("worker", w.name, flags)
+        except OSError as e:
+            logger.error("LocalCluster: cannot restart %s: %s", w.name, e)
+            slot.exits.append(f"could not be started ({e})")
+            slot.pids.append(0)
+            limit = self._max_worker_restarts
+            if limit is not None and len(slot.exits) > limit:
+                self._give_up(slot, w)
+            else:
+                slot.retry_at = time.monotonic() + 1.0
+            return True
+        new.address = w.address  # the same port; the ready line confirms it
+        with self._lock:
+            if self._stopped:  # raced with stop(): don't leave it behind
+                _proc.terminate_processes([new.popen], 0.0, own_groups=True)
+                return False
+            self._workers[i] = new
+        slot.state = "starting"
+        slot.start_deadline = time.monotonic() + self._start_timeout_s
+        return True
+
+    def _check_started(self, slot: _Slot, w: _Proc) -> None:
+        old_address = w.address
+        match = w.stdout.wait_ready(time.monotonic())  # does not block
+        if match is not None:
+            w.address = match.group(2)
+            slot.state = "running"
+            slot.ready_at = time.monotonic()
             with self._lock:
-                workers = list(self._workers)
-            for i, w in enumerate(workers):
-                code = w.popen.poll()
-                if code is None or self._stopping.is_set():
-                    continue
-                if time.monotonic() < retry_after.get(i, 0.0):
-                    continue
-                port = int(w.address.rsplit(":", 1)[1])
+                self._restarts += 1
+            if w.address != old_address:
                 logger.warning(
-                    "LocalCluster: %s (pid %d, %s) exited with code %s; restarting it on port %d",
-                    w.name,
-                    w.popen.pid,
-                    w.address,
-                    code,
-                    port,
+                    "LocalCluster: %s came back as %s, not %s", w.name, w.address, old_address
                 )
-                _proc.terminate_processes([w.popen], 0.0, own_groups=True)  # reap, and its group
-                try:
-                    new = self._spawn("worker", w.name, self._worker_flags(port=port))
-                except OSError as e:
-                    logger.error("LocalCluster: cannot restart %s: %s", w.name, e)
-                    retry_after[i] = time.monotonic() + 1.0
-                    continue
-                with self._lock:
-                    if self._stopped:  # raced with stop(): don't leave it behind
-                        _proc.terminate_processes([new.popen], 0.0, own_groups=True)
-                        return
-                    self._workers[i] = new
-                try:
-                    address = self._wait_ready(
-                        new, time.monotonic() + self._start_timeout_s, interruptible=True
-                    )
-                except (RuntimeError, TimeoutError) as e:
-                    if self._stopping.is_set():
-                        return
-                    logger.error("LocalCluster: restart of %s failed: %s", w.name, e)
-                    _proc.terminate_processes([new.popen], 0.0, own_groups=True)
-                    new.address = w.address  # keep the port for the next try
-                    retry_after[i] = time.monotonic() + 1.0
-                    continue
-                with self._lock:
-                    self._restarts += 1
-                if address != w.address:
-                    logger.warning(
-                        "LocalCluster: %s came back as %s, not %s", w.name, address, w.address
-                    )
+            return
+        code = w.popen.poll()
+        if code is not None:
+            self._on_worker_exit(slot, w, code, was_ready=False)
+        elif time.monotonic() >= slot.start_deadline:
+            logger.error(
+                "LocalCluster: %s (pid %d) did not report ready within %.0f s",
+                w.name,
+                w.popen.pid,
+                self._start_timeout_s,
+            )
+            self._on_worker_exit(slot, w, None, was_ready=False)
+
+    def _give_up(self, slot: _Slot, w: _Proc) -> None:
+        """Stops restarting `w`'s index; tells the dispatcher (its consumers fail)."""
+        n = len(slot.exits)
+        times = "once" if n == 1 else f"{n} times in a row"
+        if len(set(slot.exits)) == 1:
+            how = f"{slot.exits[0]}, {times},"
+        else:
+            how = f"exited {times} ({', '.join(slot.exits)})"
+        pids = ", ".join(str(p) for p in slot.pids if p)
+        reason = (
+            f"{w.name} at {w.address} {how} without handing out an element (pids {pids}); "
+            f"LocalCluster gave up restarting it (max_worker_restarts="
+            f"{self._max_worker_restarts})"
+        )
+        tail = w.stderr.tail(5)
+        if tail:
+            reason += f"; last lines of its stderr:\n{tail}"
+        slot.state = "failed"
+        with self._lock:
+            self._failed[w.address] = reason
+        logger.error("LocalCluster: %s", reason)
+        self._report_failure(w.address, reason)
+
+    def _report_failure(self, address: str, reason: str) -> None:
+        """ReportWorkerFailure to the dispatcher (retried for up to 5 s)."""
+        from dataservice.rpc import service_pb2 as pb
+        from dataservice.rpc import service_pb2_grpc
+        from dataservice.rpc import util as rpc_util
+
+        target = self.dispatcher_address
+        metadata = rpc_util.call_metadata(
+            rpc_util.token_from_env(self._dispatcher_config.auth_token)
+        )
+        channel = rpc_util.make_channel(target)
+        try:
+            stub = service_pb2_grpc.DispatcherServiceStub(channel)
+            request = pb.ReportWorkerFailureRequest(worker_address=address, reason=reason)
+            rpc_util.call_with_retries(
+                lambda: stub.ReportWorkerFailure(request, timeout=2.0, metadata=metadata),
+                address=target,
+                what="ReportWorkerFailure to the dispatcher",
+                timeout_ms=5_000,
+                stop=self._stopping,
+            )
+        except errors.DataServiceError as e:
+            logger.warning("LocalCluster: could not tell the dispatcher: %s", e)
+        finally:
+            channel.close()
 
     # ----------------------------------------------------------------- stop
 
@@ -432,6 +622,13 @@ class LocalCluster:
     @property
     def num_workers(self) -> int:
         return self._num_workers
+
+    @property
+    def failed_workers(self) -> dict[str, str]:
+        """The workers the monitor gave up on (`max_worker_restarts`): address ->
+        why (name, pids, how they exited; the consumers' error quotes it)."""
+        with self._lock:
+            return dict(self._failed)
 
     @property
     def num_restarts(self) -> int:

@@ -75,6 +75,17 @@ class UnimplementedError(DataServiceError):
     """The operation is not supported."""
 
 
+class WorkerCrashedError(DataServiceError):
+    """No worker is left to produce an iteration's elements: the worker
+    processes that ran it kept exiting (a pipeline that calls `os._exit`,
+    segfaults or is killed for memory) and whoever restarts them gave up, as
+    `LocalCluster(restart_workers=True)` does after `max_worker_restarts`
+    restarts in a row of a worker that handed out no element. The message
+    names each worker, its address, pid and how it exited (the counterpart of
+    PyTorch's "DataLoader worker (pid X) exited unexpectedly").
+    """
+
+
 class WorkerError(DataServiceError):
     """A user function raised on a worker.
 
@@ -107,6 +118,7 @@ _BY_NAME: dict[str, type[DataServiceError]] = {
         DataLossError,
         InternalError,
         UnimplementedError,
+        WorkerCrashedError,
         WorkerError,
     )
 }

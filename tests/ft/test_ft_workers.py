@@ -1,13 +1,16 @@
 """Worker churn during a job (issue 5; CASES C-28): a worker SIGKILLed or
 frozen (SIGSTOP) mid-job, a slow consumer, and a pipeline that kills its
-worker process at random. Servers are real processes; recovery times are
+worker process at random or always (LocalCluster's bounded restarts: progress,
+or WorkerCrashedError in bounded time). Servers are real processes; recovery times are
 printed (`pytest -s`) as `[ft] ...` lines.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import re
 import signal
 import threading
 import time
@@ -15,6 +18,7 @@ import time
 import pytest
 
 import dataservice as ds
+from dataservice import cluster as cluster_module
 from dataservice import errors
 
 from .conftest import Servers, report
@@ -109,14 +113,35 @@ def test_slow_consumer_trips_no_liveness_timeout(servers: Servers) -> None:
     assert dispatcher.lines_since(0, r"lost|timed out") == []
 
 
-def _count_with_crashing_map(
-    p: float, sleep_s: float, target: int, deadline_s: float
-) -> tuple[int, BaseException | None, float, int]:
-    """Reads an endless OFF job whose map calls os._exit(1) with probability
-    `p` per element, on LocalCluster(3, restart_workers=True), until `target`
-    elements, an error, or `deadline_s`."""
+@dataclasses.dataclass
+class _CrashRun:
+    n: int  # elements received
+    error: BaseException | None
+    elapsed: float  # seconds until `target` elements, the error, or the deadline
+    restarts: int
+    failed_workers: dict[str, str]
+    worker_addresses: list[str]
+    next_epoch_error: BaseException | None = None
+    next_epoch_s: float = 0.0
 
-    def crash_sometimes(x, p=p, sleep_s=sleep_s):
+
+def _count_with_crashing_map(
+    p: float,
+    sleep_s: float,
+    target: int,
+    deadline_s: float,
+    *,
+    code: int = 1,
+    num_workers: int = 3,
+    max_worker_restarts: int | None = cluster_module.DEFAULT_MAX_WORKER_RESTARTS,
+    then_read_again: bool = False,
+) -> _CrashRun:
+    """Reads an endless OFF job whose map calls os._exit(`code`) with
+    probability `p` per element, on LocalCluster(`num_workers`,
+    restart_workers=True), until `target` elements, an error, or `deadline_s`.
+    With `then_read_again`, after an error, times a second read (the next epoch)."""
+
+    def crash_sometimes(x, p=p, sleep_s=sleep_s, code=code):
         import os
         import random
         import time
@@ -124,13 +149,14 @@ def _count_with_crashing_map(
         if sleep_s:
             time.sleep(sleep_s)
         if random.random() < p:
-            os._exit(1)
+            os._exit(code)
         return x
 
-    logging.getLogger("dataservice.cluster").setLevel(logging.ERROR)  # one line per restart
+    logging.getLogger("dataservice.cluster").setLevel(logging.CRITICAL)  # a line per restart
     with ds.LocalCluster(
-        3,
+        num_workers,
         restart_workers=True,
+        max_worker_restarts=max_worker_restarts,
         grace_period_s=1.0,
         worker_options={"heartbeat_interval_ms": 100},
         dispatcher_config=ds.DispatcherConfig(worker_timeout_ms=1_000),
@@ -160,19 +186,38 @@ def _count_with_crashing_map(
         elapsed = time.monotonic() - t0
         state["closed"] = True
         it.close()
-        restarts = cluster.num_restarts
+        result = _CrashRun(
+            state["n"],
+            state["error"],
+            elapsed,
+            cluster.num_restarts,
+            cluster.failed_workers,
+            cluster.worker_addresses,
+        )
+        if then_read_again and result.error is not None:
+            t1 = time.monotonic()
+            try:
+                next(iter(dataset))
+            except errors.DataServiceError as err:
+                result.next_epoch_error = err
+            result.next_epoch_s = time.monotonic() - t1
     logging.getLogger("dataservice.cluster").setLevel(logging.NOTSET)
-    return state["n"], state["error"], elapsed, restarts
+    return result
 
 
 def _slow_crashing_map_progresses(target: int, deadline_s: float) -> None:
     """A 5 % chance per element of os._exit(1), with 50 ms of work per
     element (a worker lives ~1 s): the restarted workers start their copies
-    over and the consumer gets `target` elements."""
-    n, error, elapsed, restarts = _count_with_crashing_map(0.05, 0.05, target, deadline_s)
-    report(f"crashing map (50 ms/element): {n} elements in {elapsed:.1f} s, {restarts} restarts")
-    assert error is None, repr(error)
-    assert n == target
+    over, each hands out elements (which resets its restart budget), and the
+    consumer gets `target` elements."""
+    run = _count_with_crashing_map(0.05, 0.05, target, deadline_s)
+    report(
+        f"crashing map (50 ms/element): {run.n} elements in {run.elapsed:.1f} s, "
+        f"{run.restarts} restarts"
+    )
+    assert run.error is None, repr(run.error)
+    assert run.n == target
+    assert run.failed_workers == {}
 
 
 @pytest.mark.timeout(120)
@@ -186,24 +231,68 @@ def test_map_that_kills_its_worker_slowly_still_makes_progress_300() -> None:
     _slow_crashing_map_progresses(300, 300)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: no progress and no error. A restarted worker's TaskRunner prefetches "
-    "(up to 4096 elements) as soon as it gets its task, so a map with a 5 % crash chance "
-    "kills the process ~20 elements in, milliseconds after start and before the consumer's "
-    "fetch (retry backoff up to 1 s) reaches it; LocalCluster restarts it forever: 0 elements "
-    "and ~1 restart/s per worker, never a failure after bounded retries",
-)
+# How long a LocalCluster(3) with the default max_worker_restarts (3) may take
+# to give up on workers whose map crashes at once: 4 lives each, a restarted one
+# waiting for its consumer (fetch backoff up to ~1.5 s) after starting (~1-2 s
+# on a loaded 2-core machine), plus backoffs of 0.1 + 0.2 + 0.4 s.
+_GIVE_UP_BOUND_S = 45.0
+
+
 @pytest.mark.timeout(120)
 def test_map_that_kills_its_worker_progresses_or_fails_in_bounded_time() -> None:
     """Issue 5: a map that calls os._exit(1) with 5 % probability, on
-    LocalCluster(3, restart_workers=True): within 10 s the consumer either
-    counts 300 elements or gets a clear error (300 elements take 0.1 s without crashes)."""
-    n, error, elapsed, restarts = _count_with_crashing_map(0.05, 0.0, 300, 10)
+    LocalCluster(3, restart_workers=True): the consumer either counts 300
+    elements or, within a bound, gets WorkerCrashedError naming each worker and
+    its exit code (300 elements take 0.1 s without crashes). A worker dies ~20
+    elements in, within milliseconds, so it rarely hands an element out: after
+    max_worker_restarts restarts in a row without one, the cluster gives up."""
+    run = _count_with_crashing_map(0.05, 0.0, 300, _GIVE_UP_BOUND_S + 15)
     report(
-        f"crashing map (fast): {n} elements, error {error!r}, {elapsed:.1f} s, {restarts} restarts"
+        f"crashing map (fast): {run.n} elements, "
+        f"{'error ' + type(run.error).__name__ if run.error else 'no error'} after "
+        f"{run.elapsed:.1f} s, {run.restarts} restarts, {len(run.failed_workers)} workers "
+        "given up"
     )
-    if error is not None:
-        assert isinstance(error, errors.DataServiceError), repr(error)
-    else:
-        assert n == 300
+    if run.error is None:
+        assert run.n == 300, f"{run.n} elements and no error in {run.elapsed:.0f} s: a hang"
+        return
+    assert isinstance(run.error, errors.WorkerCrashedError), repr(run.error)
+    assert run.elapsed <= _GIVE_UP_BOUND_S
+    message = str(run.error)
+    assert sorted(run.failed_workers) == sorted(run.worker_addresses)
+    for address in run.worker_addresses:
+        assert f"at {address} exited with code 1, " in message, message
+    assert "without handing out an element" in message
+    assert "gave up restarting it (max_worker_restarts=3)" in message
+
+
+@pytest.mark.timeout(120)
+def test_map_that_always_kills_its_worker_fails_with_a_clear_error() -> None:
+    """A map that calls os._exit(7) on its first element: no worker ever hands
+    out an element, so after max_worker_restarts (1) restarts of each the
+    consumer gets WorkerCrashedError naming every worker, its pids and exit
+    code; the next epoch fails at once with the same error (no silent hang)."""
+    run = _count_with_crashing_map(
+        1.0, 0.0, 1, 60, code=7, num_workers=2, max_worker_restarts=1, then_read_again=True
+    )
+    report(
+        f"map that always exits: {type(run.error).__name__} after {run.elapsed:.1f} s "
+        f"({run.restarts} restarts); next epoch failed in {run.next_epoch_s:.2f} s:\n{run.error}"
+    )
+    assert run.n == 0
+    assert isinstance(run.error, errors.WorkerCrashedError), repr(run.error)
+    assert run.elapsed <= 30
+    message = str(run.error)
+    assert sorted(run.failed_workers) == sorted(run.worker_addresses)
+    for address in run.worker_addresses:
+        reason = run.failed_workers[address]
+        assert reason in message
+        assert re.search(
+            rf"worker-\d at {re.escape(address)} exited with code 7, 2 times in a row, "
+            r"without handing out an element \(pids \d+, \d+\); LocalCluster gave up "
+            r"restarting it \(max_worker_restarts=1\)",
+            reason,
+        ), reason
+    assert run.restarts == 2  # one per worker
+    assert isinstance(run.next_epoch_error, errors.WorkerCrashedError), repr(run.next_epoch_error)
+    assert run.next_epoch_s < 5

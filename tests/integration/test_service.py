@@ -300,3 +300,44 @@ def test_auto_compression_across_hosts(make_cluster, monkeypatch):
     (worker,) = stats["workers"].values()
     assert worker["transfer_protocol"] == "grpc"  # another host: no shared memory
     assert stats["bytes"] < 20 * 4096 * 8 / 10  # zstd across hosts
+
+
+def test_lazy_tasks_run_no_pipeline_code_before_a_consumer_asks(tmp_path):
+    """WorkerServer(lazy_tasks=True) (how LocalCluster restarts a worker that
+    crashed without handing out an element) holds a task's pipeline until a
+    consumer asks; `on_first_element` is called once, at the first hand-out."""
+    from dataservice.rpc import service_pb2 as pb
+
+    marker = tmp_path / "ran"
+
+    def touch(x, marker=str(marker)):
+        open(marker, "a").close()
+        return x
+
+    dispatcher = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=1_000))
+    handed_out = []
+    worker = ds.WorkerServer(
+        ds.WorkerConfig(dispatcher.target, heartbeat_interval_ms=100),
+        lazy_tasks=True,
+        on_first_element=lambda: handed_out.append(time.monotonic()),
+    )
+    try:
+        dataset = ds.Dataset.range(3).map(touch)
+        dataset_id = ds.register_dataset(dispatcher.target, dataset)
+        job = dispatcher._get_or_create_job(
+            pb.GetOrCreateJobRequest(dataset_id=dataset_id, job_name="lazy")
+        )
+        dispatcher._get_or_create_iteration(pb.GetOrCreateIterationRequest(job_id=job.job_id))
+        deadline = time.monotonic() + 10
+        while worker.num_tasks() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.num_tasks() == 1
+        time.sleep(0.5)
+        assert not marker.exists(), "the pipeline ran before a consumer asked"
+        read = ds.from_dataset_id(OFF, dispatcher.target, dataset_id, job_name="lazy")
+        assert values(read) == [0, 1, 2]
+        assert marker.exists()
+        assert len(handed_out) == 1
+    finally:
+        worker.stop()
+        dispatcher.stop()

@@ -95,6 +95,9 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
     def GetRounds(self, request: Any, context: Any) -> Any:
         return self._call(self._d._get_rounds, request, context)
 
+    def ReportWorkerFailure(self, request: Any, context: Any) -> Any:
+        return self._call(self._d._report_worker_failure, request, context)
+
 
 class DispatchServer:
     """A dispatcher, as `tf.data.experimental.service.DispatchServer`.
@@ -125,6 +128,10 @@ class DispatchServer:
         self._datasets: dict[str, bytes] = {}
         self._workers: dict[str, _Worker] = {}
         self._lost_uids: dict[str, str] = {}  # address -> uid of a worker declared lost
+        # Runtime only, like the workers: given up by whoever restarts them
+        # (address -> reason), and the iterations that failed for lack of workers.
+        self._failed_workers: dict[str, str] = {}
+        self._iteration_errors: dict[st.IterationId, str] = {}
         self._client_seen: dict[st.IterationClientId, float] = {}
         self._job_last_used: dict[st.JobId, float] = {}
         self._split_providers: dict[st.IterationId, Any] = {}
@@ -217,6 +224,8 @@ class DispatchServer:
             self._datasets = {}
             self._workers = {}
             self._lost_uids = {}
+            self._failed_workers = {}
+            self._iteration_errors = {}
             self._client_seen = {}
             self._job_last_used = {}
             self._split_providers = {}
@@ -277,6 +286,8 @@ class DispatchServer:
         for iteration in self._state.unfinished_iterations():
             job = self._state.jobs[iteration.job_id]
             if job.garbage_collected or not self._worker_serves_job_locked(worker, job):
+                continue
+            if iteration.iteration_id in self._iteration_errors:
                 continue
             if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
                 continue
@@ -353,6 +364,7 @@ class DispatchServer:
                     log.info("worker %s registered", address)
                 else:
                     log.info("worker %s restarted", address)
+                self._failed_workers.pop(address, None)  # back after all
                 worker = _Worker(
                     address,
                     request.transfer_address or address,
@@ -598,8 +610,12 @@ class DispatchServer:
                 for worker in list(self._workers.values()):
                     if self._worker_serves_job_locked(worker, job):
                         self._create_task_locked(iteration, worker)
+                self._fail_stranded_iterations_locked()
             else:
                 already_finished = self._state.iterations[iteration_id].finished
+            error = self._iteration_errors.get(iteration_id)
+            if error is not None:
+                raise errors.WorkerCrashedError(error)
             client_id = st.IterationClientId(self._state.next_client_id)
             self._apply_locked(st.AcquireIterationClient(client_id, iteration_id))
             now = time.monotonic()
@@ -625,6 +641,9 @@ class DispatchServer:
             self._client_seen[client_id] = now
             iteration = self._state.iterations[iteration_id]
             self._job_last_used[iteration.job_id] = now
+            error = self._iteration_errors.get(iteration_id)
+            if error is not None:
+                raise errors.WorkerCrashedError(error)
             for task_id in request.finished_tasks:
                 task = iteration.tasks.get(st.TaskId(task_id))
                 if task is not None and not task.finished and not task.removed:
@@ -739,6 +758,52 @@ class DispatchServer:
             for task_id in sorted(set(task_ids)):
                 self._add_task_info_locked(response.tasks, self._state.tasks[task_id])
             return response
+
+    def _report_worker_failure(self, request: Any) -> Any:
+        """Whoever restarts worker processes gave up on one (LocalCluster after
+        `max_worker_restarts`): drop it and its tasks now (no need to wait for
+        worker_timeout_ms), and fail the iterations no worker can run any more."""
+        address = request.worker_address
+        if not address:
+            raise errors.InvalidArgumentError("ReportWorkerFailure needs a worker_address")
+        reason = request.reason or f"worker {address} failed"
+        with self._mu:
+            log.warning("worker %s given up by its supervisor: %s", address, reason)
+            self._failed_workers[address] = reason
+            worker = self._workers.pop(address, None)
+            if worker is not None:
+                self._lost_uids[address] = worker.uid
+            self._remove_tasks_of_locked(address)
+            self._fail_stranded_iterations_locked()
+            return pb.ReportWorkerFailureResponse()
+
+    def _fail_stranded_iterations_locked(self) -> None:
+        """Fails (WorkerCrashedError, for its consumers) every unfinished
+        iteration that no worker can run any more: it has no live task, no
+        registered worker serves its job, no lost worker may still come back,
+        and some worker was given up on (ReportWorkerFailure). Without a
+        given-up worker an iteration waits for workers, as in tf.data service."""
+        if not self._failed_workers:
+            return
+        if any(a not in self._workers and a not in self._failed_workers for a in self._lost_uids):
+            return  # a lost worker may come back (restarted on its address)
+        for iteration in self._state.unfinished_iterations():
+            if iteration.iteration_id in self._iteration_errors or iteration.live_tasks():
+                continue
+            job = self._state.jobs[iteration.job_id]
+            if job.garbage_collected or any(
+                self._worker_serves_job_locked(w, job) for w in self._workers.values()
+            ):
+                continue
+            held = {t.worker_address for t in iteration.tasks.values()}
+            reasons = [r for a, r in self._failed_workers.items() if a in held]
+            name = f" ({job.job_name})" if job.job_name else ""
+            self._iteration_errors[iteration.iteration_id] = (
+                f"no worker is left to run job {job.job_id}{name}, repetition "
+                f"{iteration.repetition}: its workers kept exiting and were given up on:\n  "
+                + "\n  ".join(reasons or self._failed_workers.values())
+            )
+            log.error("%s", self._iteration_errors[iteration.iteration_id])
 
     # ------------------------------------------------------------ maintenance
     def _maintenance_loop(self) -> None:

@@ -89,6 +89,11 @@ class DispatcherServiceStub:
                 request_serializer=dataservice_dot_rpc_dot_service__pb2.GetRoundsRequest.SerializeToString,
                 response_deserializer=dataservice_dot_rpc_dot_service__pb2.GetRoundsResponse.FromString,
                 _registered_method=True)
+        self.ReportWorkerFailure = channel.unary_unary(
+                '/dataservice.rpc.DispatcherService/ReportWorkerFailure',
+                request_serializer=dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureRequest.SerializeToString,
+                response_deserializer=dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureResponse.FromString,
+                _registered_method=True)
 
 
 class DispatcherServiceServicer:
@@ -160,6 +165,12 @@ class DispatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportWorkerFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DispatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +228,11 @@ def add_DispatcherServiceServicer_to_server(servicer, server):
                     servicer.GetRounds,
                     request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetRoundsRequest.FromString,
                     response_serializer=dataservice_dot_rpc_dot_service__pb2.GetRoundsResponse.SerializeToString,
+            ),
+            'ReportWorkerFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWorkerFailure,
+                    request_deserializer=dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureRequest.FromString,
+                    response_serializer=dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +532,33 @@ class DispatcherService:
             '/dataservice.rpc.DispatcherService/GetRounds',
             dataservice_dot_rpc_dot_service__pb2.GetRoundsRequest.SerializeToString,
             dataservice_dot_rpc_dot_service__pb2.GetRoundsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWorkerFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataservice.rpc.DispatcherService/ReportWorkerFailure',
+            dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureRequest.SerializeToString,
+            dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

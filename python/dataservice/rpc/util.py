@@ -52,6 +52,8 @@ _STATUS_BY_ERROR: dict[type[errors.DataServiceError], grpc.StatusCode] = {
     errors.DataLossError: grpc.StatusCode.DATA_LOSS,
     errors.UnimplementedError: grpc.StatusCode.UNIMPLEMENTED,
     errors.CancelledError: grpc.StatusCode.CANCELLED,
+    # Not UNAVAILABLE: the workers are gone for good, retrying cannot help.
+    errors.WorkerCrashedError: grpc.StatusCode.ABORTED,
 }
 
 # CANCELLED: a server that stops cancels its in-flight RPCs (a restart).

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -81,6 +82,69 @@ class _SplitFetcher:
         return self.get_next() if self._splits else None
 
 
+class _WorkerTaskRunner(TaskRunner):
+    """A `TaskRunner` that tells its worker when it hands out elements and, for
+    a worker started with `lazy_tasks`, runs no pipeline code before a consumer
+    asks for the task (`start_producing`, or any read)."""
+
+    def __init__(
+        self,
+        task_id: int,
+        make_iterator: Callable[[], Iterator[Any]],
+        worker_address: str,
+        *,
+        lazy: bool,
+        on_handout: Callable[[], None],
+    ) -> None:
+        self._go = threading.Event()
+        self._cancelled = False
+        self._on_handout = on_handout
+        self._handed_out = False  # reads stay cheap: one check each after the first
+        if not lazy:
+            self._go.set()
+
+        def make_when_asked() -> Iterator[Any]:
+            self._go.wait()
+            if self._cancelled:
+                return iter(())
+            return make_iterator()
+
+        super().__init__(task_id, make_when_asked, worker_address)
+
+    def start_producing(self) -> None:
+        if not self._go.is_set():
+            self._go.set()
+
+    def _handed(self) -> None:
+        self._handed_out = True
+        self._on_handout()
+
+    def get_elements_raw(
+        self, max_elements: int, max_bytes: int, timeout_s: float
+    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+        if not self._go.is_set():
+            self._go.set()
+        result = super().get_elements_raw(max_elements, max_bytes, timeout_s)
+        if result[0] and not self._handed_out:
+            self._handed()
+        return result
+
+    def get_round_element(
+        self, consumer_index: int, num_consumers: int, round_index: int, timeout_s: float
+    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+        if not self._go.is_set():
+            self._go.set()
+        result = super().get_round_element(consumer_index, num_consumers, round_index, timeout_s)
+        if result[0] and not self._handed_out:
+            self._handed()
+        return result
+
+    def stop(self) -> None:
+        self._cancelled = True
+        self._go.set()
+        super().stop()
+
+
 class _Servicer(service_pb2_grpc.WorkerServiceServicer):
     def __init__(self, worker: WorkerServer) -> None:
         self._w = worker
@@ -101,13 +165,32 @@ class WorkerServer:
     Args:
         config: The `WorkerConfig`.
         start: Start serving now (else call `start()`).
+        lazy_tasks: Run a task's pipeline only once a consumer asks for the
+            task, not as soon as the dispatcher assigns it. `LocalCluster`
+            restarts a worker that exited without handing out an element this
+            way, so a pipeline that kills its process within milliseconds
+            (before any consumer reached it) hands its first elements out.
+        on_first_element: Called once, on the serving thread, when this worker
+            hands out its first element, before the element leaves the worker
+            (`LocalCluster`'s progress signal: the worker CLI prints a line).
 
     Raises:
         UnavailableError: The port cannot be bound.
     """
 
-    def __init__(self, config: WorkerConfig, start: bool = True) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        start: bool = True,
+        *,
+        lazy_tasks: bool = False,
+        on_first_element: Callable[[], None] | None = None,
+    ) -> None:
         self._config = config
+        self._lazy_tasks = lazy_tasks
+        self._on_first_element = on_first_element
+        self._handed_out = False
+        self._handout_mu = threading.Lock()
         self._dispatcher_address = rpc_util.parse_address(config.dispatcher_address)
         self._token = rpc_util.token_from_env(config.auth_token)
         self._metadata = rpc_util.call_metadata(self._token)
@@ -144,9 +227,26 @@ class WorkerServer:
             return len(self._tasks)
 
     def task_runner(self, task_id: int) -> TaskRunner | None:
-        """The runner of a task this worker runs, for transfer servers."""
+        """The runner of a task this worker runs, for transfer servers (a
+        consumer is asking for it: with `lazy_tasks`, its pipeline starts)."""
         with self._mu:
-            return self._tasks.get(task_id)
+            runner = self._tasks.get(task_id)
+        if isinstance(runner, _WorkerTaskRunner):
+            runner.start_producing()
+        return runner
+
+    def _note_handout(self) -> None:
+        if self._handed_out:
+            return
+        with self._handout_mu:
+            if self._handed_out:
+                return
+            self._handed_out = True
+        if self._on_first_element is not None:
+            try:
+                self._on_first_element()
+            except Exception:  # a progress signal must never fail a read
+                log.exception("worker %s: on_first_element failed", self._address)
 
     def wait_registered(self, timeout_s: float) -> bool:
         """Waits until the dispatcher has answered a first heartbeat.
@@ -400,7 +500,13 @@ class WorkerServer:
                 return dataset._make_iterator(IterContext(split_sources=sources))
             return iter(dataset)
 
-        runner = TaskRunner(task.task_id, make_iterator, self._address)
+        runner = _WorkerTaskRunner(
+            task.task_id,
+            make_iterator,
+            self._address,
+            lazy=self._lazy_tasks,
+            on_handout=self._note_handout,
+        )
         runner.num_consumers = task.num_consumers
         if task.use_cross_trainer_cache:
             runner.cross_trainer_cache = CrossTrainerCache(

@@ -105,10 +105,15 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _comma_list(value: str) -> list[str]:
+    """A comma-separated list; an explicitly empty value ('') is the empty list,
+    which is not the same as leaving the flag out (the config's default, e.g.
+    `worker_addresses=None`: no fixed worker list at all)."""
+    if not value.strip():
+        return []
     items = [v.strip() for v in value.split(",") if v.strip()]
     if not items:
         raise argparse.ArgumentTypeError(
-            "expected a comma-separated list, e.g. host1:5051,host2:5051"
+            "expected a comma-separated list, e.g. host1:5051,host2:5051 ('' for an empty list)"
         )
     return items
 
@@ -141,6 +146,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         elif base in ("list[str]", "Sequence[str]", "tuple[str,...]"):
             kwargs["type"] = _comma_list
             kwargs["metavar"] = "A,B,..."
+            kwargs["help"] = (kwargs["help"] or "") + " An empty value ('') is an empty list."
         else:  # str and anything else: passed through as a string
             kwargs["metavar"] = _METAVARS.get(
                 name, "HOST:PORT" if name.endswith("_address") else "STR"

@@ -290,26 +290,75 @@ def test_static_sharding_local_read_gets_the_local_shard_only(static):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="bug vs API.md ('local workers are ... the ones static sharding reads from') and "
-    "issue 4: with target_workers='AUTO' a static-sharding job is read from every worker; "
-    "the dispatcher (_worker_serves_job_locked) restricts only LOCAL jobs. NB tf.data's "
-    "AUTO reads any non-colocated worker, so the spec may be what needs changing",
-    strict=True,
-)
-def test_static_sharding_auto_reads_the_local_worker_only(static):
-    got = values(dist(tagged(ds.Dataset.range(20)), static.target, DATA))
-    assert static.by_worker(got) == {LOCAL_INDEX: list(range(LOCAL_INDEX, 20, 4))}
+@pytest.mark.parametrize("mode", [FILE, DATA, FILE_OR_DATA, HINT])
+def test_static_sharding_auto_reads_the_local_worker_only(static, tfrecords, mode):
+    # API.md: local workers are the ones static sharding reads from. (tf.data's AUTO
+    # would read every worker not colocated with another trainer.)
+    if mode == HINT:
+        dataset = ds.Dataset.range(20).shard(ds.SHARD_HINT, ds.SHARD_HINT)
+        expected = list(range(LOCAL_INDEX, 20, 4))
+    elif mode == FILE:
+        dataset = read_files(tfrecords)
+        expected = [record(f, r) for f in range(LOCAL_INDEX, NUM_FILES, 4) for r in range(3)]
+    else:
+        dataset = ds.Dataset.range(20)
+        expected = list(range(LOCAL_INDEX, 20, 4))
+    got = list(dist(tagged(dataset), static.target, mode))  # target_workers="AUTO"
+    assert static.by_worker([(to_py(x), pid) for x, pid in got]) == {LOCAL_INDEX: expected}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="bug: LocalCluster passes DispatcherConfig(worker_addresses=[]) to the dispatcher "
-    "process as `--worker-addresses ''`, which the CLI (_comma_list) rejects, so the "
-    "dispatcher exits with code 2 instead of serving and failing static jobs clearly",
-    strict=True,
-)
+def test_static_sharding_auto_named_job_consumers_all_read_the_local_worker(static):
+    # Two consumers of one named job split the local worker's shard between them.
+    def consumer():
+        return iter(dist(tagged(ds.Dataset.range(200)), static.target, DATA, job_name="auto"))
+
+    readers = {"a": consumer(), "b": consumer()}
+    got: dict[str, list] = {"a": [], "b": []}
+    while readers:  # in turns
+        for name, it in list(readers.items()):
+            try:
+                got[name].append(to_py(next(it)))
+            except StopIteration:
+                del readers[name]
+    for name in got:
+        assert set(static.by_worker(got[name])) <= {LOCAL_INDEX}, name
+    union = [x for x, _ in got["a"] + got["b"]]
+    assert sorted(union) == list(range(LOCAL_INDEX, 200, 4))
+
+
+@pytest.mark.timeout(60)
+def test_static_sharding_auto_named_job_is_not_shared_across_hosts(static, monkeypatch):
+    # The job's tasks run on its creator's host: a consumer elsewhere would read
+    # workers that are not local to it (and its own host's shard never), so it is
+    # refused; one job per host reads each host's own shard.
+    def job(name):
+        return dist(ds.Dataset.range(200), static.target, DATA, job_name=name)
+
+    first = iter(job("auto-host"))
+    assert to_py(next(first)) == LOCAL_INDEX
+    monkeypatch.setenv("DATASERVICE_HOST_ID", "remote-host-2")  # where worker 2 runs
+    with pytest.raises(
+        errors.InvalidArgumentError, match=r"local to the host that created it.*remote-host-2"
+    ):
+        next(iter(job("auto-host")))
+    assert values(job("auto-host-2")) == list(range(2, 200, 4))
+    first.close()
+
+
+@pytest.mark.timeout(60)
+def test_static_sharding_auto_from_another_host(static, monkeypatch):
+    # No worker on this client's host: a clear error, and ANY still reads every shard.
+    monkeypatch.setenv("DATASERVICE_HOST_ID", "a-trainer-elsewhere")  # this client only
+    with pytest.raises(errors.InvalidArgumentError, match=r"target_workers=AUTO.*no local worker"):
+        next(iter(dist(ds.Dataset.range(20), static.target, DATA)))
+    got = values(dist(tagged(ds.Dataset.range(20)), static.target, DATA, target_workers="ANY"))
+    assert static.by_worker(got) == {i: list(range(i, 20, 4)) for i in range(4)}
+
+
+@pytest.mark.timeout(60)
 def test_empty_worker_list_with_processes_is_a_clear_error():
+    # LocalCluster passes [] as `--worker-addresses ''`: a fixed list of zero workers.
     config = ds.DispatcherConfig(worker_addresses=[])
     with ds.LocalCluster(0, dispatcher_config=config) as c:
         with pytest.raises(errors.InvalidArgumentError, match=r"worker_addresses.*got \[\]"):

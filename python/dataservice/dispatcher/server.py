@@ -270,8 +270,26 @@ class DispatchServer:
                 "to keep them across restarts)"
             )
 
-    def _worker_serves_job_locked(self, worker: _Worker, job: st.Job) -> bool:
+    @staticmethod
+    def _reads_local_workers_only(job: st.Job) -> bool:
+        """Whether `job` is read from the workers on its client's host only:
+        target_workers="LOCAL", or "AUTO" with static sharding (API.md: local
+        workers are the ones static sharding reads from; tf.data's AUTO would
+        read every worker not colocated with another trainer). A coordinated
+        read (num_consumers) reads every worker. "ANY" reads every worker."""
         if job.target_workers == "LOCAL":
+            return True
+        return (
+            job.target_workers == "AUTO"
+            and job.processing_mode in STATIC_POLICIES
+            and not job.num_consumers
+        )
+
+    def _worker_serves_job_locked(self, worker: _Worker, job: st.Job) -> bool:
+        """Whether `worker` gets a task in `job`'s iterations. Decided per job
+        (by the host of the client that created it), so every consumer of a
+        shared job reads the same tasks."""
+        if self._reads_local_workers_only(job):
             return worker.host_id == job.client_host_id
         return True
 
@@ -545,6 +563,24 @@ class DispatchServer:
                             f"Tried to create job with name {request.job_name}, but found an "
                             f"existing job with different parameters: {'; '.join(diffs)} differ"
                         )
+                    if (
+                        self._reads_local_workers_only(job)
+                        and request.client_host_id != job.client_host_id
+                    ):
+                        # Its tasks run on the creator's host: this consumer would
+                        # read workers that are not local to it.
+                        raise errors.InvalidArgumentError(
+                            f"Job {request.job_name} reads only the workers local to the host "
+                            f"that created it ({job.client_host_id}, "
+                            f"target_workers={job.target_workers}"
+                            + (
+                                f" with {ShardingPolicy(job.processing_mode).name} sharding"
+                                if job.target_workers == "AUTO"
+                                else ""
+                            )
+                            + f"); a consumer on host {request.client_host_id} cannot share it. "
+                            "Use one job name per host, or target_workers='ANY'"
+                        )
                     self._job_last_used[job.job_id] = time.monotonic()
                     return pb.GetOrCreateJobResponse(job_id=job.job_id)
             job_id = st.JobId(self._state.next_job_id)
@@ -584,13 +620,20 @@ class DispatchServer:
             already_finished = False
             if iteration_id is None:
                 if (
-                    job.target_workers == "LOCAL"
+                    self._reads_local_workers_only(job)
                     and self._workers
                     and not any(w.host_id == job.client_host_id for w in self._workers.values())
                 ):
+                    why = "Local reads require local workers"
+                    if job.target_workers == "AUTO":
+                        why = (
+                            f"Static sharding ({ShardingPolicy(job.processing_mode).name}) with "
+                            "target_workers=AUTO reads the workers local to the client only"
+                        )
                     raise errors.InvalidArgumentError(
-                        "Local reads require local workers, but no local worker is found: "
-                        f"{len(self._workers)} workers are registered, none on the client's host"
+                        f"{why}, but no local worker is found: {len(self._workers)} workers "
+                        "are registered, none on the client's host ("
+                        f"{job.client_host_id}); use target_workers='ANY' to read every worker"
                     )
                 iteration_id = st.IterationId(self._state.next_iteration_id)
                 num_providers = 1

@@ -514,34 +514,37 @@ def test_cache_lagging_trainer_skips_to_the_oldest_cached_element(make_cluster):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="bug: CrossTrainerCache._extend does not re-check, once it holds `_fill`, "
-    "whether its trainer is still at the newest element: two trainers arriving together "
-    "at the head both pull up to 64 elements, the window overflows its bound and evicts "
-    "elements neither trainer has read (seen as 'slow' starting at 28 with room for 100)",
-    strict=True,
-)
 def test_cache_trainers_arriving_together_both_see_every_element(make_cluster, monkeypatch):
+    """Two trainers at the head of an empty window both ask the cache to fill
+    it. Only one may pull from the pipeline: were both to pull up to 64
+    elements, the window (room for 100) would overflow and evict elements
+    neither trainer has read (trainer b would start at 28, not 0)."""
     from dataservice.worker.cross_trainer_cache import CrossTrainerCache as Cache
 
     c = cache_cluster(make_cluster, 100 * 800)  # room for 100 elements of 800 B
     extend = Cache._extend
-    together = threading.Barrier(2, timeout=5)
-    calls = []
+    together = threading.Barrier(2, timeout=10)
+    mu = threading.Lock()
+    held: list[int] = []  # the window end each held fill saw
+    broken: list[BaseException] = []
 
-    def extend_together(self, timeout_s):
-        # Fault injection: hold the first two fills until both trainers are at the
-        # head and the task has 200 elements ready (as a fast pipeline would).
-        calls.append(1)
-        if len(calls) <= 2:
+    def extend_together(self, seen_end_index, timeout_s):
+        # Fault injection: hold the first two fills until both trainers are in
+        # `_extend` at the head, and the task has 200 elements ready (as a fast
+        # pipeline would), then let both go at once.
+        with mu:
+            hold = len(held) < 2
+            if hold:
+                held.append(seen_end_index)
+        if hold:
             try:
                 together.wait()
-            except threading.BrokenBarrierError:
-                pass
+            except threading.BrokenBarrierError as err:
+                broken.append(err)
             deadline = time.monotonic() + 5
             while len(self._runner._buffer) < 200 and time.monotonic() < deadline:
                 time.sleep(0.01)
-        return extend(self, timeout_s)
+        return extend(self, seen_end_index, timeout_s)
 
     monkeypatch.setattr(Cache, "_extend", extend_together)
     dataset = ds.Dataset.range(10**7).map(lambda i: np.full(100, i, np.int64)).repeat()
@@ -550,6 +553,8 @@ def test_cache_trainers_arriving_together_both_see_every_element(make_cluster, m
     got_b = [int(next(b)[0]) for _ in range(40)]
     a.close()
     b.close()
+    # The race happened: both trainers were filling an empty window together.
+    assert (held, broken) == ([0, 0], [])
     assert (got_a, got_b) == (list(range(40)), list(range(40)))
 
 

@@ -7,7 +7,9 @@ import os
 
 import pytest
 
+import dataservice as ds
 from dataservice import errors
+from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.journal import Journal
 
@@ -90,7 +92,7 @@ def test_snapshot_replaces_older_segments_and_replay_continues(tmp_path):
     live.apply(more)
     journal.close()
     names = sorted(os.listdir(tmp_path / "journal"))
-    assert names == ["segment-000001.tfrecord", "snapshot-000001.pickle"]
+    assert names == ["segment-000001.tfrecord", "snapshot-000001.tfrecord"]
     restored = Journal(work_dir).load_snapshot()
     assert restored is not None
     for u in Journal(work_dir).replay():
@@ -98,3 +100,23 @@ def test_snapshot_replaces_older_segments_and_replay_continues(tmp_path):
     assert restored.iterations[2000].splits_produced == {0: 24}
     assert restored.iterations[2000].splits_ended
     assert restored.incarnation_id == "abc"
+
+
+def test_dispatcher_snapshots_every_n_records_and_restarts_from_it(tmp_path, monkeypatch):
+    """End to end through a fault-tolerant DispatchServer: after
+    SNAPSHOT_EVERY_RECORDS records it writes a snapshot and deletes the
+    segments it replaces; a restart loads it and replays the rest."""
+    monkeypatch.setattr(journal_module, "SNAPSHOT_EVERY_RECORDS", 3)
+    config = ds.DispatcherConfig(work_dir=str(tmp_path), fault_tolerant_mode=True)
+    ids = [f"ds-{i}" for i in range(7)]
+    with ds.DispatchServer(config) as d:
+        for dataset_id in ids:
+            ds.register_dataset(d.target, ds.Dataset.range(3), dataset_id=dataset_id)
+        live = d._state  # the dispatcher's state (private: compared whole below)
+    # SetIncarnation + 7 RegisterDataset = 8 records: snapshots after 3 and 6.
+    names = sorted(os.listdir(tmp_path / "journal"))
+    assert names == ["segment-000002.tfrecord", "snapshot-000002.tfrecord"], names
+    with ds.DispatchServer(config) as d:
+        restored = d._state
+        assert list(restored.datasets) == ids
+        assert vars(restored) == vars(live)

@@ -9,6 +9,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+RPC = ROOT / "python" / "dataservice" / "rpc"
+
+
+def test_every_proto_has_its_generated_code_checked_in():
+    """scripts/gen_proto.sh compiles every rpc/*.proto (service, example, journal, ...)."""
+    protos = sorted(p.stem for p in RPC.glob("*.proto"))
+    assert {"service", "example", "journal"} <= set(protos)
+    for stem in protos:
+        assert (RPC / f"{stem}_pb2.py").is_file(), f"{stem}_pb2.py: run scripts/gen_proto.sh"
 
 
 @pytest.mark.timeout(120)

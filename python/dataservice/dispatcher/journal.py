@@ -1,35 +1,53 @@
 """The dispatcher's journal: an append-only log of state updates in `work_dir`.
 
-The journal is a sequence of segments, `journal/segment-<n>.tfrecord`, one per
-dispatcher start (a start never appends to an older segment). Each record is
-one `state.Update`, pickled, framed like a TFRecord (length, masked CRC32C of
-the length, data, masked CRC32C of the data) by the Rust writer, and fsynced
-before `append` returns, so an answered RPC's effect is on disk. On start-up
-`replay` applies every record in order. A torn last record (the dispatcher
-died mid-write) fails its checksum and is dropped; the segment is truncated
-to its last whole record.
+Layout, under `<work_dir>/journal/`:
 
-Registered dataset definitions are stored beside it as
-`datasets/<dataset_id>.bin` (written to a temporary file, fsynced, renamed).
+* `segment-<n>.tfrecord`: the updates of one dispatcher start (a start never
+  appends to an older segment). Each record is one `JournalRecord` protobuf
+  (rpc/journal.proto: a format version and one `state.Update`, converted by
+  journal_codec.py), framed like a TFRecord (u64 length, masked CRC32C of the
+  length, data, masked CRC32C of the data) by the Rust writer, and fsynced
+  before `append` returns, so an answered RPC's effect is on disk.
+* `snapshot-<n>.tfrecord`: the whole `DispatcherState` as one `Snapshot`
+  protobuf record, same framing, written to a `.tmp` file, fsynced and renamed
+  into place. It replaces every segment numbered below `n`: after
+  SNAPSHOT_EVERY_RECORDS records in one segment the dispatcher writes one,
+  then deletes the older segments and snapshots (bounded replay time).
+
+On start-up the newest snapshot is loaded (`load_snapshot`) and `replay`
+yields the update of every record of the segments from `n` on, in order. A
+torn last record of a segment (the dispatcher died mid-write: cut short, or
+failing its CRC with nothing after it) is dropped, and the segment is
+truncated to its last whole record. Any other damage stops start-up with
+`DataLossError` naming the file and the record's offset, and leaves the file
+as it is: a record that fails its CRC with records after it, and a record
+whose CRC holds but whose data is not a `JournalRecord` this version reads
+(unparseable, another format version, an unknown update kind; also the
+pickled updates of a journal written before records were protobuf). A
+snapshot that cannot be read is a `DataLossError` naming it.
+
+Registered dataset definitions are stored beside the journal as
+`<work_dir>/datasets/<dataset_id>.bin` (opaque bytes: written to a temporary
+file, fsynced, renamed).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import struct
 from collections.abc import Iterator
 
 from dataservice import _core, errors
-from dataservice.dispatcher import state
+from dataservice.dispatcher import journal_codec, state
 
 log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "segment-"
 SEGMENT_SUFFIX = ".tfrecord"
 SNAPSHOT_PREFIX = "snapshot-"
-SNAPSHOT_SUFFIX = ".pickle"
+SNAPSHOT_SUFFIX = ".tfrecord"
+LEGACY_SNAPSHOT_SUFFIX = ".pickle"  # pickled snapshots, before records were protobuf
 SNAPSHOT_EVERY_RECORDS = 20_000  # bounds replay: a snapshot, then at most this many records
 
 
@@ -47,6 +65,17 @@ def _is_torn_tail(path: str, offset: int) -> bool:
     if _core.masked_crc32c(header[:8]) != struct.unpack("<I", header[8:])[0]:
         return False  # a garbled length inside the file: real damage
     return offset + 16 + length >= size
+
+
+def _pickle_hint(data: bytes) -> str:
+    """A hint for a record that is a pickle (protocol 2 to 5): the pickled
+    updates of a journal written before records were protobuf."""
+    if len(data) >= 2 and data[0] == 0x80 and 2 <= data[1] <= 5:
+        return (
+            "; the record is a pickle: this journal was written by an older dataservice "
+            "whose pickle format is no longer read (start with a new work_dir)"
+        )
+    return ""
 
 
 class Journal:
@@ -81,28 +110,47 @@ class Journal:
         Raises:
             DataLossError: The snapshot cannot be read; names the file.
         """
+        legacy = sorted(
+            n
+            for n in os.listdir(self._journal_dir)
+            if n.startswith(SNAPSHOT_PREFIX) and n.endswith(LEGACY_SNAPSHOT_SUFFIX)
+        )
+        if legacy:
+            raise errors.DataLossError(
+                f"journal snapshot {os.path.join(self._journal_dir, legacy[-1])} is a pickle "
+                "written by an older dataservice, whose journal format is no longer read; "
+                "start with a new work_dir"
+            )
         snapshots = self._snapshots()
         if not snapshots:
             return None
         path = snapshots[-1]
         try:
-            with open(path, "rb") as f:
-                loaded: state.DispatcherState = pickle.load(f)
-        except Exception as err:
+            reader = _core.TFRecordReader(path)
+            try:
+                records = list(reader)
+            finally:
+                reader.close()
+            if len(records) != 1:
+                raise journal_codec.CodecError(f"it holds {len(records)} records, not 1")
+            return journal_codec.decode_snapshot(records[0])
+        except (OSError, errors.DataServiceError, journal_codec.CodecError) as err:
             raise errors.DataLossError(f"journal snapshot {path} cannot be read: {err}") from err
-        return loaded
 
     def snapshot(self, current: state.DispatcherState) -> None:
         """Writes `current` as a snapshot, starts a new segment, and deletes
         the segments and snapshots it replaces (bounded replay time)."""
+        data = journal_codec.encode_snapshot(current)
         self.close()
         n = self._segment + 1
         path = os.path.join(self._journal_dir, f"{SNAPSHOT_PREFIX}{n:06d}{SNAPSHOT_SUFFIX}")
         tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(current, f, protocol=5)
-            f.flush()
-            os.fsync(f.fileno())
+        writer = _core.TFRecordWriter(tmp)
+        try:
+            writer.write(data)
+            writer.sync()
+        finally:
+            writer.close()
         os.replace(tmp, path)
         dir_fd = os.open(self._journal_dir, os.O_RDONLY)
         try:
@@ -168,11 +216,15 @@ class Journal:
             offset = 0
             for record in records:
                 try:
-                    yield pickle.loads(record)
-                except Exception as err:
+                    update = journal_codec.decode_update(record)
+                except journal_codec.CodecError as err:
+                    # Its CRC holds, so it is not a torn write: damage, or another format.
                     raise errors.DataLossError(
-                        f"journal {path}: cannot decode the record after offset {offset}: {err}"
+                        f"journal {path}: damaged record at offset {offset}: {err}"
+                        f"{_pickle_hint(record)}. The dispatcher cannot replay its state "
+                        "past it; restore the work_dir or start with a new one"
                     ) from err
+                yield update
                 offset += len(record) + 16
 
     def append(self, update: state.Update) -> None:
@@ -186,7 +238,7 @@ class Journal:
             )
             self._writer = _core.TFRecordWriter(path)
             self.records_in_segment = 0
-        self._writer.write(pickle.dumps(update, protocol=5))
+        self._writer.write(journal_codec.encode_update(update))
         self._writer.sync()
         self.records_in_segment += 1
 

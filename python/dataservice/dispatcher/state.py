@@ -2,7 +2,11 @@
 
 State changes only through `DispatcherState.apply(update)`, and every update
 is a small frozen dataclass, so the journal (journal.py) replays exactly what
-happened live: replaying the updates of a run rebuilds the same state.
+happened live: replaying the updates of a run rebuilds the same state. The
+journal stores updates, and snapshots of the whole state, as protobuf
+(rpc/journal.proto, converted by journal_codec.py): a new update kind, or a
+new field of an update, an entity or `DispatcherState`, needs its field there
+too (tests/unit/test_journal_codec.py fails until it has one).
 Thread-compatible: the dispatcher's lock guards it.
 
 Ids of each kind start in their own range (datasets are strings; jobs from

@@ -120,3 +120,18 @@ def test_dispatcher_snapshots_every_n_records_and_restarts_from_it(tmp_path, mon
         restored = d._state
         assert list(restored.datasets) == ids
         assert vars(restored) == vars(live)
+
+
+def test_short_runs_of_a_restarting_dispatcher_add_up_to_a_snapshot(tmp_path, monkeypatch):
+    """Replay stays bounded when each dispatcher run writes fewer than
+    SNAPSHOT_EVERY_RECORDS records: the count spans segments and restarts."""
+    monkeypatch.setattr(journal_module, "SNAPSHOT_EVERY_RECORDS", 4)
+    config = ds.DispatcherConfig(work_dir=str(tmp_path), fault_tolerant_mode=True)
+    for run in range(3):  # each run: 1 dataset (+ SetIncarnation in the first)
+        with ds.DispatchServer(config) as d:
+            ds.register_dataset(d.target, ds.Dataset.range(3), dataset_id=f"ds-{run}")
+    # records: SetIncarnation, ds-0 | ds-1 | ds-2 -> the 4th (run 3) snapshots
+    names = sorted(os.listdir(tmp_path / "journal"))
+    assert [n for n in names if n.startswith("snapshot-")] == ["snapshot-000003.tfrecord"], names
+    with ds.DispatchServer(config) as d:
+        assert list(d._state.datasets) == ["ds-0", "ds-1", "ds-2"]

@@ -90,6 +90,9 @@ class Journal:
         self._writer: _core.TFRecordWriter | None = None
         self._segment = -1  # index of the segment being written
         self.records_in_segment = 0
+        # Records a restart would replay (after the newest snapshot), over every
+        # segment: counted by replay() and append(), reset by snapshot().
+        self.records_since_snapshot = 0
 
     @staticmethod
     def _index(path: str, prefix: str, suffix: str) -> int:
@@ -158,6 +161,7 @@ class Journal:
         finally:
             os.close(dir_fd)
         self._segment = n - 1  # the next append opens segment n
+        self.records_since_snapshot = 0
         for old in self._segments():
             if self._index(old, SEGMENT_PREFIX, SEGMENT_SUFFIX) < n:
                 os.remove(old)
@@ -224,6 +228,7 @@ class Journal:
                         f"{_pickle_hint(record)}. The dispatcher cannot replay its state "
                         "past it; restore the work_dir or start with a new one"
                     ) from err
+                self.records_since_snapshot += 1
                 yield update
                 offset += len(record) + 16
 
@@ -241,6 +246,7 @@ class Journal:
         self._writer.write(journal_codec.encode_update(update))
         self._writer.sync()
         self.records_in_segment += 1
+        self.records_since_snapshot += 1
 
     def dataset_path(self, dataset_id: str) -> str:
         safe = "".join(c if c.isalnum() or c in "-_." else f"%{ord(c):02x}" for c in dataset_id)

@@ -255,7 +255,7 @@ class DispatchServer:
         self._state.apply(update)
         if (
             self._journal is not None
-            and self._journal.records_in_segment >= journal_module.SNAPSHOT_EVERY_RECORDS
+            and self._journal.records_since_snapshot >= journal_module.SNAPSHOT_EVERY_RECORDS
         ):
             self._journal.snapshot(self._state)
 

@@ -231,6 +231,10 @@ class WorkerServer:
         consumer is asking for it: with `lazy_tasks`, its pipeline starts)."""
         with self._mu:
             runner = self._tasks.get(task_id)
+            deleted = task_id in self._deleted
+        if runner is None and not deleted:
+            # The client heard of the task before this worker did: heartbeat now.
+            self._wake.set()
         if isinstance(runner, _WorkerTaskRunner):
             runner.start_producing()
         return runner

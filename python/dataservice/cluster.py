@@ -50,6 +50,7 @@ from typing import Any
 from dataservice import _proc, errors
 from dataservice.cli import FIRST_ELEMENT_RE, READY_RE
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
+from dataservice.dispatcher import buffer_store
 
 logger = logging.getLogger(__name__)
 
@@ -583,6 +584,10 @@ class LocalCluster:
             for pump, stream in ((p.stdout, p.popen.stdout), (p.stderr, p.popen.stderr)):
                 if stream is not None and pump.done():  # else a reader blocks in it
                     stream.close()
+        dispatcher = self._dispatcher
+        if dispatcher is not None and dispatcher.popen.returncode is not None:
+            # One that died without stopping (SIGKILL) left its dataset buffer files.
+            buffer_store.remove_private_dirs(dispatcher.popen.pid)
         _unregister(self)
 
     # ------------------------------------------------------------ properties

@@ -2,13 +2,16 @@
 `LocalCluster`, or `python -m dataservice worker` processes started here when
 each needs its own port (static sharding) or host id (locality). Elements are
 tagged on the worker with its pid where a test asserts which worker produced
-what. Also C-19 (worker memory flat across epochs of a big in-memory source)
-and C-27 with a consumer process that is SIGKILLed.
+what. Also C-19 (worker memory flat across epochs of a big in-memory source,
+held once on the host for all workers) and C-27 with a consumer process that
+is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import gc
+import glob
+import hashlib
 import os
 import queue
 import re
@@ -781,17 +784,16 @@ def test_c19_worker_memory_stays_flat_across_epochs(num_items):
     assert growth < 0.10, f"worker RSS grew {growth:.1%} from epoch 1 to 3: {result}"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(
-    reason="missing (C-19, issue 4): each worker process deserializes its own copy of a "
-    "from_tensor_slices source (the pipeline travels pickled over gRPC), so 2 workers hold "
-    "2 copies; the issue asks that a big in-memory source is not copied once per worker",
-    strict=True,
+@pytest.mark.parametrize(
+    "num_items", [1_000_000, pytest.param(2_000_000, marks=pytest.mark.slow)], ids=["64MB", "128MB"]
 )
-def test_c19_big_source_is_not_copied_once_per_worker():
-    num_items = 2_000_000
+def test_c19_big_source_is_not_copied_once_per_worker(num_items):
+    # The source's array travels out of band; the dispatcher keeps it in a file
+    # that both workers map: one copy of its pages on the host, not one a worker.
+    batch = 1024
     source = np.frombuffer(np.random.default_rng(20).bytes(num_items * 64), dtype="S64")
+    first_of_batch = {bytes(source[i]): i for i in range(0, num_items, batch)}
     with c19_cluster() as cluster:
         pids = cluster.worker_pids
 
@@ -800,11 +802,16 @@ def test_c19_big_source_is_not_copied_once_per_worker():
 
         baseline = pss()
         dataset = dist(
-            ds.Dataset.from_tensor_slices(source).batch(1024),
+            ds.Dataset.from_tensor_slices(source).batch(batch),
             cluster.target,
             data_transfer_protocol="grpc",
         )
-        assert sum(len(b) for b in dataset) == 2 * num_items
+        reads = dict.fromkeys(first_of_batch.values(), 0)
+        for b in dataset:
+            i = first_of_batch[bytes(b[0])]
+            assert np.array_equal(b, source[i : i + batch])
+            reads[i] += 1
+        assert set(reads.values()) == {2}  # OFF: each worker read every batch once
         # The epoch is over: its task buffers go away; the source stays.
         limit = baseline + 1.5 * source.nbytes
         wait_until(
@@ -815,6 +822,58 @@ def test_c19_big_source_is_not_copied_once_per_worker():
                 f"to drop under 1.5 x the {source.nbytes >> 20} MiB source"
             ),
         )
+
+
+def _maps_file(pid: int, name: str) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any(line.rstrip().endswith(os.sep + name) for line in f)
+
+
+@pytest.mark.timeout(90)
+def test_c19_only_workers_on_the_dispatchers_host_map_the_source():
+    # A worker on the dispatcher's host maps the dispatcher's file of the source
+    # (named by its SHA-256); one on another host gets the bytes inline.
+    source = np.arange(1 << 18, dtype=np.int64)  # 2 MiB: out of band
+    file_name = hashlib.sha256(source.tobytes()).hexdigest()
+    with ds.DispatchServer() as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        local, remote = start_workers(address, free_ports(2), [None, "remote-host-c19"])
+        try:
+            dataset = tagged(ds.Dataset.from_tensor_slices(source).batch(1 << 15))
+            got = by_pid(values(dist(dataset, dispatcher.target, target_workers="ANY")))
+            expected = [list(range(i, i + (1 << 15))) for i in range(0, 1 << 18, 1 << 15)]
+            assert got == {local.pid: expected, remote.pid: expected}
+            assert _maps_file(local.pid, file_name)
+            assert not _maps_file(remote.pid, file_name)
+        finally:
+            for w in (local, remote):
+                w.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["stopped", "sigkilled"])
+def test_c19_local_cluster_leaves_no_buffer_files_behind(how):
+    def private_dirs(pid: int) -> list[str]:
+        return glob.glob(os.path.join(tempfile.gettempdir(), f"dataservice-dispatcher-{pid}-*"))
+
+    source = np.arange(1 << 18, dtype=np.int64)
+    with ds.LocalCluster(1) as cluster:
+        ds.register_dataset(cluster.target, ds.Dataset.from_tensor_slices(source))
+        pid = cluster.dispatcher_pid
+        (made,) = private_dirs(pid)
+        assert os.listdir(made) == [hashlib.sha256(source.tobytes()).hexdigest()]
+        if how == "sigkilled":  # no chance to delete its directory itself
+            os.kill(pid, signal.SIGKILL)
+
+            def dead() -> bool:
+                try:
+                    return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    return True
+
+            wait_until(dead, 10, "the dispatcher to die")
+            assert os.path.isdir(made)
+    assert private_dirs(pid) == []
 
 
 # ================================================================ C-29: uneven data

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
 import pytest
 
 from dataservice.data.dataset import Dataset
-from dataservice.data.serialize import deserialize, fingerprint, serialize
+from dataservice.data.serialize import (
+    MIN_SHARED_BUFFER_BYTES,
+    deserialize,
+    fingerprint,
+    load,
+    parse,
+    serialize,
+)
 from dataservice.errors import InvalidArgumentError
 
 
@@ -120,3 +128,76 @@ def test_deserialize_rejects_garbage():
         deserialize(pickle.dumps(3))
     with pytest.raises(TypeError):
         serialize(3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- out-of-band buffers
+BIG = MIN_SHARED_BUFFER_BYTES // 8  # int64 items in one MiB
+
+
+def test_big_arrays_travel_out_of_band_and_small_ones_in_the_pickle():
+    big = np.arange(BIG, dtype=np.int64)
+    small = np.arange(BIG - 1, dtype=np.int64)  # one item under the threshold
+    pipeline = Dataset.from_tensor_slices(big).concatenate(Dataset.from_tensor_slices(small))
+    definition = parse(serialize(pipeline))
+    assert [b.size_bytes for b in definition.buffers] == [big.nbytes]
+    assert definition.buffers[0].data == big.tobytes()
+    assert small.nbytes < len(definition.pickle) < small.nbytes + 4096
+    assert serialize(Dataset.from_tensor_slices(big)) == serialize(
+        Dataset.from_tensor_slices(big.copy())
+    )
+    assert fingerprint(Dataset.from_tensor_slices(big)) != fingerprint(
+        Dataset.from_tensor_slices(big + 1)
+    )
+
+
+def test_out_of_band_round_trip_keeps_values_order_and_writability():
+    c_order = np.arange(BIG * 2, dtype=np.int64).reshape(-1, 4)
+    f_order = np.asfortranarray(np.arange(BIG * 2, dtype=np.float64).reshape(-1, 4))
+    read_only = np.arange(BIG * 2, dtype=np.int64).reshape(-1, 4) * 3
+    read_only.flags.writeable = False
+    copy = deserialize(serialize(Dataset.from_tensor_slices((c_order, f_order, read_only))))
+    for got, want in zip(copy._value, (c_order, f_order, read_only), strict=True):
+        np.testing.assert_array_equal(got, want)
+        assert got.flags.writeable == want.flags.writeable
+    assert copy._value[1].flags.f_contiguous
+    rows = list(copy.take(2))
+    np.testing.assert_array_equal(rows[1][2], [12, 15, 18, 21])
+
+
+def test_load_maps_buffer_files(tmp_path):
+    source = np.arange(BIG * 4, dtype=np.int64).reshape(-1, 2)
+    definition = parse(serialize(Dataset.from_tensor_slices(source).map(lambda x: x * 2)))
+    (buffer,) = definition.buffers
+    path = tmp_path / "buffer"
+    path.write_bytes(buffer.data)
+    buffer.path, buffer.data = str(path), b""
+    loaded = load(definition)
+    array = loaded._input._value
+    base = array
+    while isinstance(base, np.ndarray | memoryview):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    assert isinstance(base, mmap.mmap)  # a view of the file, not a copy
+    assert [x.tolist() for x in loaded.take(2)] == [[0, 2], [4, 6]]
+    # Copy-on-write: writing changes this process's pages only, never the file.
+    array[0, 0] = 7
+    assert np.frombuffer(path.read_bytes(), np.int64)[0] == 0
+
+
+def test_load_raises_oserror_for_a_missing_or_changed_file(tmp_path):
+    definition = parse(serialize(Dataset.from_tensor_slices(np.zeros(BIG, np.int64))))
+    (buffer,) = definition.buffers
+    buffer.path, buffer.data = str(tmp_path / "gone"), b""
+    with pytest.raises(OSError):
+        load(definition)
+    (tmp_path / "short").write_bytes(b"x" * 10)
+    buffer.path = str(tmp_path / "short")
+    with pytest.raises(OSError, match="holds 10 bytes"):
+        load(definition)
+
+
+def test_bytes_of_a_bare_pickle_still_deserialize():
+    # What the journal of a dispatcher before DatasetDef holds.
+    import cloudpickle
+
+    old = cloudpickle.dumps(Dataset.range(3), protocol=5)
+    assert [int(x) for x in deserialize(old)] == [0, 1, 2]

@@ -898,9 +898,25 @@ class Dataset:
                 of `bytes` into object arrays, so elements stay `bytes`).
         Returns:
             n elements shaped like `value` with axis 0 removed (e.g. `float32[h, w]` from
-            `float32[n, h, w]`; 1-D leaves give numpy scalars). Splittable.
+            `float32[n, h, w]`; 1-D leaves give numpy scalars). Each element is a copy of
+            its row, never a view of `value`. Splittable.
         Raises:
             InvalidArgumentError: A leaf is a scalar, or sizes in axis 0 differ.
+
+        With the data service, the arrays are not copied once per worker process. A
+        contiguous numpy array of 1 MiB or more (`serialize.MIN_SHARED_BUFFER_BYTES`;
+        any such array in the pipeline, e.g. one a `map` function captures) travels
+        out of band when the dataset is registered, and the dispatcher keeps it in a
+        file named by its SHA-256 (in `work_dir/dataset_buffers` with
+        `fault_tolerant_mode`, else in a temporary directory deleted when the
+        dispatcher stops). A worker on the dispatcher's host maps that file
+        copy-on-write: its array is a view of page-cache pages shared by every worker
+        process of the host (one copy in memory however many workers read it), which
+        stays shared unless a pipeline writes into it; it is writable exactly when the
+        array given here was. A worker on another host gets the bytes with the
+        definition and holds its own copy. Smaller arrays, object arrays (lists of
+        `bytes`) and other Python objects are pickled with the definition and copied
+        into each worker.
         """
         from dataservice.data.sources import TensorSliceDataset
 

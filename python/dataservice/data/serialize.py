@@ -6,27 +6,47 @@ cached specs live in `_t_*` attributes that `Dataset.__getstate__` drops), so tw
 separately built equal pipelines give identical bytes and the same fingerprint.
 Functions are pickled by value when they are not importable (lambdas, closures) and by
 reference otherwise, so workers need the same importable modules as the client.
+
+The bytes are a `DatasetDef` (rpc/dataset.proto): the pickle (protocol 5) and, out of
+band, every buffer of `MIN_SHARED_BUFFER_BYTES` or more that it holds (contiguous numpy
+arrays: a `from_tensor_slices` source, an array a function captured). The dispatcher
+keeps those buffers in files (dispatcher/buffer_store.py) and a worker on its host maps
+them (`load`), so the arrays of a pipeline are backed by page-cache pages that every
+worker process shares instead of one private copy per worker (CASES C-19).
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import pickle
 from typing import Any
 
 import cloudpickle
+from google.protobuf.message import DecodeError
 
 from dataservice.data.dataset import Dataset
 from dataservice.errors import InvalidArgumentError
+from dataservice.rpc import dataset_pb2
 
-__all__ = ["deserialize", "fingerprint", "serialize"]
+__all__ = [
+    "MIN_SHARED_BUFFER_BYTES",
+    "deserialize",
+    "fingerprint",
+    "load",
+    "map_buffer_file",
+    "parse",
+    "serialize",
+]
 
 PICKLE_PROTOCOL = 5
+MIN_SHARED_BUFFER_BYTES = 1 << 20
+"""Buffers this big (bytes) or bigger travel out of band and are shared on a host."""
 
 
 def serialize(dataset: Dataset) -> bytes:
-    """The pipeline `dataset` as bytes (cloudpickle, protocol 5).
+    """The pipeline `dataset` as bytes: a `DatasetDef` with every buffer inline.
 
     Raises:
         TypeError: `dataset` is not a Dataset.
@@ -37,11 +57,41 @@ def serialize(dataset: Dataset) -> bytes:
     """
     if not isinstance(dataset, Dataset):
         raise TypeError(f"serialize expects a Dataset, got {type(dataset).__name__}")
+    buffers: list[pickle.PickleBuffer] = []
+
+    def in_band(buffer: pickle.PickleBuffer) -> bool:
+        if memoryview(buffer).nbytes < MIN_SHARED_BUFFER_BYTES:
+            return True
+        buffers.append(buffer)
+        return False
+
     try:
-        data: bytes = cloudpickle.dumps(dataset, protocol=PICKLE_PROTOCOL)
+        data: bytes = cloudpickle.dumps(dataset, protocol=PICKLE_PROTOCOL, buffer_callback=in_band)
     except Exception as e:
         raise _explain(dataset, e) from e
-    return data
+    definition = dataset_pb2.DatasetDef(pickle=data)
+    for buffer in buffers:
+        raw = buffer.raw()  # the bytes in memory order (numpy pickles C or F order)
+        definition.buffers.add(data=raw.tobytes(), size_bytes=raw.nbytes)
+    return definition.SerializeToString()
+
+
+def parse(data: bytes) -> Any:
+    """The `DatasetDef` that `serialize` wrote to `data` (bytes that a version before
+    `DatasetDef` wrote, a bare pickle, come back as a `DatasetDef` without buffers).
+
+    Raises:
+        InvalidArgumentError: `data` is not a `DatasetDef`.
+    """
+    if data[:1] == b"\x80":  # the PROTO opcode that starts a pickle; never a DatasetDef
+        return dataset_pb2.DatasetDef(pickle=data)
+    try:
+        definition = dataset_pb2.DatasetDef.FromString(data)
+    except DecodeError as e:
+        raise InvalidArgumentError(f"Cannot deserialize a dataset: {e}") from e
+    if not definition.pickle:
+        raise InvalidArgumentError("Cannot deserialize a dataset: the bytes hold no pickle")
+    return definition
 
 
 def deserialize(data: bytes) -> Dataset:
@@ -51,8 +101,30 @@ def deserialize(data: bytes) -> Dataset:
         InvalidArgumentError: `data` is not a serialised Dataset, or unpickling failed
             (e.g. a module a function refers to is not importable here).
     """
+    return load(parse(data))
+
+
+def load(definition: Any) -> Dataset:
+    """The Dataset of the `DatasetDef` `definition`, whose buffers are inline or
+    files on this host (`DatasetBuffer.path`).
+
+    A file is mapped, not read (`map_buffer_file`): the arrays made from it are
+    views of page-cache pages shared with every process that maps the same file.
+    An inline buffer is copied into memory of its own. Either way an array is as
+    writable as the one that was serialised.
+
+    Raises:
+        OSError: A buffer's file cannot be mapped here (gone, another size,
+            unreadable); its bytes must be fetched inline.
+        InvalidArgumentError: Unpickling failed (e.g. a module a function refers
+            to is not importable here), or the bytes are not a Dataset.
+    """
+    buffers = [
+        map_buffer_file(b.path, b.size_bytes) if b.path else bytearray(b.data)
+        for b in definition.buffers
+    ]
     try:
-        obj = pickle.loads(data)
+        obj = pickle.loads(definition.pickle, buffers=buffers)
     except Exception as e:
         raise InvalidArgumentError(f"Cannot deserialize a dataset: {type(e).__name__}: {e}") from e
     if not isinstance(obj, Dataset):
@@ -60,6 +132,20 @@ def deserialize(data: bytes) -> Dataset:
             f"Cannot deserialize a dataset: the bytes hold a {type(obj).__name__}"
         )
     return obj
+
+
+def map_buffer_file(path: str, size_bytes: int) -> mmap.mmap:
+    """The file at `path` mapped copy-on-write: its pages are the page cache's,
+    shared by every process that maps the file, until this process writes to one.
+
+    Raises:
+        OSError: It cannot be opened or mapped, or it does not hold `size_bytes`.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != size_bytes or size == 0:
+            raise OSError(f"{path} holds {size} bytes, not the {size_bytes} of its buffer")
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
 
 
 def fingerprint(dataset: Dataset) -> str:

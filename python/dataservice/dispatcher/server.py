@@ -10,6 +10,7 @@ journals it first when `fault_tolerant_mode` is on. RPC handlers take
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -24,7 +25,9 @@ from dataservice import errors
 from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
+from dataservice.dispatcher.buffer_store import BufferStore
 from dataservice.dispatcher.journal import Journal
+from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
 from dataservice.rpc import util as rpc_util
@@ -33,6 +36,7 @@ from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, worker_index_i
 log = logging.getLogger(__name__)
 
 _MAX_SPLITS_PER_RPC = 4096
+BUFFERS_SUBDIR = "dataset_buffers"  # of work_dir: buffer_store.py
 _ROUND_BLOCK = 64  # coordinated reads: rounds assigned per block
 
 
@@ -125,7 +129,9 @@ class DispatchServer:
         # guarded by self._mu:
         self._state = st.DispatcherState()
         self._journal: Journal | None = None
-        self._datasets: dict[str, bytes] = {}
+        # dataset_id -> DatasetDef, its big buffers as files of self._buffers
+        self._datasets: dict[str, Any] = {}
+        self._buffers = BufferStore(None)
         self._workers: dict[str, _Worker] = {}
         self._lost_uids: dict[str, str] = {}  # address -> uid of a worker declared lost
         # Runtime only, like the workers: given up by whoever restarts them
@@ -200,6 +206,8 @@ class DispatchServer:
             if self._journal is not None:
                 self._journal.close()
                 self._journal = None
+            buffers = self._buffers
+        buffers.close()
         self._stopped.set()
 
     def join(self) -> None:
@@ -219,9 +227,13 @@ class DispatchServer:
 
     def _recover(self) -> None:
         """Fresh state, or the journal's in fault-tolerant mode."""
+        from dataservice.data.serialize import parse
+
         with self._mu:
             self._state = st.DispatcherState()
             self._datasets = {}
+            self._buffers.close()
+            self._buffers = BufferStore(None)
             self._workers = {}
             self._lost_uids = {}
             self._failed_workers = {}
@@ -237,8 +249,14 @@ class DispatchServer:
                 self._state = journal.load_snapshot() or self._state
                 for update in journal.replay():
                     self._state.apply(update)
+                # The journal holds each definition with its buffers inline; the
+                # buffer files are kept across restarts and rebuilt when missing.
+                self._buffers = BufferStore(os.path.join(self._config.work_dir, BUFFERS_SUBDIR))
                 for dataset_id in self._state.datasets:
-                    self._datasets[dataset_id] = journal.read_dataset(dataset_id)
+                    self._datasets[dataset_id] = self._buffers.put(
+                        parse(journal.read_dataset(dataset_id))
+                    )
+                self._buffers.retain_only(list(self._datasets.values()))
                 self._journal = journal
             now = time.monotonic()
             for client_id in self._state.clients:
@@ -328,11 +346,16 @@ class DispatchServer:
         )
 
     def _dataset_object(self, dataset_id: str) -> Any:
-        from dataservice.data.serialize import deserialize
+        from dataservice.data.serialize import load
 
         obj = self._dataset_objects.get(dataset_id)
         if obj is None:
-            obj = deserialize(self._datasets[dataset_id])
+            try:
+                obj = load(self._datasets[dataset_id])  # maps the buffer files
+            except OSError as err:
+                raise errors.DataLossError(
+                    f"dataset {dataset_id}: a buffer file is unreadable: {err}"
+                ) from err
             self._dataset_objects[dataset_id] = obj
         return obj
 
@@ -424,35 +447,57 @@ class DispatchServer:
             response.tasks_to_delete.extend(sorted(current - assigned_ids))
             return response
 
+    def _registered_locked(self, request: Any) -> str | None:
+        """The id under which the dataset of `request` (a RegisterDatasetRequest)
+        is registered already, or None.
+
+        Raises:
+            InvalidArgumentError: The requested id holds a dataset of another
+                element_spec.
+        """
+        requested = request.dataset_id
+        if not requested:
+            return self._state.datasets_by_fingerprint.get(request.fingerprint)
+        existing = self._state.datasets.get(requested)
+        if existing is None:
+            return None
+        if (
+            existing.element_spec
+            and request.element_spec
+            and existing.element_spec != request.element_spec
+        ):
+            raise errors.InvalidArgumentError(
+                f"Datasets with the same ID should have the same structure: "
+                f"dataset ID {requested!r} is registered with a different "
+                "structure (element_spec) than the dataset given now"
+            )
+        return str(requested)
+
     def _register_dataset(self, request: Any) -> Any:
+        from dataservice.data.serialize import parse
+
         with self._mu:
-            requested = request.dataset_id
-            if requested:
-                existing = self._state.datasets.get(requested)
-                if existing is not None:
-                    if (
-                        existing.element_spec
-                        and request.element_spec
-                        and existing.element_spec != request.element_spec
-                    ):
-                        raise errors.InvalidArgumentError(
-                            f"Datasets with the same ID should have the same structure: "
-                            f"dataset ID {requested!r} is registered with a different "
-                            "structure (element_spec) than the dataset given now"
-                        )
-                    return pb.RegisterDatasetResponse(dataset_id=requested)
-                dataset_id, auto = requested, False
-            else:
-                found = self._state.datasets_by_fingerprint.get(request.fingerprint)
-                if found is not None:
-                    return pb.RegisterDatasetResponse(dataset_id=found)
+            found = self._registered_locked(request)
+            if found is not None:
+                return pb.RegisterDatasetResponse(dataset_id=found)
+            buffers = self._buffers
+        # Writing big buffers to their files can take seconds: not under the lock.
+        stored = buffers.put(parse(request.dataset))
+        with self._mu:
+            if buffers is not self._buffers:
+                raise errors.UnavailableError("the dispatcher restarted; register again")
+            found = self._registered_locked(request)  # by another client meanwhile
+            if found is not None:
+                return pb.RegisterDatasetResponse(dataset_id=found)
+            dataset_id = request.dataset_id
+            auto = not dataset_id
+            if auto:
                 dataset_id = str(self._state.next_dataset_number)
                 while dataset_id in self._state.datasets:
                     dataset_id = str(int(dataset_id) + 1)
-                auto = True
             if self._journal is not None:
                 self._journal.write_dataset(dataset_id, request.dataset)
-            self._datasets[dataset_id] = request.dataset
+            self._datasets[dataset_id] = stored
             self._apply_locked(
                 st.RegisterDataset(
                     dataset_id,
@@ -466,10 +511,13 @@ class DispatchServer:
 
     def _get_dataset_def(self, request: Any) -> Any:
         with self._mu:
-            data = self._datasets.get(request.dataset_id)
-            if data is None:
+            definition = self._datasets.get(request.dataset_id)
+            if definition is None:
                 raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
-            return pb.GetDatasetDefResponse(dataset=data)
+        if not request.host_id or request.host_id != host_id():
+            # Another host cannot map our files: read them (outside the lock).
+            definition = self._buffers.inline(definition)
+        return pb.GetDatasetDefResponse(dataset=definition)
 
     def _get_element_spec(self, request: Any) -> Any:
         with self._mu:

@@ -474,18 +474,37 @@ class WorkerServer:
             self._start_task(task)
 
     def _dataset(self, dataset_id: str) -> Any:
-        from dataservice.data.serialize import deserialize
-
         with self._mu:
             dataset = self._datasets.get(dataset_id)
         if dataset is None:
-            response = self._call_dispatcher(
-                "GetDatasetDef", pb.GetDatasetDefRequest(dataset_id=dataset_id)
-            )
-            dataset = deserialize(response.dataset)
+            dataset = self._fetch_dataset(dataset_id)
             with self._mu:
                 self._datasets[dataset_id] = dataset
         return dataset
+
+    def _fetch_dataset(self, dataset_id: str) -> Any:
+        """The dataset's definition from the dispatcher. On the dispatcher's host
+        its big buffers are the dispatcher's files, mapped (shared by every worker
+        process of the host); should they not map (a host id that two machines
+        share), they are fetched inline."""
+        from dataservice.data.serialize import load
+
+        response = self._call_dispatcher(
+            "GetDatasetDef", pb.GetDatasetDefRequest(dataset_id=dataset_id, host_id=host_id())
+        )
+        try:
+            return load(response.dataset)
+        except OSError as err:
+            log.warning(
+                "worker %s cannot map the buffer files of dataset %s (%s); fetching them inline",
+                self._address,
+                dataset_id,
+                err,
+            )
+        response = self._call_dispatcher(
+            "GetDatasetDef", pb.GetDatasetDefRequest(dataset_id=dataset_id)
+        )
+        return load(response.dataset)
 
     def _start_task(self, task: Any) -> None:
         def make_iterator() -> Any:

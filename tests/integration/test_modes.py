@@ -566,19 +566,37 @@ def test_cache_of_finite_dataset_is_rejected(make_cluster):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="missing (issue 4): cross-trainer cache reads are forced to gRPC "
-    "(reader._fetch_loop sets candidates=['grpc'] when trainer_id is set); same-host "
-    "trainers should read the cached window from shared memory",
-    strict=True,
-)
-def test_cache_same_host_trainers_read_through_shared_memory(make_cluster):
+@pytest.mark.parametrize("protocol", [None, "grpc"])
+def test_cache_same_host_trainers_read_through_shared_memory(make_cluster, protocol):
+    # "auto": each same-host trainer reads the cached window through its own ring
+    # (one connection a trainer); data_transfer_protocol="grpc" still forces gRPC.
+    from dataservice.transfer import shm
+
     c = cache_cluster(make_cluster)
-    it = iter(cached(INFINITE, c, "t"))
-    assert [to_py(next(it)) for _ in range(5)] == list(range(5))
-    (stats,) = it.stats()["workers"].values()
-    it.close()
-    assert stats["transfer_protocol"] == "shm"
+    its = [
+        iter(cached(INFINITE, c, f"trainer-{t}", data_transfer_protocol=protocol)) for t in range(3)
+    ]
+    got: list[list[int]] = [[], [], []]
+    for _ in range(25):  # in lockstep
+        for t, it in enumerate(its):
+            got[t].append(to_py(next(it)))
+    late = iter(cached(INFINITE, c, "late", data_transfer_protocol=protocol))
+    got.append([to_py(next(late)) for _ in range(25)])  # a newcomer starts at the oldest
+    its.append(late)
+    (worker,) = c.workers
+    rings = [r for s in shm.live_servers() if s.worker is worker for r in s.ring_stats()]
+    protocols = []
+    for it in its:
+        (stats,) = it.stats()["workers"].values()
+        protocols.append(stats["transfer_protocol"])
+        it.close()
+    assert got == [list(range(25))] * 4
+    if protocol is None:
+        assert protocols == ["shm"] * 4
+        assert len(rings) == 4  # one ring per trainer
+    else:
+        assert protocols == ["grpc"] * 4
+        assert rings == []
 
 
 # ================================================================ target_workers

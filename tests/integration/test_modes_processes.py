@@ -624,17 +624,20 @@ def test_cache_finite_dataset_rejected_by_worker_processes(cache_cluster):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    reason="missing (issue 4): cross-trainer cache reads are forced to gRPC "
-    "(reader._fetch_loop); a same-host worker process should serve the window from shm",
-    strict=True,
-)
 def test_cache_same_host_worker_process_serves_through_shared_memory(cache_cluster):
-    it = iter(cached(ds.Dataset.range(10**7).repeat(), cache_cluster.target, "t", job_name="shm"))
-    assert [to_py(next(it)) for _ in range(3)] == [0, 1, 2]
-    (stats,) = it.stats()["workers"].values()
-    it.close()
-    assert stats["transfer_protocol"] == "shm"
+    dataset = ds.Dataset.range(10**7).repeat()
+    its = [iter(cached(dataset, cache_cluster.target, t, job_name="shm")) for t in "abc"]
+    got: list[list[int]] = [[], [], []]
+    for _ in range(20):  # in lockstep
+        for t, it in enumerate(its):
+            got[t].append(to_py(next(it)))
+    protocols = []
+    for it in its:
+        (stats,) = it.stats()["workers"].values()
+        protocols.append(stats["transfer_protocol"])
+        it.close()
+    assert got == [list(range(20))] * 3
+    assert protocols == ["shm"] * 3
 
 
 # ================================================================ job GC

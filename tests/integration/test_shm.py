@@ -201,6 +201,60 @@ def test_worker_error_arrives_after_the_elements_before_it(cluster):
     assert got == [0, 1, 2, 3, 4]
 
 
+def cached(dataset, cluster, trainer_id, **kw):
+    return dist(
+        dataset,
+        cluster,
+        job_name="cache",
+        cross_trainer_cache=ds.CrossTrainerCache(trainer_id),
+        **kw,
+    )
+
+
+def test_cache_worker_error_reaches_every_trainer_after_the_elements_before_it(cluster):
+    def fail_at_5(x):
+        if x == 5:
+            raise KeyError("five")
+        return x
+
+    dataset = ds.Dataset.range(10**7).map(fail_at_5).repeat()
+    for trainer in ("a", "b"):  # b reads the cached elements, then the cached error
+        it = iter(cached(dataset, cluster, trainer, data_transfer_protocol="shm"))
+        got = []
+        with pytest.raises(KeyError, match="five"):
+            for x in it:
+                got.append(int(x))
+        assert got == [0, 1, 2, 3, 4]
+        assert protocols(it) == {"shm"}
+        it.close()
+
+
+def test_cache_reads_fall_back_to_grpc_when_shm_is_unavailable(cluster, monkeypatch):
+    monkeypatch.setattr(shm, "shm_socket_name", lambda address: "\0dataservice/nowhere")
+    its = [iter(cached(ds.Dataset.range(10**7).repeat(), cluster, t)) for t in "ab"]
+    assert [[int(next(it)) for _ in range(10)] for it in its] == [list(range(10))] * 2
+    assert [protocols(it) for it in its] == [{"grpc"}] * 2
+    for it in its:
+        it.close()
+
+
+def test_cache_read_of_a_task_without_a_cache_is_a_failed_precondition(cluster):
+    it = iter(dist(ds.Dataset.range(10**7).repeat(), cluster))
+    assert int(next(it)) == 0
+    (worker,) = cluster.workers
+    (task_id,) = worker._tasks
+    endpoint = base.TaskEndpoint(task_id, worker.address, worker.address, "")
+    client = shm.ShmTransferClient(endpoint, trainer_id="t")
+    try:
+        with pytest.raises(errors.InvalidArgumentError, match="reads for trainer 't'"):
+            client.get_elements(1, 1 << 20, 1.0, trainer_id="other")
+        with pytest.raises(errors.FailedPreconditionError, match="does not use a cross-trainer"):
+            client.get_elements(1, 1 << 20, 1.0, trainer_id="t")
+    finally:
+        client.close()
+        it.close()
+
+
 def test_zero_copy_can_be_turned_off(cluster, monkeypatch):
     monkeypatch.setenv(shm.ZERO_COPY_ENV, "0")
     data = ds.Dataset.range(5).map(lambda x: np.full(100_000, x, np.uint8))

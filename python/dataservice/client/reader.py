@@ -283,13 +283,14 @@ class _Reader:
             NotFoundError: An unknown protocol was requested.
         """
         candidates = transfer.protocol_candidates(self.options.data_transfer_protocol, endpoint)
-        if self.options.trainer_id:
-            # Cross-trainer cache reads are served by the worker's gRPC server.
-            candidates = ["grpc"]
         for protocol in candidates:
             try:
                 client = transfer.make_client(
-                    protocol, endpoint, self.options.auth_token, zero_copy=self.options.zero_copy
+                    protocol,
+                    endpoint,
+                    self.options.auth_token,
+                    zero_copy=self.options.zero_copy,
+                    trainer_id=self.options.trainer_id,
                 )
             except transfer.TransferUnavailable as err:
                 if len(candidates) == 1:  # forced: no fallback

@@ -92,8 +92,9 @@ class TransferServer(abc.ABC):
         """Stops serving and frees what it holds (sockets, rings, threads)."""
 
 
-# factory(endpoint, auth_token, zero_copy=bool): a protocol whose elements are
-# always copies (gRPC) ignores zero_copy.
+# factory(endpoint, auth_token, zero_copy=bool[, trainer_id=str]): a protocol
+# whose elements are always copies (gRPC) ignores zero_copy; trainer_id is passed
+# only for cross-trainer cache reads (a protocol's connection may be bound to it).
 ClientFactory = Callable[..., TransferClient]
 ServerFactory = Callable[[Any], TransferServer]
 
@@ -153,10 +154,17 @@ def protocol_candidates(requested: str | None, endpoint: TaskEndpoint) -> list[s
 
 
 def make_client(
-    protocol: str, endpoint: TaskEndpoint, auth_token: str | None, *, zero_copy: bool = True
+    protocol: str,
+    endpoint: TaskEndpoint,
+    auth_token: str | None,
+    *,
+    zero_copy: bool = True,
+    trainer_id: str = "",
 ) -> TransferClient:
     """A client of `protocol` for `endpoint`. `zero_copy=False` makes a protocol
-    that can hand out views of shared memory copy every element instead.
+    that can hand out views of shared memory copy every element instead. A
+    `trainer_id` makes a client that reads through the task's cross-trainer
+    cache (each `get_elements` call then passes the same `trainer_id`).
 
     Raises:
         NotFoundError: `protocol` is not registered.
@@ -166,4 +174,6 @@ def make_client(
         factory = _factories.get(protocol)
     if factory is None:
         raise errors.NotFoundError(f"data transfer protocol {protocol!r} is not available")
+    if trainer_id:
+        return factory(endpoint, auth_token, zero_copy=zero_copy, trainer_id=trainer_id)
     return factory(endpoint, auth_token, zero_copy=zero_copy)

@@ -23,6 +23,7 @@ class GrpcTransferClient(base.TransferClient):
         auth_token: str | None,
         compression: str = "",
         zero_copy: bool = True,  # elements over gRPC are always copies
+        trainer_id: str = "",  # each request names its own trainer id
     ) -> None:
         self._endpoint = endpoint
         self._compression = compression  # "" or "zstd", chosen by the reader

@@ -9,6 +9,14 @@ thread that moves the task's elements into the ring. The socket stays open for
 the ring's life: it carries the client's credit grants (how many elements it
 wants; the worker never runs further ahead) and is the liveness channel (HUP).
 
+A cross-trainer cache read names its trainer in the HELLO {trainer_id}; every
+request on that connection is then served from the task's `CrossTrainerCache`
+for that trainer (its cursor; a lagging trainer skips to the oldest cached
+element), as gRPC's GetElements with that trainer id is. Each trainer has its
+own connection and ring: the pipeline runs once, and each element is copied
+once per trainer, into that trainer's ring. The cached window itself is not a
+shared segment that trainers lease elements from (yet).
+
 Ring bytes per worker are capped at 25 % of min(MemAvailable, cgroup limit -
 usage); past that a new ring is halved (down to 8 MiB), and then refused, so
 "auto" clients fall back to gRPC.
@@ -167,6 +175,7 @@ class _Connection:
             self._reply({"ok": False, "error": "the client runs as another user"})
             return
         task_id = int(hello["task_id"])
+        trainer_id = str(hello.get("trainer_id") or "")
         runner = server.worker.task_runner(task_id)
         deadline = time.monotonic() + _TASK_WAIT_S
         while runner is None and time.monotonic() < deadline and not server.stopping:
@@ -186,19 +195,25 @@ class _Connection:
                 "capacity_bytes": self.ring.capacity_bytes,
                 "nonce": self.ring.nonce.hex(),
                 "pid": os.getpid(),
+                "trainer_id": trainer_id,  # what the requests are served for
             },
             [self.ring.fileno()],
         )
         self.ring.set_peer(self._sock.fileno(), peer_pid)
-        self._produce(runner)
+        self._produce(runner, trainer_id)
 
-    def _produce(self, runner: Any) -> None:
+    def _produce(self, runner: Any, trainer_id: str = "") -> None:
         """Serves requests as gRPC's GetElements does: each request takes up to its
         number of elements from the task (waiting up to its timeout for the first),
         announces how many follow on the socket, then writes them into the ring. The
-        worker never takes an element from a shared task that no request asked for."""
+        worker never takes an element from a shared task that no request asked for.
+
+        A connection whose HELLO named a `trainer_id` reads through the task's
+        cross-trainer cache instead, as gRPC's GetElements with that trainer id
+        does: from that trainer's cursor, each element copied into this ring."""
         server = self._server
         max_frame = max(1, self.ring.max_frame_bytes)
+        cache = runner.cross_trainer_cache if trainer_id else None
         while not server.stopping:
             self._sock.settimeout(0.2)
             try:
@@ -213,9 +228,22 @@ class _Connection:
                 log.warning("shm: unexpected %d-byte message from a client", len(data))
                 return
             _, want, max_bytes, timeout_ms = _REQUEST.unpack(data)
-            elements, end, error = runner.get_elements_raw(
-                max(1, want), max(1, min(max_bytes, 16 * max_frame)), timeout_ms / 1000
-            )
+            max_bytes = max(1, min(max_bytes, 16 * max_frame))
+            if not trainer_id:
+                elements, end, error = runner.get_elements_raw(
+                    max(1, want), max_bytes, timeout_ms / 1000
+                )
+            elif cache is not None:
+                elements, end, error = cache.get_elements(
+                    trainer_id, max(1, want), timeout_ms / 1000, max_bytes=max_bytes
+                )
+            else:
+                elements, end = [], True
+                error = (
+                    "FailedPreconditionError",
+                    f"task {runner.task_id} does not use a cross-trainer cache, but a "
+                    f"read for trainer {trainer_id!r} asked for one",
+                )
             flags = (_END_FLAG if end and error is None else 0) | (_ERROR_FLAG if error else 0)
             self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
             self._sock.send(_RESPONSE.pack(b"R", len(elements), flags))
@@ -374,8 +402,10 @@ class ShmTransferClient(base.TransferClient):
         endpoint: base.TaskEndpoint,
         auth_token: str | None = None,
         zero_copy: bool = True,
+        trainer_id: str = "",
     ) -> None:
         self._endpoint = endpoint
+        self._trainer_id = trainer_id
         if os.environ.get(ZERO_COPY_ENV, "1") in ("0", "false", "False"):
             zero_copy = False
         self._end = False
@@ -389,7 +419,13 @@ class ShmTransferClient(base.TransferClient):
             peer_pid, peer_uid, _ = struct.unpack("3i", creds)
             if peer_uid not in (os.getuid(), 0):
                 raise base.TransferUnavailable("the worker runs as another user")
-            hello = {"v": LAYOUT_VERSION, "task_id": endpoint.task_id, "pid": os.getpid()}
+            hello: dict[str, Any] = {
+                "v": LAYOUT_VERSION,
+                "task_id": endpoint.task_id,
+                "pid": os.getpid(),
+            }
+            if trainer_id:  # every request reads through the cross-trainer cache
+                hello["trainer_id"] = trainer_id
             sock.send(json.dumps(hello).encode())
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
@@ -401,6 +437,11 @@ class ShmTransferClient(base.TransferClient):
                     raise base.TransferUnavailable(
                         f"worker {endpoint.worker_address} refused a shared-memory ring: "
                         f"{reply.get('error', 'connection closed')}"
+                    )
+                if reply.get("trainer_id", "") != trainer_id:  # a worker that predates it
+                    raise base.TransferUnavailable(
+                        f"worker {endpoint.worker_address} does not serve cross-trainer "
+                        "cache reads through shared memory"
                     )
                 try:
                     self._ring = _core.ShmRingConsumer(
@@ -455,13 +496,24 @@ class ShmTransferClient(base.TransferClient):
         timeout_s: float,
         consumer_index: int = -1,
         round_index: int = -1,
+        trainer_id: str = "",
     ) -> base.ElementsResult:
         """One request, as gRPC's GetElements: the worker answers with how many
         elements follow (at most `max_elements`; none if none came within
-        `timeout_s`), then they arrive through the ring."""
+        `timeout_s`), then they arrive through the ring. A cross-trainer cache
+        read names the trainer id the client was made with (its HELLO's).
+
+        Raises:
+            InvalidArgumentError: `trainer_id` is not the connection's.
+        """
         ring = self._ring
         if ring is None:
             raise errors.CancelledError("shm transfer client is closed")
+        if trainer_id != self._trainer_id:
+            raise errors.InvalidArgumentError(
+                f"this shared-memory connection reads for trainer {self._trainer_id!r}, "
+                f"not {trainer_id!r}"
+            )
         if self._error is not None:
             raise self._error
         if self._end:

@@ -10,6 +10,13 @@ split the elements between them. When a trainer reaches the newest element,
 the cache takes the next one from the task's pipeline; the oldest elements are
 evicted while the window holds more than `max_bytes` (the newest element is
 always kept, so an element larger than the cache still passes through).
+
+Both transfer protocols read through `get_elements`: the worker's gRPC
+GetElements handler for a request naming a trainer id, and the shared-memory
+transport for a connection whose HELLO named one (same-host trainers; see
+`transfer/shm.py`). The window holds decoded elements in this process; a
+shared-memory reader gets its own copy of each, written into its own ring, so
+N same-host trainers cost one pipeline but N copies through N rings.
 """
 
 from __future__ import annotations
@@ -45,10 +52,17 @@ class CrossTrainerCache:
             return self._window_bytes
 
     def get_elements(
-        self, trainer_id: str, max_elements: int, timeout_s: float
+        self,
+        trainer_id: str,
+        max_elements: int,
+        timeout_s: float,
+        max_bytes: int | None = None,
     ) -> tuple[list[Any], bool, tuple[str, str] | None]:
         """Up to `max_elements` elements for `trainer_id`, from its cursor on,
         waiting up to `timeout_s` seconds for the pipeline when it is at the newest.
+        `max_bytes` (None: no bound) stops a read before the element that would
+        take it past that many payload bytes (one element is always read); the
+        rest stay for the trainer's next read.
 
         Returns:
             (elements, end_of_sequence, error), as `TaskRunner.get_elements_raw`.
@@ -61,7 +75,15 @@ class CrossTrainerCache:
                 if cursor < end_index:
                     n = min(max_elements, end_index - cursor)
                     start = cursor - self._first_index
-                    out = [self._window[start + i][0] for i in range(n)]
+                    out = []
+                    total = 0
+                    for i in range(n):
+                        element, nbytes = self._window[start + i]
+                        if out and max_bytes is not None and total + nbytes > max_bytes:
+                            break
+                        out.append(element)
+                        total += nbytes
+                    n = len(out)
                     self._cursors[trainer_id] = cursor + n
                     return out, False, None
                 if self._end:

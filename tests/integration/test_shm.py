@@ -455,6 +455,34 @@ def test_ring_budget_halves_then_refuses():
     c.close()
 
 
+def test_first_element_waits_for_every_worker_to_connect(cluster2, monkeypatch):
+    """A consumer's first elements come from every worker, not all from the one
+    whose shared-memory handshake finished first: next() starts once each task
+    has tried to connect (at most reader._START_WAIT_S)."""
+    from dataservice.client import reader as reader_module
+
+    slow = cluster2.workers[1].address
+    real_init = shm.ShmTransferClient.__init__
+
+    def init(self, endpoint, *args, **kwargs):
+        if endpoint.worker_address == slow:
+            time.sleep(0.3)  # a slow handshake
+        real_init(self, endpoint, *args, **kwargs)
+
+    monkeypatch.setattr(shm.ShmTransferClient, "__init__", init)
+    it = iter(dist(ds.Dataset.range(100), cluster2, data_transfer_protocol="shm"))
+    t0 = time.monotonic()
+    first = int(next(it))
+    waited = time.monotonic() - t0
+    tasks = list(it._reader._tasks.values())
+    assert first == 0 and len(tasks) == 2
+    assert all(t.tried for t in tasks)
+    assert 0.25 < waited < reader_module._START_WAIT_S + 0.5, waited
+    rest = [int(x) for x in it]
+    assert sorted([first, *rest]) == sorted(2 * list(range(100)))  # OFF: a copy per worker
+    assert {w["transfer_protocol"] for w in it.stats()["workers"].values()} == {"shm"}
+
+
 class _Leaf:
     """Pickles unless told not to."""
 

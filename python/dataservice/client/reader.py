@@ -33,6 +33,7 @@ from dataservice.transfer import grpc as _grpc_transfer  # noqa: F401  (register
 log = logging.getLogger(__name__)
 
 _FETCH_WAIT_S = 1.0
+_START_WAIT_S = 0.5  # longest wait for the iteration's tasks to connect before the first element
 _MAX_ELEMENTS_PER_FETCH = 1024
 _MAX_BYTES_PER_FETCH = 16 << 20
 _RESULT_BUFFER_ELEMENTS = 8192
@@ -81,6 +82,7 @@ class _TaskState:
     protocol: str = ""
     unconsumed_bytes: int = 0  # fetched from this task, not yet taken by next()
     max_unconsumed_bytes: int = _RESULT_BUFFER_BYTES  # the transfer client's bound
+    tried: bool = False  # its first connection attempt is over (made or failed)
 
 
 @dataclass
@@ -118,6 +120,8 @@ class _Reader:
         self._results: collections.deque[tuple[Any, int, _TaskState]] = collections.deque()
         self._buffered_elements = 0  # in self._results
         self._buffered_bytes = 0
+        self._start_time = time.monotonic()
+        self._started = False  # see _started_locked
         # The chunk the consumer is taking elements from (the consumer's thread
         # only: next() takes them without the lock, one lock per fetch).
         self._chunk: list[Any] = []
@@ -324,6 +328,10 @@ class _Reader:
             else:
                 self._fail(err)
                 return
+        finally:
+            with self._cv:
+                state.tried = True
+                self._cv.notify_all()
         if client is not None:
             self._connected(state, client)
         backoff = rpc_util.Backoff(0.05, 1.0)
@@ -418,6 +426,20 @@ class _Reader:
         state.max_unconsumed_bytes = min(
             _RESULT_BUFFER_BYTES, client.max_unconsumed_bytes or _RESULT_BUFFER_BYTES
         )
+
+    def _started_locked(self, now: float) -> bool:
+        """Whether next() may hand out elements: from the first one on, once every
+        task known then has tried to connect (or after `_START_WAIT_S`), so the
+        first elements come from every worker in turn, as tf.data's round-robin
+        client gives, not all from the one whose connection was up first (a
+        shared-memory handshake maps a new ring: tens of ms)."""
+        if self._started:
+            return True
+        if now - self._start_time >= _START_WAIT_S or all(
+            s.tried or s.finished or s.removed for s in self._tasks.values()
+        ):
+            self._started = True
+        return self._started
 
     def _compression_for(self, endpoint: transfer.TaskEndpoint) -> str:
         """ "zstd" or "": AUTO compresses only elements that cross hosts."""
@@ -559,7 +581,7 @@ class _Reader:
         start = time.monotonic()
         with self._cv:
             while True:
-                if self._results:
+                if self._results and self._started_locked(start):
                     elements, nbytes, origin = self._results.popleft()
                     if elements is _END:
                         # Consumed to the end: report it (the dispatcher then knows

@@ -17,7 +17,7 @@ use pyo3::{ffi, intern};
 use crate::error::Error;
 use crate::shm::ring::{Consumer, Producer, Reclaim, Region, Ticket};
 use crate::shm::segment::Mapping;
-use crate::transport::codec::{self, DecodeSpec, Encoder, SendPtr, GIL_FREE_COPY_BYTES};
+use crate::transport::codec::{self, DecodeSpec, Encoder, SendPtr};
 use crate::transport::frame::{self, FrameHeader, FramePlan, LeafKind, Spec};
 
 const SLICE: Duration = Duration::from_millis(50);
@@ -26,6 +26,11 @@ const SLICE: Duration = Duration::from_millis(50);
 /// cost more than the element), and always at its end.
 const PUBLISH_EVERY_ELEMENTS: u32 = 64;
 const PUBLISH_EVERY_BYTES: u64 = 64 << 10;
+/// The producer copies an element of at least this many payload bytes into the ring with
+/// the GIL released (the consumer's threshold, `GIL_FREE_COPY_BYTES`, is higher): on a
+/// worker the task's pipeline thread runs meanwhile; a 64 KiB copy takes ~5 µs, far more
+/// than a release and re-acquire of an uncontended GIL.
+const PRODUCER_GIL_FREE_COPY_BYTES: usize = 64 << 10;
 
 fn dup_fd(fd: RawFd) -> PyResult<OwnedFd> {
     // SAFETY: the caller passes an fd it owns and keeps open for this call; we only borrow it
@@ -220,7 +225,7 @@ impl ProducerState {
         };
         plan.set_seq(self.next_seq());
         let dst = SendPtr(self.ring.slot_ptr(slot));
-        if plan.payload_bytes as usize >= GIL_FREE_COPY_BYTES {
+        if plan.payload_bytes as usize >= PRODUCER_GIL_FREE_COPY_BYTES {
             let p: &FramePlan<'_> = plan;
             py.detach(move || {
                 let dst = dst;

@@ -201,6 +201,19 @@ impl ProducerState {
         }
     }
 
+    /// Reserves a slot for `plan` (and gives it its sequence number) if the ring has room
+    /// now; the caller copies the frame in before anything is published.
+    fn try_reserve_plan(&mut self, plan: &mut FramePlan<'_>) -> Option<u64> {
+        let align = if plan.page_align {
+            frame::LEASE_ALIGN
+        } else {
+            64
+        };
+        let slot = self.ring.try_reserve(plan.total_bytes, align)?;
+        plan.set_seq(self.next_seq());
+        Some(slot)
+    }
+
     /// Writes one whole frame; Ok(false) if `deadline` passed first (nothing written).
     fn write_plan(
         &mut self,
@@ -405,11 +418,15 @@ impl PyRingProducer {
         let deadline = timeout_ms.map(|t| Instant::now() + Duration::from_millis(t));
         let mut written = 0;
         let mut unpublished = 0u32;
+        // Frames reserved but not yet copied: copied together, with one release of the GIL
+        // for the batch (not one per element), always before anything is published.
+        let mut pending = PendingFrames::default();
         let result = (|| -> PyResult<()> {
             for element in elements.try_iter()? {
                 let element = element?;
                 let flat = s.encoder.flatten(&element)?;
                 if s.spec.as_ref() != Some(&flat.spec) {
+                    pending.flush(py, s);
                     let mut spec_bytes = Vec::new();
                     flat.spec.encode(&mut spec_bytes);
                     let mut body = (spec_bytes.len() as u32).to_le_bytes().to_vec();
@@ -436,28 +453,40 @@ impl PyRingProducer {
                     .into());
                 }
                 if plan.total_bytes <= s.max_frame {
-                    if !s.write_plan(py, &mut plan, deadline)? {
-                        return Ok(());
+                    match s.try_reserve_plan(&mut plan) {
+                        Some(slot) => pending.push(plan, slot, holders, objects),
+                        None => {
+                            // No room now: copy what is pending, then wait as one frame does.
+                            pending.flush(py, s);
+                            if !s.write_plan(py, &mut plan, deadline)? {
+                                return Ok(());
+                            }
+                        }
                     }
                 } else {
+                    pending.flush(py, s);
                     s.write_chunked(py, &plan)?;
                 }
-                drop(plan);
-                drop(holders);
-                drop(objects);
                 written += 1;
                 s.elements += 1;
                 unpublished += 1;
+                if pending.frames.len() >= PENDING_MAX_FRAMES
+                    || pending.payload_bytes >= PENDING_MAX_BYTES
+                {
+                    pending.flush(py, s);
+                }
                 if (unpublished >= PUBLISH_EVERY_ELEMENTS
                     || s.ring.unpublished_bytes() >= PUBLISH_EVERY_BYTES)
                     && s.ring.consumer_waiting()
                 {
+                    pending.flush(py, s);
                     s.ring.publish();
                     unpublished = 0;
                 }
             }
             Ok(())
         })();
+        pending.flush(py, s);
         s.ring.publish();
         result.map(|()| written)
     }
@@ -539,6 +568,66 @@ impl PyRingProducer {
 }
 
 /// `Flat` split into its parts (leaves must drop before holders).
+/// Frames `put_many` reserved in the ring and has not copied yet, with the buffers their
+/// payloads point into (kept alive, and pinned, until the copy).
+#[derive(Default)]
+struct PendingFrames {
+    frames: Vec<(FramePlan<'static>, u64)>,
+    holders: Vec<codec::HeldBuffer>,
+    objects: Vec<Py<PyAny>>,
+    payload_bytes: u64,
+}
+
+/// Most frames / payload bytes `put_many` reserves before copying them.
+const PENDING_MAX_FRAMES: usize = 64;
+const PENDING_MAX_BYTES: u64 = 4 << 20;
+
+impl PendingFrames {
+    fn push(
+        &mut self,
+        plan: FramePlan<'static>,
+        slot: u64,
+        holders: Vec<codec::HeldBuffer>,
+        objects: Vec<Py<PyAny>>,
+    ) {
+        self.payload_bytes += plan.payload_bytes;
+        self.frames.push((plan, slot));
+        self.holders.extend(holders);
+        self.objects.extend(objects);
+    }
+
+    /// Copies every pending frame into its slot (GIL released when they are big enough to
+    /// be worth it). Must run before the producer publishes or waits for space.
+    fn flush(&mut self, py: Python<'_>, s: &mut ProducerState) {
+        if self.frames.is_empty() {
+            return;
+        }
+        let jobs: Vec<(SendPtr, &FramePlan<'static>)> = self
+            .frames
+            .iter()
+            .map(|(plan, slot)| (SendPtr(s.ring.slot_ptr(*slot)), plan))
+            .collect();
+        let copy = move || {
+            for (dst, plan) in jobs {
+                // SAFETY: each slot was reserved by `try_reserve_plan` for exactly
+                // `plan.total_bytes` (free, inside the data area, disjoint from the others)
+                // and nothing is published until this copy is done; payloads are buffers
+                // pinned by `self.holders` / `self.objects`, which outlive the copy.
+                unsafe { plan.copy_range(0, plan.total_bytes, dst.0) }
+            }
+        };
+        if self.payload_bytes as usize >= PRODUCER_GIL_FREE_COPY_BYTES {
+            py.detach(copy);
+        } else {
+            copy();
+        }
+        self.frames.clear();
+        self.holders.clear();
+        self.objects.clear();
+        self.payload_bytes = 0;
+    }
+}
+
 struct Flat3 {
     leaves: Vec<frame::LeafIn<'static>>,
     holders: Vec<codec::HeldBuffer>,

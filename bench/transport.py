@@ -377,11 +377,6 @@ def main() -> None:
             for protocol in ("shm", "grpc"):
                 if protocol in only and cluster is not None:
                     row[protocol] = bench_service(name, n, protocol, cluster)
-            if "torch" in only:
-                for nw in (1, 2):
-                    r = bench_torch(name, n, nw)
-                    if r is not None:
-                        row[f"torch{nw}"] = r
             if "memcpy" in only:
                 row["memcpy"] = bench_memcpy(name)
             results[name] = row
@@ -389,6 +384,15 @@ def main() -> None:
     finally:
         if cluster is not None:
             cluster.__exit__(None, None, None)
+    # PyTorch last: importing it (and its worker processes) must not weigh on the
+    # figures of the other paths measured in this process.
+    if "torch" in only:
+        for name, spec in WORKLOADS.items():
+            n = max(10, int(spec["n"] * scale))
+            for nw in (1, 2):
+                r = bench_torch(name, n, nw)
+                if r is not None:
+                    results[name][f"torch{nw}"] = r
     if "cpu_map" in only:
         n = max(100, int(2000 * scale))
         one = bench_cpu_map(1, None, n)

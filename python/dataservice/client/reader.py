@@ -83,6 +83,7 @@ class _TaskState:
     unconsumed_bytes: int = 0  # fetched from this task, not yet taken by next()
     max_unconsumed_bytes: int = _RESULT_BUFFER_BYTES  # the transfer client's bound
     tried: bool = False  # its first connection attempt is over (made or failed)
+    worker_uid: str = ""  # the worker process the last fetched elements came from
 
 
 @dataclass
@@ -398,6 +399,10 @@ class _Reader:
                     self._outstanding.release()
                 backoff = rpc_util.Backoff(0.05, 1.0)
                 with self._cv:
+                    if result.worker_uid and result.worker_uid != state.worker_uid:
+                        if state.worker_uid:
+                            self._drop_unconsumed_locked(state)
+                        state.worker_uid = result.worker_uid
                     if result.elements:
                         count = len(result.elements)
                         per = result.nbytes // count
@@ -420,6 +425,32 @@ class _Reader:
         finally:
             if client is not None:
                 client.close()
+
+    def _drop_unconsumed_locked(self, state: _TaskState) -> None:
+        """The task's worker restarted, so the task started over there (tf.data
+        service's OFF semantics): the elements fetched from its previous process
+        and not yet handed out would come again, so they are dropped. (Those the
+        consumer already took are not taken back.)"""
+        kept: collections.deque[tuple[Any, int, _TaskState]] = collections.deque()
+        dropped = 0
+        for entry in self._results:
+            elements, per, origin = entry
+            if origin is state and elements is not _END:
+                dropped += len(elements)
+                self._buffered_elements -= len(elements)
+                self._buffered_bytes -= per * len(elements)
+                state.unconsumed_bytes -= per * len(elements)
+            else:
+                kept.append(entry)
+        self._results = kept
+        if dropped:
+            log.info(
+                "worker %s restarted: dropped %d elements fetched from its previous process "
+                "(task %d starts over there)",
+                state.endpoint.worker_address,
+                dropped,
+                state.endpoint.task_id,
+            )
 
     def _connected(self, state: _TaskState, client: transfer.TransferClient) -> None:
         state.protocol = client.protocol

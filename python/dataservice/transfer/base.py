@@ -25,11 +25,14 @@ class ElementsResult:
         elements: Decoded elements, in the worker's order.
         nbytes: Encoded size of those elements (bytes).
         end_of_sequence: The task has no more elements.
+        worker_uid: The serving worker process's id ("" if the protocol does not
+            say): when it changes, the worker restarted and the task started over.
     """
 
     elements: list[Any]
     nbytes: int
     end_of_sequence: bool
+    worker_uid: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,7 @@ class GrpcTransferClient(base.TransferClient):
             )
         elements: list[Any] = [codec.decode(e) for e in response.elements]
         nbytes = sum(len(e) for e in response.elements)
-        return base.ElementsResult(elements, nbytes, response.end_of_sequence)
+        return base.ElementsResult(elements, nbytes, response.end_of_sequence, response.worker_uid)
 
     def set_compression(self, compression: str) -> None:
         self._compression = compression

@@ -195,6 +195,7 @@ class _Connection:
                 "capacity_bytes": self.ring.capacity_bytes,
                 "nonce": self.ring.nonce.hex(),
                 "pid": os.getpid(),
+                "worker_uid": getattr(server.worker, "_uid", ""),  # new at each start
                 "trainer_id": trainer_id,  # what the requests are served for
             },
             [self.ring.fileno()],
@@ -396,6 +397,7 @@ class ShmTransferClient(base.TransferClient):
     """
 
     protocol = PROTOCOL
+    worker_uid = ""  # the worker process's id, from the handshake
 
     def __init__(
         self,
@@ -464,6 +466,7 @@ class ShmTransferClient(base.TransferClient):
         # A quarter of the ring: the worker can write on while the reader holds
         # what it fetched (views into the ring) and the consumer holds one more.
         self.max_unconsumed_bytes = max(1, int(reply["capacity_bytes"]) // 4)
+        self.worker_uid = str(reply.get("worker_uid", ""))
 
     @staticmethod
     def _connect(sock: socket.socket, worker_address: str) -> None:
@@ -541,7 +544,7 @@ class ShmTransferClient(base.TransferClient):
                 self._error = errors.remote_error(error[0], error[1], self._endpoint.worker_address)
                 if not out:
                     raise self._error
-                return base.ElementsResult(out, nbytes, False)
+                return base.ElementsResult(out, nbytes, False, self.worker_uid)
         end = False
         if flags & (_END_FLAG | _ERROR_FLAG):
             try:
@@ -553,7 +556,7 @@ class ShmTransferClient(base.TransferClient):
                 if not out:
                     raise self._error
             self._end = end
-        return base.ElementsResult(out, nbytes, end)
+        return base.ElementsResult(out, nbytes, end, self.worker_uid)
 
     def _after_death(self, out: list[Any], nbytes: int) -> base.ElementsResult:
         """The worker side is gone: hand out what it published, then UnavailableError."""
@@ -575,7 +578,7 @@ class ShmTransferClient(base.TransferClient):
                 f"shared-memory connection to worker {self._endpoint.worker_address} lost"
             )
         if out:
-            return base.ElementsResult(out, nbytes, False)
+            return base.ElementsResult(out, nbytes, False, self.worker_uid)
         raise self._error
 
     def stats(self) -> dict[str, Any]:

@@ -596,7 +596,9 @@ class WorkerServer:
             )
         if request.compression:
             elements = [codec.compress(e, request.compression) for e in elements]
-        response = pb.GetElementsResponse(elements=elements, end_of_sequence=end)
+        response = pb.GetElementsResponse(
+            elements=elements, end_of_sequence=end, worker_uid=self._uid
+        )
         if error is not None:
             response.error_type, response.error_message = error
         if end:

@@ -63,6 +63,41 @@ class ReadOptions:
     zero_copy: bool = True  # shared memory: large arrays may be views of the ring
 
 
+class _FairSemaphore:
+    """A counting semaphore that serves its waiters in arrival order, so that
+    with `max_outstanding_requests` below the number of tasks every task's
+    fetch thread gets its turn (a plain Semaphore let the thread that just
+    released it take it again, and one worker served the whole read)."""
+
+    def __init__(self, value: int) -> None:
+        self._cv = threading.Condition()
+        self._free = value  # guarded by self._cv
+        self._waiters: collections.deque[object] = collections.deque()  # guarded by self._cv
+
+    def acquire(self, timeout: float) -> bool:
+        """Takes a unit, waiting up to `timeout` s behind earlier waiters."""
+        me = object()
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            self._waiters.append(me)
+            while not (self._free > 0 and self._waiters[0] is me):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._waiters.remove(me)
+                    self._cv.notify_all()
+                    return False
+                self._cv.wait(remaining)
+            self._waiters.popleft()
+            self._free -= 1
+            self._cv.notify_all()
+            return True
+
+    def release(self) -> None:
+        with self._cv:
+            self._free += 1
+            self._cv.notify_all()
+
+
 @dataclass
 class _WorkerStats:
     transfer_protocol: str
@@ -106,7 +141,7 @@ class _Reader:
         self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
         self._metadata = rpc_util.call_metadata(rpc_util.token_from_env(options.auth_token))
         limit = options.max_outstanding_requests
-        self._outstanding = threading.Semaphore(limit) if limit else None
+        self._outstanding = _FairSemaphore(limit) if limit else None
         self.incarnation = ""
         self.client_id = 0
         self.heartbeat_s = 0.5

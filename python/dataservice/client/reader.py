@@ -461,6 +461,13 @@ class _Reader:
             if client is not None:
                 client.close()
 
+    def _unbuffer_locked(self, elements: list[Any], per: int, state: _TaskState) -> None:
+        """A fetched chunk leaves the results queue (taken by next(), or dropped):
+        the counters the fetch threads' bounds read go down by its size."""
+        self._buffered_elements -= len(elements)
+        self._buffered_bytes -= per * len(elements)
+        state.unconsumed_bytes -= per * len(elements)
+
     def _drop_unconsumed_locked(self, state: _TaskState) -> None:
         """The task's worker restarted, so the task started over there (tf.data
         service's OFF semantics): the elements fetched from its previous process
@@ -472,9 +479,7 @@ class _Reader:
             elements, per, origin = entry
             if origin is state and elements is not _END:
                 dropped += len(elements)
-                self._buffered_elements -= len(elements)
-                self._buffered_bytes -= per * len(elements)
-                state.unconsumed_bytes -= per * len(elements)
+                self._unbuffer_locked(elements, per, state)
             else:
                 kept.append(entry)
         self._results = kept
@@ -655,9 +660,7 @@ class _Reader:
                         origin.finished = True
                         self._wake_heartbeat.set()
                         continue
-                    self._buffered_elements -= len(elements)
-                    self._buffered_bytes -= nbytes * len(elements)
-                    origin.unconsumed_bytes -= nbytes * len(elements)
+                    self._unbuffer_locked(elements, nbytes, origin)
                     self.stats.wait_s += time.monotonic() - start
                     if self._buffered_elements < self._read_ahead_locked():
                         self._cv.notify_all()

@@ -100,6 +100,21 @@ def test_nested_elements_and_stats(cluster2):
         assert w["elements"] == 20
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "shm"])
+def test_no_element_is_fetched_before_the_first_next(cluster2, protocol):
+    # As tf.data's client (task threads start in the first GetNext): a worker
+    # restarted between iter() and next() must not also have served a chunk
+    # from its previous process (conformance FT-09 got 16 extra elements).
+    it = iter(dist(ds.Dataset.range(100), cluster2, data_transfer_protocol=protocol))
+    time.sleep(0.6)  # longer than the start barrier: fetch threads have connected
+    assert sum(w["elements"] for w in it.stats()["workers"].values()) == 0
+    got = [next(it)] + list(it)
+    assert sorted(got) == sorted(2 * list(range(100)))
+    fetched = it.stats()["workers"]
+    assert {w["transfer_protocol"] for w in fetched.values()} == {protocol}
+    assert sum(w["elements"] for w in fetched.values()) == 200
+
+
 def test_element_larger_than_grpc_default_message(cluster):
     big = np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(1, 3, 1024, 1024)  # 12 MiB
     (got,) = list(dist(ds.Dataset.from_tensor_slices(big), cluster))

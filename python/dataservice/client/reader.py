@@ -158,6 +158,12 @@ class _Reader:
         self._buffered_bytes = 0
         self._start_time = time.monotonic()
         self._started = False  # see _started_locked
+        # Fetch threads connect at once but ask for no element before the
+        # consumer's first next(), as tf.data's client starts its task threads
+        # in the first GetNext: a worker restarted between iter() and next()
+        # then serves its restarted task only, not also a chunk prefetched from
+        # its previous process (conformance FT-09).
+        self._consumer_asked = False
         # The chunk the consumer is taking elements from (the consumer's thread
         # only: next() takes them without the lock, one lock per fetch).
         self._chunk: list[Any] = []
@@ -375,7 +381,8 @@ class _Reader:
             while not self._stop.is_set():
                 with self._cv:
                     while not self._stop.is_set() and (
-                        self._buffered_elements >= self._read_ahead_locked()
+                        not self._consumer_asked
+                        or self._buffered_elements >= self._read_ahead_locked()
                         or self._buffered_bytes >= _RESULT_BUFFER_BYTES
                         or state.unconsumed_bytes >= state.max_unconsumed_bytes
                     ):
@@ -651,6 +658,9 @@ class _Reader:
     def _next_chunk(self) -> Any:
         start = time.monotonic()
         with self._cv:
+            if not self._consumer_asked:
+                self._consumer_asked = True
+                self._cv.notify_all()  # the fetch threads may ask for elements now
             while True:
                 if self._results and self._started_locked(start):
                     elements, nbytes, origin = self._results.popleft()

@@ -894,8 +894,10 @@ class Dataset:
 
         Args:
             value: An array, or a tuple / dict / namedtuple nest of arrays, all with the
-                same size n in axis 0. Python lists are turned into numpy arrays (lists
-                of `bytes` into object arrays, so elements stay `bytes`).
+                same size n in axis 0. Python lists are turned into numpy arrays, except
+                lists of `bytes`: these (and 1-D object arrays of `bytes` or of `str`)
+                are held as one `uint8` buffer of the items plus their `int64`
+                offsets (`arena.BytesArena`), whose elements are `bytes` (`str`).
         Returns:
             n elements shaped like `value` with axis 0 removed (e.g. `float32[h, w]` from
             `float32[n, h, w]`; 1-D leaves give numpy scalars). Each element is a copy of
@@ -914,9 +916,10 @@ class Dataset:
         process of the host (one copy in memory however many workers read it), which
         stays shared unless a pipeline writes into it; it is writable exactly when the
         array given here was. A worker on another host gets the bytes with the
-        definition and holds its own copy. Smaller arrays, object arrays (lists of
-        `bytes`) and other Python objects are pickled with the definition and copied
-        into each worker.
+        definition and holds its own copy. A list of `bytes` (e.g. encoded images) is
+        shared the same way: its items and offsets are two such arrays. Smaller
+        arrays, other object arrays and other Python objects are pickled with the
+        definition and copied into each worker.
         """
         from dataservice.data.sources import TensorSliceDataset
 

@@ -18,6 +18,7 @@ from typing import Any, cast
 import numpy as np
 
 from dataservice.data import structure
+from dataservice.data.arena import BytesArena, arena_of
 from dataservice.data.dataset import (
     AUTOTUNE,
     UNKNOWN_CARDINALITY,
@@ -147,12 +148,15 @@ def _to_array(value: Any) -> np.ndarray:
     return arr
 
 
-def _to_tensor_nest(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    """`value` with lists turned into arrays and `leaf` applied to other leaves."""
+def _to_tensor_nest(
+    value: Any, leaf: Callable[[Any], Any], list_leaf: Callable[[list[Any]], Any] = _to_array
+) -> Any:
+    """`value` with lists turned into arrays (`list_leaf`) and `leaf` applied to other
+    leaves."""
     if isinstance(value, list):
-        return _to_array(value)
+        return list_leaf(value)
     if isinstance(value, tuple | dict):
-        children = [_to_tensor_nest(c, leaf) for c in structure._children(value)]
+        children = [_to_tensor_nest(c, leaf, list_leaf) for c in structure._children(value)]
         return structure._sequence_like(value, children)
     return leaf(value)
 
@@ -163,9 +167,11 @@ def _slice_leaf(arr: np.ndarray, i: int) -> Any:
 
 
 def _slice_nested(value: Any, i: int) -> Any:
-    """Row `i` of every array in the nest `value`, in the same structure."""
+    """Row `i` of every array (or arena) in the nest `value`, in the same structure."""
     if isinstance(value, np.ndarray):
         return _slice_leaf(value, i)
+    if type(value) is BytesArena:
+        return value[i]
     if type(value) is dict:
         return {k: _slice_nested(v, i) for k, v in value.items()}
     if type(value) is tuple:
@@ -174,28 +180,45 @@ def _slice_nested(value: Any, i: int) -> Any:
     return structure._sequence_like(value, children)
 
 
-def _slice_spec(arr: np.ndarray) -> TensorSpec:
+def _slice_spec(arr: np.ndarray | BytesArena) -> TensorSpec:
+    if isinstance(arr, BytesArena):
+        return TensorSpec((), arr.item_type)
     if arr.ndim == 1 and arr.dtype == object and arr.size:
         return structure._leaf_spec(arr[0])
     return TensorSpec(arr.shape[1:], arr.dtype)
 
 
 class TensorSliceDataset(Dataset):
-    """`Dataset.from_tensor_slices(value)`: one element per row. Split i is row i."""
+    """`Dataset.from_tensor_slices(value)`: one element per row. Split i is row i.
+
+    A component that is a list of `bytes` (or a 1-D object array of `bytes` or of
+    `str`) is held as a `BytesArena`, not as an object array: its items are in one
+    buffer that goes out of band, shared by the workers of a host (CASES C-19).
+    """
 
     _op_name = "from_tensor_slices"
     _is_splittable_source = True
 
     def __init__(self, value: Any) -> None:
-        def leaf(x: Any) -> np.ndarray:
+        def leaf(x: Any) -> np.ndarray | BytesArena:
+            arena = arena_of(x)
+            if arena is not None:
+                return arena
             return x if isinstance(x, np.ndarray) else _to_array(x)
 
-        value = _to_tensor_nest(value, leaf)
+        def list_leaf(x: list[Any]) -> np.ndarray | BytesArena:
+            arena = arena_of(x)
+            return arena if arena is not None else _to_array(x)
+
+        value = _to_tensor_nest(value, leaf, list_leaf)
         leaves = structure.flatten(value)
         if not leaves:
             raise InvalidArgumentError("from_tensor_slices: the value has no components")
         sizes = []
         for k, arr in enumerate(leaves):
+            if isinstance(arr, BytesArena):
+                sizes.append(len(arr))
+                continue
             if arr.ndim == 0:
                 raise InvalidArgumentError(
                     f"from_tensor_slices: component {k} is a scalar ({arr!r}); slicing "
@@ -231,6 +254,9 @@ class TensorSliceDataset(Dataset):
 
     def _rows(self, indices: Iterator[int]) -> Iterator[Element]:
         value = self._value
+        if type(value) is BytesArena:  # a bare list of bytes: no nest to walk
+            yield from map(value.__getitem__, indices)
+            return
         for i in indices:
             yield _slice_nested(value, i)
 

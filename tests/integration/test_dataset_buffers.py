@@ -3,13 +3,19 @@ the worker's inline fallback, and fault-tolerant restarts that rebuild them."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import importlib
 import logging
 import os
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 import dataservice as ds
@@ -57,3 +63,102 @@ def test_fault_tolerant_restart_rebuilds_missing_buffer_files(make_cluster):
     assert sorted(values(read)) == SOURCE.tolist()
     cluster.dispatcher.stop()
     assert os.listdir(buffers_dir) == [FILE_NAME]  # kept with the journal
+
+
+def bytes_list_source(total_bytes: int, max_item_bytes: int, seed: int) -> list[bytes]:
+    """Random distinct `bytes` items of `max_item_bytes // 4` to `max_item_bytes`,
+    `total_bytes` in all, after a first item that is empty."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(
+        max_item_bytes // 4, max_item_bytes, size=4 * total_bytes // max_item_bytes
+    )
+    sizes = sizes[: int(np.searchsorted(np.cumsum(sizes), total_bytes))]
+    data = rng.bytes(int(sizes.sum()))
+    ends = np.cumsum(sizes).tolist()
+    return [b""] + [data[e - s : e] for s, e in zip(sizes.tolist(), ends, strict=True)]
+
+
+def summed_worker_pss(
+    dataset: ds.Dataset, check_epoch: Callable[[Iterable[Any]], None], source_bytes: int
+) -> dict[str, int]:
+    """Reads `dataset` from LocalCluster(2) in OFF mode (each worker reads all of
+    it) over gRPC for 2 epochs, handing each epoch's elements to `check_epoch`;
+    the summed PSS (bytes) of the worker processes before, and after each epoch
+    once it is under baseline + 1.5 x `source_bytes` or 10 s have passed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed buffers go back to the OS
+        cluster = ds.LocalCluster(2)
+    with cluster:
+        pids = cluster.worker_pids
+
+        def pss() -> int:
+            return sum(psutil.Process(p).memory_full_info().pss for p in pids)
+
+        result = {"baseline": pss()}
+        distributed = dataset.apply(
+            ds.distribute(ds.ShardingPolicy.OFF, cluster.target, data_transfer_protocol="grpc")
+        )
+        for epoch in (1, 2):
+            check_epoch(iter(distributed))
+            settled = result["baseline"] + 1.5 * source_bytes
+            deadline = time.monotonic() + 10
+            while pss() >= settled and time.monotonic() < deadline:
+                time.sleep(0.1)  # the epoch's task buffers go away; the source stays
+            result[f"after_epoch_{epoch}"] = pss()
+    return result
+
+
+def assert_about_one_copy(result: dict[str, int], source_bytes: int) -> None:
+    for epoch in (1, 2):
+        held = result[f"after_epoch_{epoch}"] - result["baseline"]
+        assert held < 1.5 * source_bytes, (
+            f"summed worker PSS {held >> 20} MiB over the idle workers after epoch {epoch}, "
+            f"for a {source_bytes >> 20} MiB source: {result}"
+        )
+
+
+def read_small_items(source: list[bytes]) -> dict[str, int]:
+    # Each worker reads every item and sends its CRC: the items themselves are
+    # made and freed one at a time (the task buffers would otherwise hold up to
+    # 64 MiB of small `bytes` objects, which malloc keeps after the epoch).
+    expected = collections.Counter(zlib.crc32(b) for b in source * 2)
+
+    def check_epoch(batches: Iterable[Any]) -> None:
+        assert collections.Counter(c for b in batches for c in b.tolist()) == expected
+
+    dataset = ds.Dataset.from_tensor_slices(source).map(zlib.crc32).batch(4096)
+    return summed_worker_pss(dataset, check_epoch, sum(map(len, source)))
+
+
+def read_image_like_items(source: list[bytes], batch: int) -> dict[str, int]:
+    # Items of 64 KiB and more: malloc gives each its own mapping, returned when
+    # it is freed, so the idle workers hold only the source.
+    first_of_batch = {source[i]: i for i in range(0, len(source), batch)}
+
+    def check_epoch(batches: Iterable[Any]) -> None:
+        reads = dict.fromkeys(first_of_batch.values(), 0)
+        for b in batches:
+            i = first_of_batch[b[0]]
+            assert list(b) == source[i : i + batch]
+            reads[i] += 1
+        assert set(reads.values()) == {2}  # OFF: each worker read every batch once
+
+    dataset = ds.Dataset.from_tensor_slices(source).batch(batch)
+    return summed_worker_pss(dataset, check_epoch, sum(map(len, source)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_big_list_of_small_bytes_is_not_copied_once_per_worker():
+    # A list of bytes is one arena of uint8 plus its offsets: both travel out of
+    # band and both workers map the dispatcher's files (C-19: "8M strings of 1 KB").
+    source = bytes_list_source(64 << 20, max_item_bytes=2 << 10, seed=19)
+    assert_about_one_copy(read_small_items(source), sum(map(len, source)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_big_list_of_encoded_images_is_not_copied_once_per_worker():
+    source = bytes_list_source(64 << 20, max_item_bytes=256 << 10, seed=20)
+    result = read_image_like_items(source, batch=8)
+    assert_about_one_copy(result, sum(map(len, source)))

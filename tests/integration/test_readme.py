@@ -26,8 +26,8 @@ def test_readme_usage_example_runs(capsys):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("index", [1, 2, 3])
+@pytest.mark.parametrize("index", [1, 2, 3, 4])
 def test_readme_mode_examples_run(index):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
-    assert len(blocks) == 4, "README.md: the usage example and three mode examples"
+    assert len(blocks) == 5, "README.md: the usage example and four mode examples"
     exec(compile(blocks[index], f"README.md block {index}", "exec"), {})

@@ -65,6 +65,7 @@ def test_every_state_field_has_a_snapshot_field():
         "finished",
         "ever_had_client",
         "rounds",  # round_numbers, round_task_ids
+        "consumer_hosts",
     }
 
 
@@ -79,11 +80,11 @@ def _non_default_updates() -> list[st.Update]:
     return [
         st.SetIncarnation("inc-\u00e9"),
         st.RegisterDataset("ds/1", "f" * 64, b"\x00spec\xff", -2, True),
-        st.CreateJob(st.JobId(1001), "ds/1", "job", ShardingPolicy.HINT, 3, "LOCAL", "host", True),
+        st.CreateJob(st.JobId(1001), "ds/1", "job", ShardingPolicy.HINT, 3, "ANY", "host", True),
         st.CreateIteration(st.IterationId(2001), st.JobId(1001), 4, 2**62 - 1, 3),
-        st.AcquireIterationClient(st.IterationClientId(3001), st.IterationId(2001)),
+        st.AcquireIterationClient(st.IterationClientId(3001), st.IterationId(2001), "host-a"),
         st.ReleaseIterationClient(st.IterationClientId(3001)),
-        st.CreateTask(st.TaskId(4001), st.IterationId(2001), "w:1", -1),
+        st.CreateTask(st.TaskId(4001), st.IterationId(2001), "w:1", -1, "host-a"),
         st.FinishTask(st.TaskId(4001)),
         st.RemoveTask(st.TaskId(4002)),
         st.ReviveTask(st.TaskId(4003)),
@@ -234,6 +235,7 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
                 st.AcquireIterationClient(
                     st.IterationClientId(shadow.next_client_id),
                     pick(iteration_ids),
+                    pick(["", "h1", "h2"]),
                 )
             )
         elif kind == "release":
@@ -246,6 +248,7 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
                     pick(iteration_ids),
                     pick(["w:1", "w:2", "w:3"]),
                     draw(hs.integers(-1, 3)),
+                    pick(["", "h1", "h2"]),
                 )
             )
         elif kind == "splits":
@@ -315,8 +318,8 @@ def test_rich_snapshot_round_trips_exactly():
     """A hand-built state with every collection non-empty and every flag set."""
     state = _applied(_non_default_updates()[:7])  # up to CreateTask
     for u in [
-        st.CreateTask(st.TaskId(4002), st.IterationId(2001), "w:2", 1),
-        st.AcquireIterationClient(st.IterationClientId(3002), st.IterationId(2001)),
+        st.CreateTask(st.TaskId(4002), st.IterationId(2001), "w:2", 1, "host-b"),
+        st.AcquireIterationClient(st.IterationClientId(3002), st.IterationId(2001), "host-b"),
         st.ProduceSplits(st.IterationId(2001), 5, False, 0),
         st.ProduceSplits(st.IterationId(2001), 7, True, 2),
         st.AssignRounds(st.IterationId(2001), 10, (st.TaskId(4002), st.TaskId(4001))),
@@ -328,6 +331,7 @@ def test_rich_snapshot_round_trips_exactly():
     it = state.iterations[2001]
     assert it.finished and it.clients and it.rounds and it.splits_ended_by_provider
     assert state.jobs_by_name and state.datasets_by_fingerprint and state.clients
+    assert state.client_hosts == {3002: "host-b"} and it.consumer_hosts == ["host-a", "host-b"]
     assert state.next_dataset_number == 1006
     _assert_same_state(codec.decode_snapshot(codec.encode_snapshot(state)), state)
 
@@ -382,6 +386,8 @@ GOOD = codec.encode_update(st.SetIncarnation("x"))
 NO_UPDATE = pb.JournalRecord(format_version=codec.FORMAT_VERSION).SerializeToString()
 NEWER = codec.update_to_proto(st.FinishTask(st.TaskId(4000)))
 NEWER.format_version = codec.FORMAT_VERSION + 1
+OLDER = codec.update_to_proto(st.FinishTask(st.TaskId(4000)))
+OLDER.format_version = 1  # before consumers' and tasks' host ids
 
 
 @pytest.mark.parametrize(
@@ -389,9 +395,10 @@ NEWER.format_version = codec.FORMAT_VERSION + 1
     [
         (b"\xff\xff\xff\xff", "does not parse"),
         (NO_UPDATE, "no update this dispatcher knows"),
-        (NEWER.SerializeToString(), "format version 2"),
+        (NEWER.SerializeToString(), f"format version {codec.FORMAT_VERSION + 1}"),
+        (OLDER.SerializeToString(), "version 1, and this dispatcher reads only version 2"),
     ],
-    ids=["garbage", "no-update", "newer-version"],
+    ids=["garbage", "no-update", "newer-version", "older-version"],
 )
 @pytest.mark.parametrize("last", [False, True], ids=["middle", "last"])
 def test_whole_record_that_is_not_a_journal_record_is_damage(tmp_path, bad, reason, last):

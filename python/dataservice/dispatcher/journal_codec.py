@@ -26,7 +26,10 @@ from dataservice.rpc import journal_pb2 as pb
 
 # The format written, and the only one read. Bump it on any change an older
 # reader would misread (a new update kind, a field whose meaning changes).
-FORMAT_VERSION = 1
+# 2: consumers' and tasks' host ids (AcquireIterationClient.host_id,
+# CreateTask.host_id, ...): a job that reads only local workers gives each
+# host's consumers that host's tasks, which a version-1 reader would not know.
+FORMAT_VERSION = 2
 
 # Update dataclass -> its field in the `JournalRecord.update` oneof.
 ONEOF_FIELD: dict[type, str] = {
@@ -167,6 +170,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             ever_had_client=it.ever_had_client,
             round_numbers=list(it.rounds),
             round_task_ids=list(it.rounds.values()),
+            consumer_hosts=it.consumer_hosts,
         )
         indexes = list(it.splits_produced)
         indexes += [i for i in it.splits_ended_by_provider if i not in it.splits_produced]
@@ -178,12 +182,15 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
                 cursor.ended = it.splits_ended_by_provider[index]
     for client_id, iteration_id in state.clients.items():
         snapshot.clients.add(client_id=client_id, iteration_id=iteration_id)
+    for client_id, host_id in state.client_hosts.items():
+        snapshot.client_hosts.add(client_id=client_id, host_id=host_id)
     for task in state.tasks.values():
         snapshot.tasks.add(
             task_id=task.task_id,
             iteration_id=task.iteration_id,
             worker_address=task.worker_address,
             worker_index=task.worker_index,
+            host_id=task.host_id,
             finished=task.finished,
             removed=task.removed,
         )
@@ -221,6 +228,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
             st.IterationId(t.iteration_id),
             t.worker_address,
             t.worker_index,
+            host_id=t.host_id,
             finished=t.finished,
             removed=t.removed,
         )
@@ -251,9 +259,12 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
         it.rounds = {
             r: st.TaskId(t) for r, t in zip(i.round_numbers, i.round_task_ids, strict=True)
         }
+        it.consumer_hosts = list(i.consumer_hosts)
         state.iterations[it.iteration_id] = it
     for e in snapshot.clients:
         state.clients[st.IterationClientId(e.client_id)] = st.IterationId(e.iteration_id)
+    for e in snapshot.client_hosts:
+        state.client_hosts[st.IterationClientId(e.client_id)] = e.host_id
     state.next_job_id = snapshot.next_job_id
     state.next_iteration_id = snapshot.next_iteration_id
     state.next_client_id = snapshot.next_client_id

@@ -70,8 +70,12 @@ class CreateIteration:
 
 @dataclass(frozen=True)
 class AcquireIterationClient:
+    """A consumer joined the iteration from host `host_id` (its client's host
+    id; a job that reads only local workers gives it that host's tasks)."""
+
     client_id: IterationClientId
     iteration_id: IterationId
+    host_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class CreateTask:
     iteration_id: IterationId
     worker_address: str
     worker_index: int
+    host_id: str = ""  # of the worker, when it registered
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,8 @@ class Iteration:
     finished: bool = False
     ever_had_client: bool = False
     rounds: dict[int, TaskId] = field(default_factory=dict)  # coordinated reads
+    # Host ids of the consumers that joined, in order of their first consumer.
+    consumer_hosts: list[str] = field(default_factory=list)
 
     @property
     def splits_ended(self) -> bool:
@@ -206,6 +213,7 @@ class Task:
     iteration_id: IterationId
     worker_address: str
     worker_index: int
+    host_id: str = ""  # of the worker, when it registered
     finished: bool = False
     removed: bool = False
 
@@ -221,6 +229,7 @@ class DispatcherState:
         self.jobs_by_name: dict[str, JobId] = {}  # job_name -> its live (not collected) job
         self.iterations: dict[IterationId, Iteration] = {}
         self.clients: dict[IterationClientId, IterationId] = {}
+        self.client_hosts: dict[IterationClientId, str] = {}  # a live client -> its host id
         self.tasks: dict[TaskId, Task] = {}
         self.next_job_id = FIRST_JOB_ID
         self.next_iteration_id = FIRST_ITERATION_ID
@@ -262,18 +271,22 @@ class DispatcherState:
 
     def _apply_AcquireIterationClient(self, u: AcquireIterationClient) -> None:
         self.clients[u.client_id] = u.iteration_id
+        self.client_hosts[u.client_id] = u.host_id
         it = self.iterations[u.iteration_id]
         it.clients.add(u.client_id)
         it.ever_had_client = True
+        if u.host_id not in it.consumer_hosts:
+            it.consumer_hosts.append(u.host_id)
         self.next_client_id = max(self.next_client_id, u.client_id + 1)
 
     def _apply_ReleaseIterationClient(self, u: ReleaseIterationClient) -> None:
         iteration_id = self.clients.pop(u.client_id, None)
+        self.client_hosts.pop(u.client_id, None)
         if iteration_id is not None and iteration_id in self.iterations:
             self.iterations[iteration_id].clients.discard(u.client_id)
 
     def _apply_CreateTask(self, u: CreateTask) -> None:
-        task = Task(u.task_id, u.iteration_id, u.worker_address, u.worker_index)
+        task = Task(u.task_id, u.iteration_id, u.worker_address, u.worker_index, u.host_id)
         self.tasks[u.task_id] = task
         self.iterations[u.iteration_id].tasks[u.task_id] = task
         self.next_task_id = max(self.next_task_id, u.task_id + 1)
@@ -318,6 +331,7 @@ class DispatcherState:
             it.finished = True
             for client_id in list(it.clients):
                 self.clients.pop(client_id, None)
+                self.client_hosts.pop(client_id, None)
             it.clients.clear()
 
     def _maybe_finish_iteration(self, it: Iteration) -> None:

@@ -22,5 +22,7 @@ fn _core(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     m.add_class::<py::ring::PyRingProducer>()?;
     m.add_class::<py::ring::PyRingConsumer>()?;
     m.add_class::<py::ring::PyLease>()?;
+    m.add_class::<py::window::PyWindowWriter>()?;
+    m.add_class::<py::window::PyWindowReader>()?;
     Ok(())
 }

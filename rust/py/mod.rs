@@ -2,3 +2,4 @@
 
 pub mod ring;
 pub mod tfrecord;
+pub mod window;

@@ -32,7 +32,7 @@ const PUBLISH_EVERY_BYTES: u64 = 64 << 10;
 /// than a release and re-acquire of an uncontended GIL.
 const PRODUCER_GIL_FREE_COPY_BYTES: usize = 64 << 10;
 
-fn dup_fd(fd: RawFd) -> PyResult<OwnedFd> {
+pub(crate) fn dup_fd(fd: RawFd) -> PyResult<OwnedFd> {
     // SAFETY: the caller passes an fd it owns and keeps open for this call; we only borrow it
     // to duplicate it (F_DUPFD_CLOEXEC), so ownership of the original stays with the caller.
     let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
@@ -154,7 +154,7 @@ pub struct PyRingProducer {
     _mapping: Arc<Mapping>,
 }
 
-fn random_nonce() -> [u8; 16] {
+pub(crate) fn random_nonce() -> [u8; 16] {
     let mut n = [0u8; 16];
     if rustix::rand::getrandom(&mut n, rustix::rand::GetRandomFlags::empty()).is_err() {
         let t = Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id());
@@ -703,6 +703,8 @@ impl Drop for HeapBuf {
 enum LeaseOwner {
     Frame(#[allow(dead_code)] Arc<FrameLease>),
     Heap(#[allow(dead_code)] Arc<HeapBuf>),
+    /// A leaf of the cross-trainer cache's window segment (`py::window`).
+    Window(#[allow(dead_code)] Arc<crate::py::window::WindowLeaf>),
 }
 
 /// A writable buffer over one leaf of a ring frame (or of a reassembled element); numpy
@@ -712,6 +714,22 @@ pub struct PyLease {
     _owner: LeaseOwner,
     ptr: usize,
     len: usize,
+}
+
+impl PyLease {
+    /// A lease over a window leaf's private mapping: `len` bytes at `ptr`, which the leaf
+    /// keeps mapped.
+    pub(crate) fn window(
+        leaf: Arc<crate::py::window::WindowLeaf>,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Self {
+        PyLease {
+            _owner: LeaseOwner::Window(leaf),
+            ptr: ptr as usize,
+            len,
+        }
+    }
 }
 
 #[pymethods]

@@ -568,8 +568,9 @@ def test_cache_of_finite_dataset_is_rejected(make_cluster):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("protocol", [None, "grpc"])
 def test_cache_same_host_trainers_read_through_shared_memory(make_cluster, protocol):
-    # "auto": each same-host trainer reads the cached window through its own ring
-    # (one connection a trainer); data_transfer_protocol="grpc" still forces gRPC.
+    # "auto": every same-host trainer reads the cached window from the one
+    # shared-memory segment it lives in (a connection and a hold slot a trainer,
+    # no ring); data_transfer_protocol="grpc" still forces gRPC.
     from dataservice.transfer import shm
 
     c = cache_cluster(make_cluster)
@@ -585,18 +586,21 @@ def test_cache_same_host_trainers_read_through_shared_memory(make_cluster, proto
     its.append(late)
     (worker,) = c.workers
     rings = [r for s in shm.live_servers() if s.worker is worker for r in s.ring_stats()]
+    (task,) = worker._tasks.values()
+    attached = task.cross_trainer_cache.stats()["attached_slots"]
     protocols = []
     for it in its:
         (stats,) = it.stats()["workers"].values()
         protocols.append(stats["transfer_protocol"])
         it.close()
     assert got == [list(range(25))] * 4
+    assert rings == []
     if protocol is None:
         assert protocols == ["shm"] * 4
-        assert len(rings) == 4  # one ring per trainer
+        assert len(attached) == 4  # each maps the window's segment
     else:
         assert protocols == ["grpc"] * 4
-        assert rings == []
+        assert attached == []
 
 
 # ================================================================ target_workers

@@ -12,10 +12,17 @@ wants; the worker never runs further ahead) and is the liveness channel (HUP).
 A cross-trainer cache read names its trainer in the HELLO {trainer_id}; every
 request on that connection is then served from the task's `CrossTrainerCache`
 for that trainer (its cursor; a lagging trainer skips to the oldest cached
-element), as gRPC's GetElements with that trainer id is. Each trainer has its
-own connection and ring: the pipeline runs once, and each element is copied
-once per trainer, into that trainer's ring. The cached window itself is not a
-shared segment that trainers lease elements from (yet).
+element), as gRPC's GetElements with that trainer id is. There is no ring
+then: the cache's window is one shared-memory segment (rust/shm/window.rs)
+holding each cached element once, as a frame. The handshake hands the trainer
+that segment's memfd and a hold slot; a reply names the frames to read
+(position, count, first element's index, plus any spec and newer segment the
+trainer has not seen) and the trainer decodes them from its own mapping,
+leasing large numpy leaves as views (private copy-on-write mappings, so one
+trainer's writes never reach another), then sends DONE. The pipeline runs once
+and the data is in memory once, however many trainers read it. A worker whose
+cache could not get shared memory, or has all 64 hold slots taken, serves the
+trainer through a ring of its own as before (each element copied into it).
 
 Ring bytes per worker are capped at 25 % of min(MemAvailable, cgroup limit -
 usage); past that a new ring is halved (down to 8 MiB), and then refused, so
@@ -59,6 +66,8 @@ _RESPONSE = struct.Struct("<cQB")  # b"R", elements that follow in the ring, fla
 _END_FLAG = 1  # an END frame follows them
 _ERROR_FLAG = 2  # an ERROR frame follows them
 _PUT_SLICE_MS = 200
+_DONE = b"D"  # a cache-window trainer finished decoding the frames of its last reply
+_WINDOW_REPLY_BYTES = 1 << 20
 
 
 def shm_socket_name(worker_address: str) -> str:
@@ -184,6 +193,15 @@ class _Connection:
         if runner is None:
             self._reply({"ok": False, "error": f"worker does not run task {task_id}"})
             return
+        cache = runner.cross_trainer_cache if trainer_id else None
+        if cache is not None and hello.get("window") and cache.shared:
+            slot = cache.attach()
+            if slot is not None:
+                try:
+                    self._serve_window(cache, trainer_id, slot, peer_pid)
+                finally:
+                    cache.detach(slot)
+                return
         try:
             self.ring, self.ring_bytes = server.create_ring()
         except Exception as err:
@@ -202,6 +220,75 @@ class _Connection:
         )
         self.ring.set_peer(self._sock.fileno(), peer_pid)
         self._produce(runner, trainer_id)
+
+    def _serve_window(self, cache: Any, trainer_id: str, slot: int, peer_pid: int) -> None:
+        """Serves a same-host trainer from the cache's shared window: the handshake
+        hands over the segment's memfd and hold slot `slot`; each request is answered
+        with the frames to read (position, count, first element's index, the specs and
+        segment the trainer has not seen), which the trainer decodes from its own
+        mapping, then acknowledges with DONE (its holds are stored by then), which
+        lifts the grant the reply set. See rust/shm/window.rs."""
+        server = self._server
+        generation, fd, nonce = cache.segment()
+        try:
+            self._reply(
+                {
+                    "ok": True,
+                    "window": True,
+                    "slot": slot,
+                    "generation": generation,
+                    "nonce": nonce.hex(),
+                    "pid": os.getpid(),
+                    "worker_uid": getattr(server.worker, "_uid", ""),
+                    "trainer_id": trainer_id,
+                },
+                [fd],
+            )
+        finally:
+            os.close(fd)
+        known_specs: set[int] = set()
+        while not server.stopping:
+            self._sock.settimeout(0.2)
+            try:
+                data = self._sock.recv(64)
+            except (TimeoutError, InterruptedError):
+                continue
+            except OSError:
+                return
+            if not data:
+                return  # the trainer closed the connection (detach clears its slot)
+            if data == _DONE:
+                cache.writer.ungrant(slot)
+                continue
+            if len(data) != _REQUEST.size or data[:1] != b"G":
+                log.warning("shm: unexpected %d-byte message from a client", len(data))
+                return
+            _, want, max_bytes, timeout_ms = _REQUEST.unpack(data)
+            read, end, error = cache.get_window(
+                trainer_id,
+                slot,
+                generation,
+                known_specs,
+                max(1, want),
+                timeout_ms / 1000,
+                max_bytes=max(1, max_bytes),
+            )
+            reply: dict[str, Any] = {"n": 0, "end": end, "error": list(error) if error else None}
+            fds = []
+            if read is not None:
+                reply.update(n=read.count, pos=read.pos, seq=read.first_index, first=read.first_pos)
+                reply["specs"] = {str(i): b.hex() for i, b in read.specs.items()}
+                known_specs.update(read.specs)
+                if read.fd is not None:
+                    generation = read.generation
+                    reply.update(generation=generation, nonce=read.nonce.hex())
+                    fds = [read.fd]
+            self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+            try:
+                self._reply(reply, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
     def _produce(self, runner: Any, trainer_id: str = "") -> None:
         """Serves requests as gRPC's GetElements does: each request takes up to its
@@ -413,6 +500,7 @@ class ShmTransferClient(base.TransferClient):
         self._end = False
         self._error: BaseException | None = None
         self._ring: Any = None
+        self._window: Any = None  # a cross-trainer cache's shared window, instead of a ring
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT_S)
@@ -428,6 +516,7 @@ class ShmTransferClient(base.TransferClient):
             }
             if trainer_id:  # every request reads through the cross-trainer cache
                 hello["trainer_id"] = trainer_id
+                hello["window"] = True  # ... from its shared window, if the worker has one
             sock.send(json.dumps(hello).encode())
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
@@ -446,13 +535,23 @@ class ShmTransferClient(base.TransferClient):
                         "cache reads through shared memory"
                     )
                 try:
-                    self._ring = _core.ShmRingConsumer(
-                        fds[0],
-                        control_fd=sock.fileno(),
-                        pid=peer_pid,
-                        nonce=bytes.fromhex(reply["nonce"]),
-                        zero_copy=zero_copy,
-                    )
+                    if reply.get("window"):
+                        self._window = _core.ShmWindowReader(
+                            fds[0],
+                            int(reply["slot"]),
+                            int(reply["generation"]),
+                            nonce=bytes.fromhex(reply["nonce"]),
+                            control_fd=sock.fileno(),
+                            zero_copy=zero_copy,
+                        )
+                    else:
+                        self._ring = _core.ShmRingConsumer(
+                            fds[0],
+                            control_fd=sock.fileno(),
+                            pid=peer_pid,
+                            nonce=bytes.fromhex(reply["nonce"]),
+                            zero_copy=zero_copy,
+                        )
                 except (errors.DataServiceError, OSError, ValueError) as err:
                     raise base.TransferUnavailable(f"cannot map the ring: {err}") from err
             finally:
@@ -465,7 +564,8 @@ class ShmTransferClient(base.TransferClient):
         self._sock = sock
         # A quarter of the ring: the worker can write on while the reader holds
         # what it fetched (views into the ring) and the consumer holds one more.
-        self.max_unconsumed_bytes = max(1, int(reply["capacity_bytes"]) // 4)
+        # (A window's frames are the cache's: a reply is bounded as a ring's.)
+        self.max_unconsumed_bytes = max(1, int(reply.get("capacity_bytes", 64 << 20)) // 4)
         self.worker_uid = str(reply.get("worker_uid", ""))
 
     @staticmethod
@@ -510,7 +610,7 @@ class ShmTransferClient(base.TransferClient):
             InvalidArgumentError: `trainer_id` is not the connection's.
         """
         ring = self._ring
-        if ring is None:
+        if ring is None and self._window is None:
             raise errors.CancelledError("shm transfer client is closed")
         if trainer_id != self._trainer_id:
             raise errors.InvalidArgumentError(
@@ -522,6 +622,8 @@ class ShmTransferClient(base.TransferClient):
         if self._end:
             return base.ElementsResult([], 0, True)
         timeout_ms = max(1, int(timeout_s * 1000))
+        if self._window is not None:
+            return self._get_window_elements(max_elements, max_bytes, timeout_s, timeout_ms)
         try:
             self._sock.send(_REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
             self._sock.settimeout(timeout_s + 10.0)
@@ -558,6 +660,62 @@ class ShmTransferClient(base.TransferClient):
             self._end = end
         return base.ElementsResult(out, nbytes, end, self.worker_uid)
 
+    def _get_window_elements(
+        self, max_elements: int, max_bytes: int, timeout_s: float, timeout_ms: int
+    ) -> base.ElementsResult:
+        """One request to a worker serving the cache's shared window: the reply names
+        the frames, which are decoded from this process's mapping of the segment
+        (large leaves leased: views), then DONE lets the worker reuse what is not
+        held."""
+        window = self._window
+        address = self._endpoint.worker_address
+        try:
+            self._sock.send(_REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
+            self._sock.settimeout(timeout_s + 10.0)
+            data, fds, _, _ = socket.recv_fds(self._sock, _WINDOW_REPLY_BYTES, 1)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            self._error = errors.UnavailableError(
+                f"shared-memory connection to worker {address} lost"
+            )
+            raise self._error
+        out: list[Any] = []
+        nbytes = 0
+        count = 0
+        try:
+            reply = json.loads(data)
+            count = int(reply.get("n", 0))
+            if fds:
+                window.set_segment(
+                    fds[0], int(reply["generation"]), nonce=bytes.fromhex(reply["nonce"])
+                )
+            for spec_id, body in (reply.get("specs") or {}).items():
+                window.add_spec(int(spec_id), bytes.fromhex(body))
+            if count:
+                elements, nbytes = window.read(
+                    int(reply["pos"]), count, int(reply["seq"]), reply.get("first")
+                )
+                out = list(elements)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if count:  # the holds of what we leased are stored: lift the grant
+                try:
+                    self._sock.send(_DONE)
+                except OSError:
+                    pass
+        error = reply.get("error")
+        if error:
+            self._error = errors.remote_error(error[0], error[1], address)
+            if not out:
+                raise self._error
+            return base.ElementsResult(out, nbytes, False, self.worker_uid)
+        self._end = bool(reply.get("end")) and not out
+        return base.ElementsResult(out, nbytes, self._end, self.worker_uid)
+
     def _after_death(self, out: list[Any], nbytes: int) -> base.ElementsResult:
         """The worker side is gone: hand out what it published, then UnavailableError."""
         ring = self._ring
@@ -582,12 +740,17 @@ class ShmTransferClient(base.TransferClient):
         raise self._error
 
     def stats(self) -> dict[str, Any]:
+        if self._window is not None:
+            return dict(self._window.stats())
         return dict(self._ring.stats()) if self._ring is not None else {}
 
     def close(self) -> None:
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
+        window, self._window = self._window, None
+        if window is not None:
+            window.close()  # views alive become private copies before the worker hears
         try:
             self._sock.close()
         except OSError:

@@ -11,22 +11,77 @@ the cache takes the next one from the task's pipeline; the oldest elements are
 evicted while the window holds more than `max_bytes` (the newest element is
 always kept, so an element larger than the cache still passes through).
 
-Both transfer protocols read through `get_elements`: the worker's gRPC
-GetElements handler for a request naming a trainer id, and the shared-memory
-transport for a connection whose HELLO named one (same-host trainers; see
-`transfer/shm.py`). The window holds decoded elements in this process; a
-shared-memory reader gets its own copy of each, written into its own ring, so
-N same-host trainers cost one pipeline but N copies through N rings.
+The window lives in one shared-memory segment (`_core.ShmWindowWriter`, see
+rust/shm/window.rs): each element is written once, as an encoded frame, into
+a sealed memfd. Same-host trainers (`transfer/shm.py`, a HELLO naming a
+trainer id) map that memfd and read the frames the worker names in its replies
+(`get_window`): large numpy leaves become views that the trainer's hold slot
+keeps from being overwritten, so N trainers on one host cost one pipeline and
+about one copy of the window. gRPC reads (`get_elements`: trainers on other
+hosts) decode the frames on demand, copying.
+
+The segment starts at 1 MiB and doubles (into a fresh memfd) while the window
+needs more room and is below the byte bound rounded up to a power of two. A
+trainer's holds never stall the others: when they are what keeps the writer
+from space for `HOLD_GRACE_S`, the cache abandons the segment to its holders
+(their mappings keep it alive) and moves the window into a fresh one, whose fd
+the trainers get with their next reply. If no segment can be made (memory),
+the window holds decoded elements in this process instead and same-host
+trainers get copies through private rings, as before.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
+import os
 import threading
 import time
 from typing import Any
 
+from dataservice import errors
 from dataservice.worker.task_runner import TaskRunner
+
+log = logging.getLogger(__name__)
+
+HOLD_GRACE_S = 0.1  # how long the writer waits on trainers' holds before abandoning
+HOLD_SLOTS = 64  # trainer connections one window serves (rust/shm/window.rs)
+_MIN_SEGMENT_BYTES = 64 << 10
+_FIRST_SEGMENT_BYTES = 1 << 20
+_MAX_SEGMENT_BYTES = 4 << 30
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def segment_bound(max_bytes: int) -> int:
+    """The largest segment for a window of `max_bytes`: rounded up to a power of two,
+    within [64 KiB, 4 GiB] and a quarter of the memory available now."""
+    from dataservice.transfer.shm import ring_budget_bytes
+
+    bound = min(_pow2_ceil(max(max_bytes, 1)), _MAX_SEGMENT_BYTES)
+    budget = ring_budget_bytes()
+    while bound > _MIN_SEGMENT_BYTES and bound > budget:
+        bound //= 2
+    return max(bound, _MIN_SEGMENT_BYTES)
+
+
+@dataclasses.dataclass
+class WindowRead:
+    """Frames of the window a same-host trainer is to read: `count` frames from
+    position `pos` of segment `generation`, the first being element `first_index`;
+    `first_pos` is where the window's oldest frame starts."""
+
+    generation: int
+    pos: int
+    count: int
+    first_index: int
+    first_pos: int
+    specs: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    fd: int | None = None  # the segment, when the trainer has not mapped it yet
+    nonce: bytes = b""
 
 
 class CrossTrainerCache:
@@ -37,19 +92,62 @@ class CrossTrainerCache:
         self._max_bytes = max_bytes
         self._mu = threading.Lock()
         self._fill = threading.Lock()  # one thread at a time pulls from the pipeline
+        self._segment_bound = segment_bound(max_bytes)
+        self.writer: Any = None
+        try:
+            from dataservice import _core
+
+            self.writer = _core.ShmWindowWriter(min(_FIRST_SEGMENT_BYTES, self._segment_bound))
+        except Exception as err:  # no shared memory: decoded elements in this process
+            log.warning("cross-trainer cache keeps its window in process memory: %s", err)
         # guarded by self._mu:
+        # (decoded element, or None when it is a frame of the segment; payload bytes)
         self._window: collections.deque[tuple[Any, int]] = collections.deque()
         self._first_index = 0  # global index of self._window[0]
         self._window_bytes = 0
         self._cursors: dict[str, int] = {}
+        self._free_slots = list(range(HOLD_SLOTS - 1, -1, -1))
         self._end = False
         self._error: tuple[str, str] | None = None
+        self.abandons = 0
 
     @property
     def window_bytes(self) -> int:
         """Bytes of the elements cached now."""
         with self._mu:
             return self._window_bytes
+
+    def stats(self) -> dict[str, Any]:
+        """The window's counters (`_core.ShmWindowWriter.stats`, plus `abandons`,
+        `elements` cached and `window_bytes`)."""
+        with self._mu:
+            out = dict(self.writer.stats()) if self.writer is not None else {}
+            out.update(
+                abandons=self.abandons,
+                elements=len(self._window),
+                window_bytes=self._window_bytes,
+                first_index=self._first_index,
+                attached_slots=sorted(set(range(HOLD_SLOTS)) - set(self._free_slots)),
+            )
+            return out
+
+    @property
+    def shared(self) -> bool:
+        """True if the window lives in a shared-memory segment trainers can map."""
+        return self.writer is not None
+
+    # ------------------------------------------------------------ trainers
+    def attach(self) -> int | None:
+        """A hold slot for a new same-host trainer connection (None: all taken)."""
+        with self._mu:
+            return self._free_slots.pop() if self._free_slots else None
+
+    def detach(self, slot: int) -> None:
+        """The trainer connection holding `slot` is gone: its grant and holds go."""
+        with self._mu:
+            if self.writer is not None:
+                self.writer.release_slot(slot)
+            self._free_slots.append(slot)
 
     def get_elements(
         self,
@@ -62,37 +160,93 @@ class CrossTrainerCache:
         waiting up to `timeout_s` seconds for the pipeline when it is at the newest.
         `max_bytes` (None: no bound) stops a read before the element that would
         take it past that many payload bytes (one element is always read); the
-        rest stay for the trainer's next read.
+        rest stay for the trainer's next read. Elements are decoded copies.
 
         Returns:
             (elements, end_of_sequence, error), as `TaskRunner.get_elements_raw`.
         """
+
+        def take(start: int, n: int, index: int) -> list[Any]:
+            if self.writer is None:
+                return [self._window[start + i][0] for i in range(n)]
+            return list(self.writer.decode(start, n))
+
+        out, end, error = self._read(trainer_id, max_elements, timeout_s, max_bytes, take)
+        return out or [], end, error
+
+    def segment(self) -> tuple[int, int, bytes]:
+        """(generation, a new fd, nonce) of the current segment; the caller closes
+        the fd (a duplicate: the cache may replace its segment at any time)."""
+        with self._mu:
+            generation, fd, nonce = self.writer.segment()
+            return generation, os.dup(fd), nonce
+
+    def get_window(
+        self,
+        trainer_id: str,
+        slot: int,
+        known_generation: int,
+        known_specs: set[int],
+        max_elements: int,
+        timeout_s: float,
+        max_bytes: int | None = None,
+    ) -> tuple[WindowRead | None, bool, tuple[str, str] | None]:
+        """As `get_elements`, for a same-host trainer in hold slot `slot`: names the
+        frames instead of decoding them, and grants the slot those frames until the
+        trainer says it is done (`writer.ungrant(slot)`) or hangs up (`detach`).
+        The read carries the segment (a new fd the caller closes) when it is not
+        `known_generation`, and the encoded specs not in `known_specs`.
+
+        Returns:
+            (read or None, end_of_sequence, error).
+        """
+
+        def take(start: int, n: int, index: int) -> WindowRead:
+            generation, pos, spec_ids, first_pos = self.writer.span(start, n)
+            self.writer.grant(slot, pos)
+            read = WindowRead(generation, pos, n, index, first_pos)
+            read.specs = {i: self.writer.spec_bytes(i) for i in spec_ids if i not in known_specs}
+            if generation != known_generation:
+                _, fd, read.nonce = self.writer.segment()
+                read.fd = os.dup(fd)
+            return read
+
+        return self._read(trainer_id, max_elements, timeout_s, max_bytes, take)
+
+    def _read(
+        self,
+        trainer_id: str,
+        max_elements: int,
+        timeout_s: float,
+        max_bytes: int | None,
+        take: Any,
+    ) -> tuple[Any, bool, tuple[str, str] | None]:
         deadline = time.monotonic() + timeout_s
         while True:
             with self._mu:
                 end_index = self._first_index + len(self._window)
                 cursor = max(self._cursors.get(trainer_id, self._first_index), self._first_index)
                 if cursor < end_index:
-                    n = min(max_elements, end_index - cursor)
                     start = cursor - self._first_index
-                    out = []
+                    n = 0
                     total = 0
-                    for i in range(n):
-                        element, nbytes = self._window[start + i]
-                        if out and max_bytes is not None and total + nbytes > max_bytes:
+                    for i in range(min(max_elements, end_index - cursor)):
+                        nbytes = self._window[start + i][1]
+                        if n and max_bytes is not None and total + nbytes > max_bytes:
                             break
-                        out.append(element)
+                        n += 1
                         total += nbytes
-                    n = len(out)
+                    result = take(start, n, cursor)
                     self._cursors[trainer_id] = cursor + n
-                    return out, False, None
+                    return result, False, None
                 if self._end:
-                    return [], True, self._error
+                    return None, True, self._error
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return [], False, None
+                return None, False, None
             self._extend(end_index, remaining)
 
+    # ------------------------------------------------------------ filling
     def _extend(self, seen_end_index: int, timeout_s: float) -> None:
         """Appends the pipeline's next elements to the window, evicting the
         oldest; does nothing if another trainer extended it past
@@ -103,21 +257,71 @@ class CrossTrainerCache:
             with self._mu:
                 if self._end or self._first_index + len(self._window) > seen_end_index:
                     return
-            # At most a window's worth, so the trainer that asked (at the newest
-            # element) finds every new element still cached.
-            elements, end, error = self._runner.get_elements_raw(64, self._max_bytes, timeout_s)
+            # At most a quarter of the window, so the trainer that asked (at the newest
+            # element) finds every new element still cached, and one fill does not
+            # sweep over the views trainers hold of what they read last.
+            elements, end, error = self._runner.get_elements_raw(
+                64, max(1, self._max_bytes // 4), timeout_s
+            )
             from dataservice.transfer.codec import element_nbytes
 
-            with self._mu:
-                for element in elements:
-                    nbytes = element_nbytes(element)
-                    self._window.append((element, nbytes))
-                    self._window_bytes += nbytes
-                while len(self._window) > 1 and self._window_bytes > self._max_bytes:
-                    _, nbytes = self._window.popleft()
-                    self._window_bytes -= nbytes
-                    self._first_index += 1
-                if end:
+            for element in elements:
+                if not self._append(element, element_nbytes(element)):
+                    return
+            if end:
+                with self._mu:
                     self._end, self._error = True, error
         finally:
             self._fill.release()
+
+    def _drop_oldest_locked(self, n: int) -> None:
+        for _ in range(n):
+            _, nbytes = self._window.popleft()
+            self._window_bytes -= nbytes
+            self._first_index += 1
+
+    def _append(self, element: Any, nbytes: int) -> bool:
+        """Adds one element as the newest; False if it cannot be cached (the window
+        then ends with that error)."""
+        grace_deadline: float | None = None
+        while True:
+            with self._mu:
+                # Evict by bytes first (the new element is always kept).
+                n = 0
+                total = self._window_bytes
+                while n < len(self._window) and total + nbytes > self._max_bytes:
+                    total -= self._window[n][1]
+                    n += 1
+                if n:
+                    self._drop_oldest_locked(n)
+                    if self.writer is not None:
+                        self.writer.evict(n)
+                if self.writer is None:
+                    self._window.append((element, nbytes))
+                    self._window_bytes += nbytes
+                    return True
+                index = self._first_index + len(self._window)
+                try:
+                    evicted, size = self.writer.append(element, index, self._segment_bound)
+                except Exception as err:  # an element the frame codec cannot carry
+                    self._end, self._error = True, (type(err).__name__, str(err))
+                    return False
+                self._drop_oldest_locked(evicted)
+                if size is not None:
+                    self._window.append((None, nbytes))
+                    self._window_bytes += nbytes
+                    return True
+                # A trainer's hold or grant is in the way.
+                now = time.monotonic()
+                if grace_deadline is None:
+                    grace_deadline = now + HOLD_GRACE_S
+                elif now >= grace_deadline:
+                    try:
+                        self._drop_oldest_locked(self.writer.abandon())
+                    except errors.DataServiceError as err:
+                        self._end, self._error = True, (type(err).__name__, str(err))
+                        return False
+                    self.abandons += 1
+                    grace_deadline = None
+                    continue
+            time.sleep(0.001)

@@ -67,7 +67,7 @@ _END_FLAG = 1  # an END frame follows them
 _ERROR_FLAG = 2  # an ERROR frame follows them
 _PUT_SLICE_MS = 200
 _DONE = b"D"  # a cache-window trainer finished decoding the frames of its last reply
-_WINDOW_REPLY_BYTES = 1 << 20
+_WINDOW_REPLY_BYTES = 256 << 10  # a reply: JSON, specs included (SEQPACKET: ~200 KB at most)
 
 
 def shm_socket_name(worker_address: str) -> str:

@@ -4,6 +4,7 @@ of the window for the trainer's next read."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 
@@ -30,5 +31,57 @@ def test_max_bytes_bounds_a_read_and_keeps_the_cursor_on_the_rest():
         assert got == list(range(len(got)))
         assert int(one[0]) == len(got)
         assert [int(e[0]) for e in other] == [0, 1, 2, 3]
+    finally:
+        runner.stop()
+
+
+def _float_runner():
+    return TaskRunner(
+        1, lambda: (np.full(16384, i, np.float32) for i in itertools.count()), "w"
+    )  # 64 KiB elements
+
+
+def test_the_window_is_written_once_and_grows_to_its_bound():
+    runner = _float_runner()
+    try:
+        cache = CrossTrainerCache(runner, 4 << 20)
+        assert cache.shared
+        got = {t: [] for t in "abc"}
+        for _ in range(30):
+            for t in got:
+                got[t].extend(int(e[0]) for e in cache.get_elements(t, 4, 5.0)[0])
+        assert got["a"] == got["b"] == got["c"] == list(range(len(got["a"])))
+        stats = cache.stats()
+        assert stats["frames_written"] == stats["first_index"] + stats["elements"]
+        assert stats["capacity_bytes"] == 4 << 20  # grew from 1 MiB, no further
+        assert stats["window_bytes"] <= 4 << 20
+    finally:
+        runner.stop()
+
+
+def test_a_grant_in_the_way_moves_the_window_to_a_fresh_segment():
+    from dataservice import _core
+
+    runner = _float_runner()
+    try:
+        cache = CrossTrainerCache(runner, 256 << 10)
+        slot = cache.attach()
+        # A trainer is sent element 0 and never says it is done with it.
+        read, end, error = cache.get_window("t", slot, -1, set(), 1, 5.0)
+        assert (read.count, read.first_index, end, error) == (1, 0, False, None)
+        reader = _core.ShmWindowReader(read.fd, slot, read.generation, nonce=read.nonce)
+        os.close(read.fd)
+        for spec_id, body in read.specs.items():
+            reader.add_spec(spec_id, body)
+        others = []
+        while len(others) < 40:  # another trainer reads on, well past the segment
+            others.extend(int(e[0]) for e in cache.get_elements("u", 8, 5.0)[0])
+        assert others == list(range(40))
+        assert cache.stats()["abandons"] >= 1
+        # The granted frame was never overwritten: the old segment was left to it.
+        (element,), _ = reader.read(read.pos, 1, 0)
+        assert np.all(element == 0)
+        reader.close()
+        cache.detach(slot)
     finally:
         runner.stop()

@@ -264,6 +264,7 @@ class _Connection:
                 log.warning("shm: unexpected %d-byte message from a client", len(data))
                 return
             _, want, max_bytes, timeout_ms = _REQUEST.unpack(data)
+            cache.writer.ungrant(slot)  # a new request: the last reply is done with too
             read, end, error = cache.get_window(
                 trainer_id,
                 slot,

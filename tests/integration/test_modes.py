@@ -641,6 +641,138 @@ def test_target_workers_bad_value_and_local_coordinated_read(cluster):
         next(iter(dataset))
 
 
+# ================================================================ local reads on several hosts
+HOSTS = ["host-a", "host-a", "host-b", "host-b"]  # of the workers, by index
+
+
+def two_host_cluster(make_cluster, monkeypatch, **kw):
+    """A fixed list of 4 in-process workers: 0 and 1 register from host-a, 2
+    and 3 from host-b (DATASERVICE_HOST_ID while each registers: the
+    dispatcher keeps the host id a worker registered with)."""
+    ports = free_ports(len(HOSTS))
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    c = make_cluster(0, worker_addresses=addresses, **kw)
+    for port, address, host in zip(ports, addresses, HOSTS, strict=True):
+        monkeypatch.setenv("DATASERVICE_HOST_ID", host)
+        assert c.add_worker(port=port, worker_address=address).wait_registered(10), address
+    return registered(c)
+
+
+def read_on(host: str, monkeypatch, dataset):
+    """An iterator of `dataset` whose consumer is on `host` (its client says so
+    to the dispatcher when it starts). gRPC only: the in-process workers'
+    shared-memory endpoints depend on the host id of the moment."""
+    monkeypatch.setenv("DATASERVICE_HOST_ID", host)
+    return iter(dataset)
+
+
+def elements_by_worker(it) -> dict[str, int]:
+    return {a: w["elements"] for a, w in it.stats()["workers"].items() if w["elements"]}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", ["AUTO", "LOCAL"])
+def test_static_sharding_named_job_on_two_hosts_each_reads_its_own_workers_shards(
+    make_cluster, monkeypatch, target
+):
+    # One job, a consumer on each host: each reads the shards of its own host's
+    # workers (worker i keeps i, i + 4, ...), whether it joins while the other
+    # host reads or after; a third host with no worker is refused, naming it.
+    c = two_host_cluster(make_cluster, monkeypatch)
+    addresses = c.dispatcher_config.worker_addresses
+
+    def job():
+        return dist(
+            ds.Dataset.range(40),
+            c,
+            DATA,
+            job_name="hosts",
+            target_workers=target,
+            data_transfer_protocol="grpc",
+        )
+
+    a = read_on("host-a", monkeypatch, job())
+    got_a = [to_py(next(a))]
+    b = read_on("host-b", monkeypatch, job())  # joins while host-a reads
+    got_a += values(a)
+    got_b = values(b)
+    assert sorted(got_a) == [x for x in range(40) if x % 4 in (0, 1)]
+    assert sorted(got_b) == [x for x in range(40) if x % 4 in (2, 3)]
+    assert elements_by_worker(a) == {addresses[0]: 10, addresses[1]: 10}
+    assert elements_by_worker(b) == {addresses[2]: 10, addresses[3]: 10}
+    late = read_on("host-b", monkeypatch, job())  # host-b's part was read to its end
+    assert values(late) == []
+    with pytest.raises(errors.InvalidArgumentError, match=r"4 workers are registered") as info:
+        read_on("host-c", monkeypatch, job())
+    assert "none on the client's host (host-c)" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_local_off_named_job_on_two_hosts_each_reads_a_copy_per_own_worker(
+    make_cluster, monkeypatch
+):
+    # LOCAL with OFF: each host's consumer gets a full copy from each of its own
+    # two workers, host-b's after host-a's part ended; once both let go the job
+    # is collected, and the name starts over (host-b reads its copies again).
+    c = two_host_cluster(
+        make_cluster, monkeypatch, job_gc_check_interval_ms=100, job_gc_timeout_ms=300
+    )
+    addresses = c.dispatcher_config.worker_addresses
+
+    def job():
+        return dist(
+            ds.Dataset.range(5),
+            c,
+            job_name="copies",
+            target_workers="LOCAL",
+            data_transfer_protocol="grpc",
+        )
+
+    a = read_on("host-a", monkeypatch, job())
+    assert sorted(values(a)) == sorted(2 * list(range(5)))
+    assert elements_by_worker(a) == {addresses[0]: 5, addresses[1]: 5}
+    b = read_on("host-b", monkeypatch, job())
+    assert sorted(values(b)) == sorted(2 * list(range(5)))
+    assert elements_by_worker(b) == {addresses[2]: 5, addresses[3]: 5}
+    wait_until(lambda: c.dispatcher._state.live_job_named("copies") is None, 10, "job GC")
+    wait_until(lambda: all(w.num_tasks() == 0 for w in c.workers), 10, "tasks to stop")
+    again = read_on("host-b", monkeypatch, job())
+    assert sorted(values(again)) == sorted(2 * list(range(5)))
+    assert elements_by_worker(again) == {addresses[2]: 5, addresses[3]: 5}
+
+
+@pytest.mark.timeout(60)
+def test_local_dynamic_named_job_on_two_hosts_each_element_once(make_cluster, monkeypatch):
+    # DYNAMIC splits are the iteration's: consumers on the two hosts read their
+    # own workers, and together see each element once.
+    c = two_host_cluster(make_cluster, monkeypatch)
+    addresses = c.dispatcher_config.worker_addresses
+
+    def job():
+        return dist(
+            ds.Dataset.range(200),
+            c,
+            DYNAMIC,
+            job_name="splits",
+            target_workers="LOCAL",
+            data_transfer_protocol="grpc",
+        )
+
+    readers = {"host-a": read_on("host-a", monkeypatch, job())}
+    readers["host-b"] = read_on("host-b", monkeypatch, job())
+    its = dict(readers)
+    got: dict[str, list] = {"host-a": [], "host-b": []}
+    while readers:  # in turns
+        for host, it in list(readers.items()):
+            try:
+                got[host].append(to_py(next(it)))
+            except StopIteration:
+                del readers[host]
+    assert sorted(got["host-a"] + got["host-b"]) == list(range(200))
+    assert set(elements_by_worker(its["host-a"])) <= set(addresses[:2])
+    assert set(elements_by_worker(its["host-b"])) <= set(addresses[2:])
+
+
 # ================================================================ job GC
 @pytest.mark.timeout(60)
 def test_gc_abandoned_named_job_stops_its_tasks_and_frees_the_name(make_cluster):

@@ -212,6 +212,54 @@ class StaticCluster:
         self.dispatcher.stop()
 
 
+HOST_A, HOST_B = "host-a", "host-b"
+
+
+class TwoHostCluster:
+    """A fault-tolerant dispatcher (in this process, on a fixed port) with a
+    fixed list of 4 worker processes: 0 and 1 on host-a, 2 and 3 on host-b."""
+
+    def __init__(self, work_dir: str) -> None:
+        dispatcher_port, *ports = free_ports(5)
+        self.config = ds.DispatcherConfig(
+            port=dispatcher_port,
+            worker_addresses=[f"127.0.0.1:{p}" for p in ports],
+            work_dir=work_dir,
+            fault_tolerant_mode=True,
+            job_gc_check_interval_ms=200,
+            job_gc_timeout_ms=1000,
+        )
+        self.dispatcher = ds.DispatchServer(self.config)
+        self.target = self.dispatcher.target
+        host_ids = [HOST_A, HOST_A, HOST_B, HOST_B]
+        try:
+            self.workers = start_workers(self.target.split("://")[1], ports, host_ids)
+        except BaseException:
+            self.dispatcher.stop()
+            raise
+        self.index_of_pid = {w.pid: i for i, w in enumerate(self.workers)}
+
+    @staticmethod
+    def read_on(host: str, monkeypatch, dataset):
+        """An iterator of `dataset` whose consumer is on `host` (its client
+        tells the dispatcher when it starts)."""
+        monkeypatch.setenv("DATASERVICE_HOST_ID", host)
+        return iter(dataset)
+
+    def by_worker(self, got: list) -> dict[int, list]:
+        return {self.index_of_pid[pid]: xs for pid, xs in by_pid(got).items()}
+
+    def restart_dispatcher(self) -> None:
+        """Stops the dispatcher and starts it again on its port (the journal replayed)."""
+        self.dispatcher.stop()
+        self.dispatcher = ds.DispatchServer(self.config)
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.dispatcher.stop()
+
+
 @pytest.fixture(scope="module")
 def tfrecords(tmp_path_factory) -> list[str]:
     d = tmp_path_factory.mktemp("modes-processes-tfrecords")
@@ -228,6 +276,13 @@ def tfrecords(tmp_path_factory) -> list[str]:
 @pytest.fixture(scope="module")
 def static() -> Iterator[StaticCluster]:
     c = StaticCluster()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory) -> Iterator[TwoHostCluster]:
+    c = TwoHostCluster(str(tmp_path_factory.mktemp("two-hosts-journal")))
     yield c
     c.stop()
 
@@ -330,23 +385,108 @@ def test_static_sharding_auto_named_job_consumers_all_read_the_local_worker(stat
     assert sorted(union) == list(range(LOCAL_INDEX, 200, 4))
 
 
-@pytest.mark.timeout(60)
-def test_static_sharding_auto_named_job_is_not_shared_across_hosts(static, monkeypatch):
-    # The job's tasks run on its creator's host: a consumer elsewhere would read
-    # workers that are not local to it (and its own host's shard never), so it is
-    # refused; one job per host reads each host's own shard.
-    def job(name):
-        return dist(ds.Dataset.range(200), static.target, DATA, job_name=name)
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("target", ["AUTO", "LOCAL"])
+def test_static_sharding_named_job_on_two_hosts_each_reads_its_own_workers_shards(
+    two_hosts, monkeypatch, target
+):
+    # One job, a consumer on each host: each reads the shards of its own host's
+    # workers (worker i keeps i, i + 4, ...), host-b joining while host-a reads;
+    # a consumer on a host with no worker is refused, naming its host.
+    def job():
+        dataset = tagged(ds.Dataset.range(40))
+        return dist(
+            dataset, two_hosts.target, DATA, job_name=f"shards-{target}", target_workers=target
+        )
 
-    first = iter(job("auto-host"))
-    assert to_py(next(first)) == LOCAL_INDEX
-    monkeypatch.setenv("DATASERVICE_HOST_ID", "remote-host-2")  # where worker 2 runs
-    with pytest.raises(
-        errors.InvalidArgumentError, match=r"local to the host that created it.*remote-host-2"
-    ):
-        next(iter(job("auto-host")))
-    assert values(job("auto-host-2")) == list(range(2, 200, 4))
-    first.close()
+    a = two_hosts.read_on(HOST_A, monkeypatch, job())
+    got_a = [to_py(next(a))]
+    b = two_hosts.read_on(HOST_B, monkeypatch, job())
+    got_a += values(a)
+    got_b = values(b)
+    assert two_hosts.by_worker(got_a) == {0: list(range(0, 40, 4)), 1: list(range(1, 40, 4))}
+    assert two_hosts.by_worker(got_b) == {2: list(range(2, 40, 4)), 3: list(range(3, 40, 4))}
+    with pytest.raises(errors.InvalidArgumentError, match=r"4 workers are registered") as info:
+        two_hosts.read_on("host-c", monkeypatch, job())
+    assert "none on the client's host (host-c)" in str(info.value)
+
+
+@pytest.mark.timeout(90)
+def test_local_off_named_job_on_two_hosts_each_reads_a_copy_per_own_worker(two_hosts, monkeypatch):
+    # LOCAL with OFF: each host's consumer gets a full copy from each of its own
+    # two workers, host-b's after host-a's part ended; once both let go the job
+    # is collected, and the name starts over.
+    def job():
+        return dist(
+            tagged(ds.Dataset.range(5)), two_hosts.target, job_name="copies", target_workers="LOCAL"
+        )
+
+    copies = list(range(5))
+    got_a = values(two_hosts.read_on(HOST_A, monkeypatch, job()))
+    assert two_hosts.by_worker(got_a) == {0: copies, 1: copies}
+    got_b = values(two_hosts.read_on(HOST_B, monkeypatch, job()))
+    assert two_hosts.by_worker(got_b) == {2: copies, 3: copies}
+    assert values(two_hosts.read_on(HOST_B, monkeypatch, job())) == []  # read to its end
+    wait_until(lambda: two_hosts.dispatcher._state.live_job_named("copies") is None, 20, "job GC")
+    got_a = values(two_hosts.read_on(HOST_A, monkeypatch, job()))
+    assert two_hosts.by_worker(got_a) == {0: copies, 1: copies}
+
+
+@pytest.mark.timeout(120)
+def test_named_job_on_two_hosts_survives_a_dispatcher_restart(two_hosts, monkeypatch):
+    # Fault tolerance: which host each consumer and each task is on is journaled.
+    # host-b creates the job and host-a joins it; after the restart host-a still
+    # reads host-a's workers only (not those of the job's creator), and each
+    # host's consumer gets exactly its own shards.
+    def job():
+        return dist(
+            tagged(ds.Dataset.range(80)),
+            two_hosts.target,
+            DATA,
+            job_name="restart",
+            target_workers="LOCAL",
+        )
+
+    b = two_hosts.read_on(HOST_B, monkeypatch, job())
+    got_b = [to_py(next(b))]
+    a = two_hosts.read_on(HOST_A, monkeypatch, job())
+    got_a = [to_py(next(a))]
+    two_hosts.restart_dispatcher()
+    got_a += values(a)
+    got_b += values(b)
+    assert two_hosts.by_worker(got_a) == {0: list(range(0, 80, 4)), 1: list(range(1, 80, 4))}
+    assert two_hosts.by_worker(got_b) == {2: list(range(2, 80, 4)), 3: list(range(3, 80, 4))}
+
+
+@pytest.mark.timeout(120)
+def test_local_cluster_and_worker_processes_on_two_hosts_read_their_own_shards(monkeypatch):
+    # LocalCluster's 2 worker processes on host-a (the '%port%' entries of the
+    # list), 2 CLI worker processes on host-b (fixed entries 2 and 3); one
+    # static-sharding job read from each host.
+    ports = free_ports(2)
+    config = ds.DispatcherConfig(
+        worker_addresses=["127.0.0.1:%port%"] * 2 + [f"127.0.0.1:{p}" for p in ports]
+    )
+    monkeypatch.setenv("DATASERVICE_HOST_ID", HOST_A)
+    with ds.LocalCluster(2, dispatcher_config=config) as cluster:
+        workers_b = start_workers(cluster.dispatcher_address, ports, [HOST_B, HOST_B])
+        try:
+            # (A worker process prints its ready line once it is registered.)
+            def job():
+                return dist(tagged(ds.Dataset.range(40)), cluster.target, DATA, job_name="lc")
+
+            got_a = values(TwoHostCluster.read_on(HOST_A, monkeypatch, job()))
+            got_b = values(TwoHostCluster.read_on(HOST_B, monkeypatch, job()))
+        finally:
+            for w in workers_b:
+                w.stop()
+    # Which LocalCluster worker took which '%port%' entry depends on who registered first.
+    assert set(by_pid(got_a)) == set(cluster.worker_pids)
+    assert sorted(by_pid(got_a).values()) == [list(range(0, 40, 4)), list(range(1, 40, 4))]
+    assert by_pid(got_b) == {
+        workers_b[0].pid: list(range(2, 40, 4)),
+        workers_b[1].pid: list(range(3, 40, 4)),
+    }
 
 
 @pytest.mark.timeout(60)

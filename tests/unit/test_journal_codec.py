@@ -336,6 +336,52 @@ def test_rich_snapshot_round_trips_exactly():
     _assert_same_state(codec.decode_snapshot(codec.encode_snapshot(state)), state)
 
 
+def test_local_only_iteration_ends_per_host_and_the_snapshot_keeps_it():
+    """A job that reads only local workers (LOCAL, or AUTO with static
+    sharding): each host's part of an iteration ends with that host's tasks,
+    the iteration itself stays open for consumers on other hosts; a snapshot
+    keeps every host's tasks and consumers, so the restored state agrees."""
+    for target, mode in (("LOCAL", ShardingPolicy.OFF), ("AUTO", ShardingPolicy.DATA)):
+        state = _applied(
+            [
+                st.RegisterDataset("d", "fp", b"", 20, False),
+                st.CreateJob(st.JobId(1000), "d", "shared", mode, 0, target, "host-a"),
+                st.CreateIteration(st.IterationId(2000), st.JobId(1000), 0, 7),
+                st.AcquireIterationClient(st.IterationClientId(3000), 2000, "host-a"),
+                st.CreateTask(st.TaskId(4000), st.IterationId(2000), "a:1", 0, "host-a"),
+                st.CreateTask(st.TaskId(4001), st.IterationId(2000), "a:2", 1, "host-a"),
+                st.AcquireIterationClient(st.IterationClientId(3001), 2000, "host-b"),
+                st.CreateTask(st.TaskId(4002), st.IterationId(2000), "b:1", 2, "host-b"),
+                st.FinishTask(st.TaskId(4000)),
+                st.RemoveTask(st.TaskId(4001)),  # lost: host-a's part ends without it
+            ]
+        )
+        for restored in (state, codec.decode_snapshot(codec.encode_snapshot(state))):
+            it = restored.iterations[2000]
+            assert restored.jobs[1000].reads_local_workers_only
+            assert it.consumer_hosts == ["host-a", "host-b"]
+            assert restored.client_hosts == {3000: "host-a", 3001: "host-b"}
+            assert [t.host_id for t in it.tasks.values()] == ["host-a"] * 2 + ["host-b"]
+            assert restored.host_part_finished(it, "host-a")
+            assert not restored.host_part_finished(it, "host-b")
+            assert not restored.host_part_finished(it, "host-c")  # no task there yet
+            assert not it.finished
+        state.apply(st.FinishTask(st.TaskId(4002)))
+        assert state.host_part_finished(state.iterations[2000], "host-b")
+        assert not state.iterations[2000].finished  # a consumer on host-c may still come
+    # ANY (and AUTO without static sharding) reads every worker: one end for all.
+    state = _applied(
+        [
+            st.RegisterDataset("d", "fp", b"", 20, False),
+            st.CreateJob(st.JobId(1000), "d", "any", ShardingPolicy.OFF, 0, "AUTO", "host-a"),
+            st.CreateIteration(st.IterationId(2000), st.JobId(1000), 0, 7),
+            st.CreateTask(st.TaskId(4000), st.IterationId(2000), "a:1", 0, "host-a"),
+            st.FinishTask(st.TaskId(4000)),
+        ]
+    )
+    assert not state.jobs[1000].reads_local_workers_only and state.iterations[2000].finished
+
+
 @given(scenarios(), hs.data())
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_replay_with_a_snapshot_rebuilds_the_applied_state(updates, data):

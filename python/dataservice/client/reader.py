@@ -215,7 +215,10 @@ class _Reader:
         iteration = self.call(
             "GetOrCreateIteration",
             pb.GetOrCreateIterationRequest(
-                job_id=job.job_id, repetition=repetition, incarnation_id=self.incarnation
+                job_id=job.job_id,
+                repetition=repetition,
+                incarnation_id=self.incarnation,
+                client_host_id=host_id(),
             ),
         )
         self.client_id = iteration.iteration_client_id

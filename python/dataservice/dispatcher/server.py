@@ -288,51 +288,99 @@ class DispatchServer:
                 "to keep them across restarts)"
             )
 
-    @staticmethod
-    def _reads_local_workers_only(job: st.Job) -> bool:
-        """Whether `job` is read from the workers on its client's host only:
-        target_workers="LOCAL", or "AUTO" with static sharding (API.md: local
-        workers are the ones static sharding reads from; tf.data's AUTO would
-        read every worker not colocated with another trainer). A coordinated
-        read (num_consumers) reads every worker. "ANY" reads every worker."""
-        if job.target_workers == "LOCAL":
+    def _worker_serves_locked(self, worker: _Worker, job: st.Job, iteration: st.Iteration) -> bool:
+        """Whether `worker` gets a task in `iteration` of `job`.
+
+        A job that reads every worker runs a task on each. A job that reads
+        only local workers (`st.Job.reads_local_workers_only`: LOCAL, or AUTO
+        with static sharding) runs tasks on the workers of each host that has a
+        consumer of the iteration (`Iteration.consumer_hosts`), and each
+        consumer is given only its own host's tasks (`_client_heartbeat`), so
+        consumers of one named job on several hosts each read the workers
+        local to them: under static sharding each host's consumers get the
+        shards of that host's workers (a worker's shard is its index in
+        `DispatcherConfig.worker_addresses`), under OFF a full copy from each
+        of its workers. tf.data service instead runs a task on every worker
+        and lets each client skip the tasks that are not local to it; tasks
+        only where a consumer reads them keep workers on hosts without a
+        consumer idle (they would produce elements nobody reads), and a
+        consumer from a new host gets its tasks when it joins. Each host's
+        consumers are done when that host's tasks are
+        (`DispatcherState.host_part_finished`), and the iteration stays open
+        to consumers from other hosts until its job is collected (except
+        under DYNAMIC sharding, whose splits are the whole iteration's).
+        """
+        if not job.reads_local_workers_only:
             return True
-        return (
-            job.target_workers == "AUTO"
-            and job.processing_mode in STATIC_POLICIES
-            and not job.num_consumers
+        return worker.host_id in iteration.consumer_hosts and not (
+            self._state.host_part_finished(iteration, worker.host_id)
         )
 
-    def _worker_serves_job_locked(self, worker: _Worker, job: st.Job) -> bool:
-        """Whether `worker` gets a task in `job`'s iterations. Decided per job
-        (by the host of the client that created it), so every consumer of a
-        shared job reads the same tasks."""
-        if self._reads_local_workers_only(job):
-            return worker.host_id == job.client_host_id
-        return True
+    def _host_part_over_locked(self, task: st.Task) -> bool:
+        """Whether `task`'s iteration is over for the consumers on its host:
+        the iteration finished, or, for a job that reads only local workers,
+        that host's part of it (`DispatcherState.host_part_finished`)."""
+        iteration = self._state.iterations[task.iteration_id]
+        if iteration.finished:
+            return True
+        job = self._state.jobs[iteration.job_id]
+        return job.reads_local_workers_only and self._state.host_part_finished(
+            iteration, task.host_id
+        )
 
     def _create_task_locked(self, iteration: st.Iteration, worker: _Worker) -> None:
         task_id = st.TaskId(self._state.next_task_id)
         self._apply_locked(
-            st.CreateTask(task_id, iteration.iteration_id, worker.address, worker.index)
+            st.CreateTask(
+                task_id, iteration.iteration_id, worker.address, worker.index, worker.host_id
+            )
+        )
+
+    def _has_task_locked(self, iteration: st.Iteration, worker: _Worker) -> bool:
+        return any(
+            t.worker_address == worker.address and not t.removed for t in iteration.tasks.values()
         )
 
     def _assign_tasks_to_worker_locked(self, worker: _Worker) -> None:
         """Gives a (re)registered worker a task in every unfinished iteration it serves."""
         for iteration in self._state.unfinished_iterations():
             job = self._state.jobs[iteration.job_id]
-            if job.garbage_collected or not self._worker_serves_job_locked(worker, job):
+            if job.garbage_collected or not self._worker_serves_locked(worker, job, iteration):
                 continue
             if iteration.iteration_id in self._iteration_errors:
                 continue
             if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
                 continue
-            if any(
-                t.worker_address == worker.address and not t.removed
-                for t in iteration.tasks.values()
-            ):
+            if self._has_task_locked(iteration, worker):
                 continue
             self._create_task_locked(iteration, worker)
+
+    def _add_host_tasks_locked(self, job: st.Job, iteration: st.Iteration, host: str) -> None:
+        """A job that reads only local workers: gives each worker on `host`
+        (the host of a consumer joining `iteration`) a task, if it has none."""
+        if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
+            return
+        for worker in list(self._workers.values()):
+            if worker.host_id == host and not self._has_task_locked(iteration, worker):
+                self._create_task_locked(iteration, worker)
+
+    def _check_local_workers_locked(self, job: st.Job, host: str) -> None:
+        """Raises InvalidArgumentError if workers are registered but none on
+        `host`, for a consumer of a job that reads only local workers (with no
+        worker registered yet, it waits for them, as any read)."""
+        if not self._workers or any(w.host_id == host for w in self._workers.values()):
+            return
+        why = "Local reads require local workers"
+        if job.target_workers == "AUTO":
+            why = (
+                f"Static sharding ({ShardingPolicy(job.processing_mode).name}) with "
+                "target_workers=AUTO reads the workers local to the client only"
+            )
+        raise errors.InvalidArgumentError(
+            f"{why}, but no local worker is found: {len(self._workers)} workers are "
+            f"registered, none on the client's host ({host}); use target_workers='ANY' "
+            "to read every worker"
+        )
 
     def _add_task_info_locked(self, infos: Any, task: st.Task) -> None:
         """Appends where `task` runs to a repeated TaskInfo field (the worker's
@@ -389,14 +437,15 @@ class DispatchServer:
                     )
             if worker is None and self._lost_uids.get(address) == request.worker_uid:
                 # Declared lost but it is the same process (it was only slow):
-                # revive the tasks it still runs instead of starting them over.
+                # revive the tasks it still runs instead of starting them over
+                # (not where its host's consumers are done: local reads).
                 for task_id in request.current_tasks:
                     task = self._state.tasks.get(st.TaskId(task_id))
                     if (
                         task is not None
                         and task.removed
                         and task.worker_address == address
-                        and not self._state.iterations[task.iteration_id].finished
+                        and not self._host_part_over_locked(task)
                     ):
                         self._apply_locked(st.ReviveTask(task.task_id))
                 log.info("worker %s is back (it was only slow)", address)
@@ -611,24 +660,6 @@ class DispatchServer:
                             f"Tried to create job with name {request.job_name}, but found an "
                             f"existing job with different parameters: {'; '.join(diffs)} differ"
                         )
-                    if (
-                        self._reads_local_workers_only(job)
-                        and request.client_host_id != job.client_host_id
-                    ):
-                        # Its tasks run on the creator's host: this consumer would
-                        # read workers that are not local to it.
-                        raise errors.InvalidArgumentError(
-                            f"Job {request.job_name} reads only the workers local to the host "
-                            f"that created it ({job.client_host_id}, "
-                            f"target_workers={job.target_workers}"
-                            + (
-                                f" with {ShardingPolicy(job.processing_mode).name} sharding"
-                                if job.target_workers == "AUTO"
-                                else ""
-                            )
-                            + f"); a consumer on host {request.client_host_id} cannot share it. "
-                            "Use one job name per host, or target_workers='ANY'"
-                        )
                     self._job_last_used[job.job_id] = time.monotonic()
                     return pb.GetOrCreateJobResponse(job_id=job.job_id)
             job_id = st.JobId(self._state.next_job_id)
@@ -664,25 +695,16 @@ class DispatchServer:
                     f"dataset: it has one repetition, and repetition {request.repetition} was "
                     "requested (iterate each distributed dataset once, or use a new job_name)"
                 )
+            local = job.reads_local_workers_only
+            # The consumer's host (a client that does not say: its job's creator's).
+            host = request.client_host_id or job.client_host_id
             iteration_id = job.iterations.get(request.repetition)
+            known = self._state.iterations[iteration_id] if iteration_id is not None else None
+            new_host = local and (known is None or host not in known.consumer_hosts)
+            if new_host:
+                self._check_local_workers_locked(job, host)
             already_finished = False
             if iteration_id is None:
-                if (
-                    self._reads_local_workers_only(job)
-                    and self._workers
-                    and not any(w.host_id == job.client_host_id for w in self._workers.values())
-                ):
-                    why = "Local reads require local workers"
-                    if job.target_workers == "AUTO":
-                        why = (
-                            f"Static sharding ({ShardingPolicy(job.processing_mode).name}) with "
-                            "target_workers=AUTO reads the workers local to the client only"
-                        )
-                    raise errors.InvalidArgumentError(
-                        f"{why}, but no local worker is found: {len(self._workers)} workers "
-                        "are registered, none on the client's host ("
-                        f"{job.client_host_id}); use target_workers='ANY' to read every worker"
-                    )
                 iteration_id = st.IterationId(self._state.next_iteration_id)
                 num_providers = 1
                 if job.processing_mode == ShardingPolicy.DYNAMIC:
@@ -698,17 +720,30 @@ class DispatchServer:
                     )
                 )
                 iteration = self._state.iterations[iteration_id]
-                for worker in list(self._workers.values()):
-                    if self._worker_serves_job_locked(worker, job):
+                if not local:  # else the tasks of each consumer's host, as it joins
+                    for worker in list(self._workers.values()):
                         self._create_task_locked(iteration, worker)
-                self._fail_stranded_iterations_locked()
+                created = True
             else:
-                already_finished = self._state.iterations[iteration_id].finished
+                iteration = self._state.iterations[iteration_id]
+                if local:
+                    already_finished = self._state.host_part_finished(iteration, host)
+                else:
+                    already_finished = iteration.finished
+                created = False
             error = self._iteration_errors.get(iteration_id)
             if error is not None:
                 raise errors.WorkerCrashedError(error)
             client_id = st.IterationClientId(self._state.next_client_id)
-            self._apply_locked(st.AcquireIterationClient(client_id, iteration_id))
+            self._apply_locked(st.AcquireIterationClient(client_id, iteration_id, host))
+            if local and not already_finished:
+                self._add_host_tasks_locked(job, iteration, host)
+            if created or new_host:
+                self._fail_stranded_iterations_locked()
+                error = self._iteration_errors.get(iteration_id)
+                if error is not None:
+                    self._release_client_locked(client_id)
+                    raise errors.WorkerCrashedError(error)
             now = time.monotonic()
             self._client_seen[client_id] = now
             self._job_last_used[job.job_id] = now
@@ -739,8 +774,17 @@ class DispatchServer:
                 task = iteration.tasks.get(st.TaskId(task_id))
                 if task is not None and not task.finished and not task.removed:
                     self._apply_locked(st.FinishTask(task.task_id))
-            response = pb.ClientHeartbeatResponse(iteration_finished=iteration.finished)
-            for task in iteration.live_tasks():
+            job = self._state.jobs[iteration.job_id]
+            if job.reads_local_workers_only:
+                # This consumer reads its own host's workers, and is done with them.
+                host = self._state.client_hosts.get(client_id) or job.client_host_id
+                finished = self._state.host_part_finished(iteration, host)
+                tasks = [t for t in iteration.live_tasks() if t.host_id == host]
+            else:
+                finished = iteration.finished
+                tasks = iteration.live_tasks()
+            response = pb.ClientHeartbeatResponse(iteration_finished=finished)
+            for task in tasks:
                 self._add_task_info_locked(response.tasks, task)
             return response
 
@@ -873,20 +917,37 @@ class DispatchServer:
         iteration that no worker can run any more: it has no live task, no
         registered worker serves its job, no lost worker may still come back,
         and some worker was given up on (ReportWorkerFailure). Without a
-        given-up worker an iteration waits for workers, as in tf.data service."""
+        given-up worker an iteration waits for workers, as in tf.data service.
+        A job that reads only local workers fails once the consumers of one
+        host have neither a live task nor a worker there (and their part is
+        not over), though consumers on other hosts could go on: the error is
+        the iteration's."""
         if not self._failed_workers:
             return
         if any(a not in self._workers and a not in self._failed_workers for a in self._lost_uids):
             return  # a lost worker may come back (restarted on its address)
         for iteration in self._state.unfinished_iterations():
-            if iteration.iteration_id in self._iteration_errors or iteration.live_tasks():
+            if iteration.iteration_id in self._iteration_errors:
                 continue
             job = self._state.jobs[iteration.job_id]
-            if job.garbage_collected or any(
-                self._worker_serves_job_locked(w, job) for w in self._workers.values()
-            ):
+            if job.garbage_collected:
                 continue
-            held = {t.worker_address for t in iteration.tasks.values()}
+            if job.reads_local_workers_only:
+                live_hosts = {t.host_id for t in iteration.live_tasks()}
+                stranded = [
+                    h
+                    for h in iteration.consumer_hosts
+                    if h not in live_hosts
+                    and not self._state.host_part_finished(iteration, h)
+                    and not any(w.host_id == h for w in self._workers.values())
+                ]
+                if not stranded:
+                    continue
+                held = {t.worker_address for t in iteration.tasks.values() if t.host_id in stranded}
+            else:
+                if iteration.live_tasks() or self._workers:
+                    continue
+                held = {t.worker_address for t in iteration.tasks.values()}
             reasons = [r for a, r in self._failed_workers.items() if a in held]
             name = f" ({job.job_name})" if job.job_name else ""
             self._iteration_errors[iteration.iteration_id] = (

@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import NewType
 
+from dataservice.sharding import STATIC_POLICIES, ShardingPolicy
+
 JobId = NewType("JobId", int)
 IterationId = NewType("IterationId", int)
 IterationClientId = NewType("IterationClientId", int)
@@ -177,6 +179,21 @@ class Job:
     use_cross_trainer_cache: bool = False
     iterations: dict[int, IterationId] = field(default_factory=dict)  # repetition -> id
     garbage_collected: bool = False
+
+    @property
+    def reads_local_workers_only(self) -> bool:
+        """Whether each consumer reads only the workers on its own host:
+        target_workers="LOCAL", or "AUTO" with static sharding (API.md: local
+        workers are the ones static sharding reads from; tf.data's AUTO would
+        read every worker not colocated with another trainer). A coordinated
+        read (num_consumers) reads every worker. "ANY" reads every worker."""
+        if self.target_workers == "LOCAL":
+            return True
+        return (
+            self.target_workers == "AUTO"
+            and self.processing_mode in STATIC_POLICIES
+            and not self.num_consumers
+        )
 
 
 @dataclass
@@ -337,7 +354,15 @@ class DispatcherState:
     def _maybe_finish_iteration(self, it: Iteration) -> None:
         # Finished once some task ran to its end and no live task remains
         # (an iteration whose workers were all lost waits for new workers).
+        # Where each host's consumers read their own workers' full share (OFF
+        # or static sharding, local workers only), one host's end is not the
+        # iteration's: a consumer on another host may still come and read its
+        # own workers, so such an iteration ends per host (host_part_finished)
+        # and as a whole only when its job is collected.
         if it.finished:
+            return
+        job = self.jobs[it.job_id]
+        if job.reads_local_workers_only and job.processing_mode != ShardingPolicy.DYNAMIC:
             return
         if any(t.finished for t in it.tasks.values()) and not it.live_tasks():
             it.finished = True
@@ -349,6 +374,21 @@ class DispatcherState:
     def live_job_named(self, job_name: str) -> Job | None:
         job_id = self.jobs_by_name.get(job_name)
         return self.jobs[job_id] if job_id is not None else None
+
+    def host_part_finished(self, it: Iteration, host_id: str) -> bool:
+        """Whether the consumers on `host_id` have read all of `it` they will
+        get, for a job that reads only local workers: the iteration is over,
+        or the tasks on that host's workers are, one of them to its end (as
+        `_maybe_finish_iteration` for a whole iteration), or, under DYNAMIC
+        sharding, every split is handed out and none of them runs there."""
+        if it.finished:
+            return True
+        mine = [t for t in it.tasks.values() if t.host_id == host_id]
+        if any(not t.finished and not t.removed for t in mine):
+            return False
+        if any(t.finished for t in mine):
+            return True
+        return self.jobs[it.job_id].processing_mode == ShardingPolicy.DYNAMIC and it.splits_ended
 
     def unfinished_iterations(self) -> list[Iteration]:
         return [it for it in self.iterations.values() if not it.finished]

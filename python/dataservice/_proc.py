@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import re
@@ -335,3 +336,28 @@ class ExitWatchdog:
             except (OSError, ValueError):
                 pass
         os._exit(code)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_memory() -> None:
+    """Gives the free memory malloc keeps back to the kernel (glibc's
+    `malloc_trim(0)`, which also releases free pages inside the heap, not only at
+    its top; a no-op elsewhere). A worker calls it when tasks end: a task buffer
+    of up to 64 MiB of small elements (`bytes` of a few KiB, small arrays) is
+    freed into malloc's bins, which glibc does not return on its own."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

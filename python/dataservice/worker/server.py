@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import errors
+from dataservice import _proc, errors
 from dataservice.config import WorkerConfig
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
@@ -492,6 +492,7 @@ class WorkerServer:
             return
         self._incarnation = response.incarnation_id
         self._registered.set()
+        stopped = 0
         for task_id in response.tasks_to_delete:
             with self._mu:
                 runner = self._tasks.pop(task_id, None)
@@ -500,6 +501,9 @@ class WorkerServer:
                     self._deleted.popitem(last=False)
             if runner is not None:
                 runner.stop()
+                stopped += 1
+        if stopped:  # their buffers are freed: give what malloc keeps back to the OS
+            _proc.release_free_memory()
         for task in response.new_tasks:
             with self._mu:
                 if task.task_id in self._tasks:

@@ -380,9 +380,10 @@ impl PyWindowWriter {
         Ok(evicted)
     }
 
-    /// `(generation, pos, spec_ids, first_pos)` of the cached frames `offset .. offset + n`
+    /// `(generation, pos, spec_ids, reclaim_below)` of the cached frames `offset .. offset + n`
     /// (offsets into the window, oldest first): they are contiguous from `pos` (PADs
-    /// between them); `first_pos` is the window's oldest frame.
+    /// between them). `reclaim_below` is the position the writer reaches within its next
+    /// quarter of the segment: a hold below it stalls the writer soon.
     fn span(&self, offset: usize, n: usize) -> PyResult<(u64, u64, Vec<u32>, u64)> {
         let g = lock(&self.state, "cache window writer")?;
         let frames = g.log.frames();
@@ -401,7 +402,9 @@ impl PyWindowWriter {
         ids.dedup();
         ids.sort_unstable();
         ids.dedup();
-        Ok((g.generation, frames[offset].pos, ids, g.log.first_pos()))
+        let cap = g.log.capacity();
+        let reclaim_below = g.log.end_pos().saturating_sub(cap - cap / 4);
+        Ok((g.generation, frames[offset].pos, ids, reclaim_below))
     }
 
     /// The encoded spec `spec_id` (for `ShmWindowReader.add_spec`).
@@ -849,24 +852,24 @@ impl PyWindowReader {
     }
 
     /// Decodes `count` DATA frames from position `pos` on (PADs skipped); the first one's
-    /// sequence number must be `first_seq` and the rest consecutive. Frames in the oldest
-    /// quarter of the segment from `window_first_pos` (the window's oldest frame) on, and
-    /// below it, are what the writer reclaims next: they are copied, not leased, and views
-    /// still alive of earlier frames are detached now (copied into private memory), which
-    /// lifts their holds before they stall the writer.
+    /// sequence number must be `first_seq` and the rest consecutive. Frames below
+    /// `reclaim_below` (from the reply: the space the writer reuses within its next quarter
+    /// of the segment) are copied, not leased, and views still alive of such frames are
+    /// detached now (copied into private memory), which lifts their holds before they stall
+    /// the writer.
     ///
     /// Returns:
     ///     (elements, frame bytes).
     /// Raises:
     ///     DataLossError: The segment's bytes are not the frames named.
-    #[pyo3(signature = (pos, count, first_seq, window_first_pos = None))]
+    #[pyo3(signature = (pos, count, first_seq, reclaim_below = None))]
     fn read<'py>(
         &self,
         py: Python<'py>,
         pos: u64,
         count: usize,
         first_seq: u64,
-        window_first_pos: Option<u64>,
+        reclaim_below: Option<u64>,
     ) -> PyResult<(Bound<'py, PyList>, u64)> {
         let mut g = lock(&self.state, "cache window reader")?;
         let s = g
@@ -882,15 +885,19 @@ impl PyWindowReader {
         let cap = s.map.capacity();
         let max_pinned = (cap as f64 * s.max_pinned_fraction) as u64;
         let page = crate::shm::segment::page_bytes();
-        // Frames below this are the next the writer reclaims (the window's oldest quarter
-        // of the segment): views of them would soon stall it.
-        let detach_limit = window_first_pos.map(|f| f.saturating_add(cap / 4));
+        let detach_limit = reclaim_below;
         let mut p = pos;
         let mut nbytes = 0;
         for i in 0..count {
+            let mut pads = 0;
             let (slot, total) = loop {
                 let (slot, total, kind) = frame_at(&s.map, p)?;
                 if kind == crate::shm::ring::KIND_PAD {
+                    // One PAD at the wrap, or before a page-aligned frame, never two in a row.
+                    pads += 1;
+                    if pads > 1 {
+                        return Err(corrupted(p, "two PAD frames in a row"));
+                    }
                     p += total;
                     continue;
                 }

@@ -549,8 +549,18 @@ def test_cache_trainers_arriving_together_both_see_every_element(make_cluster, m
     monkeypatch.setattr(Cache, "_extend", extend_together)
     dataset = ds.Dataset.range(10**7).map(lambda i: np.full(100, i, np.int64)).repeat()
     a, b = iter(cached(dataset, c, "a")), iter(cached(dataset, c, "b"))
-    got_a = [int(next(a)[0]) for _ in range(40)]
-    got_b = [int(next(b)[0]) for _ in range(40)]
+    # Both trainers' first next() at once: a reader asks for nothing before it.
+    first: dict[str, int] = {}
+    starts = [
+        threading.Thread(target=lambda n=n, it=it: first.update({n: int(next(it)[0])}))
+        for n, it in (("a", a), ("b", b))
+    ]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join()
+    got_a = [first["a"]] + [int(next(a)[0]) for _ in range(39)]
+    got_b = [first["b"]] + [int(next(b)[0]) for _ in range(39)]
     a.close()
     b.close()
     # The race happened: both trainers were filling an empty window together.

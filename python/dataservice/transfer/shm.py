@@ -277,7 +277,9 @@ class _Connection:
             reply: dict[str, Any] = {"n": 0, "end": end, "error": list(error) if error else None}
             fds = []
             if read is not None:
-                reply.update(n=read.count, pos=read.pos, seq=read.first_index, first=read.first_pos)
+                reply.update(
+                    n=read.count, pos=read.pos, seq=read.first_index, below=read.reclaim_below
+                )
                 reply["specs"] = {str(i): b.hex() for i, b in read.specs.items()}
                 known_specs.update(read.specs)
                 if read.fd is not None:
@@ -697,7 +699,7 @@ class ShmTransferClient(base.TransferClient):
                 window.add_spec(int(spec_id), bytes.fromhex(body))
             if count:
                 elements, nbytes = window.read(
-                    int(reply["pos"]), count, int(reply["seq"]), reply.get("first")
+                    int(reply["pos"]), count, int(reply["seq"]), reply.get("below")
                 )
                 out = list(elements)
         finally:

@@ -72,13 +72,14 @@ def segment_bound(max_bytes: int) -> int:
 class WindowRead:
     """Frames of the window a same-host trainer is to read: `count` frames from
     position `pos` of segment `generation`, the first being element `first_index`;
-    `first_pos` is where the window's oldest frame starts."""
+    `reclaim_below`: the writer reuses space below it within its next quarter of
+    the segment (views of frames there are copied, not leased)."""
 
     generation: int
     pos: int
     count: int
     first_index: int
-    first_pos: int
+    reclaim_below: int
     specs: dict[int, bytes] = dataclasses.field(default_factory=dict)
     fd: int | None = None  # the segment, when the trainer has not mapped it yet
     nonce: bytes = b""
@@ -202,9 +203,9 @@ class CrossTrainerCache:
         """
 
         def take(start: int, n: int, index: int) -> WindowRead:
-            generation, pos, spec_ids, first_pos = self.writer.span(start, n)
+            generation, pos, spec_ids, reclaim_below = self.writer.span(start, n)
             self.writer.grant(slot, pos)
-            read = WindowRead(generation, pos, n, index, first_pos)
+            read = WindowRead(generation, pos, n, index, reclaim_below)
             read.specs = {i: self.writer.spec_bytes(i) for i in spec_ids if i not in known_specs}
             if generation != known_generation:
                 _, fd, read.nonce = self.writer.segment()

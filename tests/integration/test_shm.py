@@ -477,7 +477,9 @@ def test_first_element_waits_for_every_worker_to_connect(cluster2, monkeypatch):
     tasks = list(it._reader._tasks.values())
     assert first == 0 and len(tasks) == 2
     assert all(t.tried for t in tasks)
-    assert 0.25 < waited < reader_module._START_WAIT_S + 0.5, waited
+    # It waited for the slow handshake, and not for long after it (a loaded
+    # machine adds its own delay: the bound is well under the 4 s task wait).
+    assert 0.25 < waited < reader_module._START_WAIT_S + 2.0, waited
     rest = [int(x) for x in it]
     assert sorted([first, *rest]) == sorted(2 * list(range(100)))  # OFF: a copy per worker
     assert {w["transfer_protocol"] for w in it.stats()["workers"].values()} == {"shm"}

@@ -115,6 +115,21 @@ def test_no_element_is_fetched_before_the_first_next(cluster2, protocol):
     assert sum(w["elements"] for w in fetched.values()) == 200
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "shm"])
+def test_strings_of_varying_width_are_one_structure(cluster, protocol):
+    # numpy string widths differ from element to element (a batch is as wide as
+    # its longest string): the stream's structure check must not see a change.
+    names = ds.Dataset.from_tensor_slices(["a", "bb", "ccc", "d", "eeeee"])
+    batches = ds.Dataset.range(5).map(lambda i: "f" * (int(i) + 1)).batch(2)
+    raw = ds.Dataset.from_tensor_slices(np.array([b"x", b"yy", b"zzz"]))
+    for dataset in (names, batches, raw):
+        got = list(dist(dataset, cluster, data_transfer_protocol=protocol))
+        want = list(dataset)
+        assert [type(x) for x in got] == [type(x) for x in want]
+        assert [getattr(x, "dtype", None) for x in got] == [getattr(x, "dtype", None) for x in want]
+        assert [np.asarray(x).tolist() for x in got] == [np.asarray(x).tolist() for x in want]
+
+
 def test_element_larger_than_grpc_default_message(cluster):
     big = np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(1, 3, 1024, 1024)  # 12 MiB
     (got,) = list(dist(ds.Dataset.from_tensor_slices(big), cluster))

@@ -97,11 +97,13 @@ def decode(data: bytes) -> Any:
 
 def signature(element: Any) -> Any:
     """The structure of `element` with each leaf's kind and dtype (not its shape):
-    two elements of one stream must have equal signatures."""
+    two elements of one stream must have equal signatures. A numpy string's
+    width (`<U3`, `|S7`) is not part of it, as a tf.string has no width: each
+    element (a batch of file names, say) is as wide as its longest string."""
     if isinstance(element, np.ndarray):
-        return ("ndarray", element.dtype.str, element.ndim)
+        return ("ndarray", _dtype_key(element.dtype), element.ndim)
     if isinstance(element, np.generic):
-        return ("scalar", element.dtype.str)
+        return ("scalar", _dtype_key(element.dtype))
     if isinstance(element, tuple):
         kind = type(element) if hasattr(element, "_fields") else tuple
         return (kind, tuple(signature(e) for e in element))
@@ -112,6 +114,12 @@ def signature(element: Any) -> Any:
     if isinstance(element, (bytes, str, int, float, bool)) or element is None:
         return type(element)
     return type(element)
+
+
+def _dtype_key(dtype: np.dtype) -> str:
+    """`dtype.str`, without the width of a string dtype ("<U", "|S")."""
+    text = dtype.str
+    return text[:2] if dtype.kind in "US" else text
 
 
 def describe(sig: Any) -> str:

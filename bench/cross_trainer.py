@@ -27,9 +27,11 @@ each, 32 MiB cache; RSS as growth over the idle worker):
 
 The cache's end figure is its 32 MiB segment; the peak is the moment it grew
 from 16 to 32 MiB (both mapped while the window is copied over). On a busier
-machine the trainers fall behind the pipeline and the task's runner buffers up
+machine the trainers fell behind the pipeline and the task's runner buffered up
 to 64 MiB ahead of the cache (other runs: 6.9 CPU s / +89 MiB, 7.3 / +100;
-see docs/transport-notes.md). Before the
+see docs/transport-notes.md); a cached task's runner now buffers a quarter of
+the cache bound (8 MiB here): 5.0 CPU s, +46 / +45 MiB vs 14.4 s, +199 / +64
+MiB independent, on a quiet machine. Before the
 window was one segment (each same-host trainer read the cache through its own
 64 MiB ring): cache 5.3 CPU s, RSS peak +227 MiB.
 

@@ -32,7 +32,7 @@ from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, apply_static_s
 from dataservice.transfer import base as transfer
 from dataservice.transfer import codec
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
-from dataservice.worker.task_runner import TaskRunner
+from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner
 
 DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
 
@@ -128,6 +128,7 @@ class _WorkerTaskRunner(TaskRunner):
         *,
         lazy: bool,
         on_handout: Callable[[], None],
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> None:
         self._go = threading.Event()
         self._cancelled = False
@@ -142,7 +143,7 @@ class _WorkerTaskRunner(TaskRunner):
                 return iter(())
             return make_iterator()
 
-        super().__init__(task_id, make_when_asked, worker_address)
+        super().__init__(task_id, make_when_asked, worker_address, buffer_bytes=buffer_bytes)
 
     def start_producing(self) -> None:
         if not self._go.is_set():
@@ -560,19 +561,25 @@ class WorkerServer:
                 return dataset._make_iterator(IterContext(split_sources=sources))
             return iter(dataset)
 
+        cache_bytes = (
+            self._config.cross_trainer_cache_size_bytes or DEFAULT_CROSS_TRAINER_CACHE_BYTES
+        )
+        buffer_bytes = DEFAULT_BUFFER_BYTES
+        if task.use_cross_trainer_cache:
+            # The window is the task's buffer: the runner prefetches one fill of it
+            # (a quarter), not 64 MiB more of elements no trainer asked for yet.
+            buffer_bytes = max(1 << 20, min(DEFAULT_BUFFER_BYTES, cache_bytes // 4))
         runner = _WorkerTaskRunner(
             task.task_id,
             make_iterator,
             self._address,
             lazy=self._lazy_tasks,
             on_handout=self._note_handout,
+            buffer_bytes=buffer_bytes,
         )
         runner.num_consumers = task.num_consumers
         if task.use_cross_trainer_cache:
-            runner.cross_trainer_cache = CrossTrainerCache(
-                runner,
-                self._config.cross_trainer_cache_size_bytes or DEFAULT_CROSS_TRAINER_CACHE_BYTES,
-            )
+            runner.cross_trainer_cache = CrossTrainerCache(runner, cache_bytes)
         with self._mu:
             if task.task_id in self._tasks or self._stop_event.is_set():
                 runner.stop()

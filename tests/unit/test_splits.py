@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import itertools
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -532,3 +533,34 @@ def test_conformance_pipeline_two_workers_read_whole_groups():
     assert all(1 <= g <= 4096 for g in seen if g != 0)
     handed = collections.Counter(s + 1 for s in groups.handed_out)
     assert not collections.Counter(g for g in seen if g != 0) - handed
+
+
+class BatchSplits:
+    """A split source that also hands out whole batches (as a worker's fetcher)."""
+
+    def __init__(self, batches):
+        self._batches = [list(b) for b in batches]
+        self.batch_calls = 0
+
+    def get_next(self):  # never used when get_next_batch exists
+        raise AssertionError("range read a batch source split by split")
+
+    def get_next_batch(self):
+        self.batch_calls += 1
+        return self._batches.pop(0) if self._batches else None
+
+
+def test_range_reads_a_batch_source_a_batch_at_a_time():
+    source = BatchSplits([[3, 0, 7], [], [9, 1]])
+    got = list(Dataset.range(5, 25, 2)._make_iterator(IterContext(source)))
+    assert got == [11, 5, 19, 23, 7] and all(type(x) is np.int64 for x in got)
+    assert source.batch_calls == 4  # three batches, then None
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"), [([1, 10], "split 10, outside [0, 10)"), ([1, "a"], "not an index")]
+)
+def test_range_names_a_bad_split_in_a_batch(batch, message):
+    it = Dataset.range(10)._make_iterator(IterContext(BatchSplits([batch])))
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        list(it)

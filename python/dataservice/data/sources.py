@@ -75,6 +75,33 @@ def _splits(source: SplitSource) -> Iterator[Any]:
         yield split
 
 
+def _index_batches(source: SplitSource, n: int, op: str) -> Iterator[np.ndarray] | None:
+    """The splits of `source` as int64 arrays of indices in [0, n), a batch at a
+    time, if `source` hands out batches (`get_next_batch`, as a worker's DYNAMIC
+    split fetcher does); else None. Checked as `_split_index` checks one."""
+    get_batch = getattr(source, "get_next_batch", None)
+    if get_batch is None:
+        return None
+
+    def batches() -> Iterator[np.ndarray]:
+        while True:
+            batch = get_batch()
+            if batch is None:
+                return
+            try:
+                indices = np.asarray(batch, dtype=np.int64)
+            except (TypeError, ValueError, OverflowError):
+                for split in batch:  # names the offending split
+                    _split_index(split, n, op)
+                raise
+            if indices.size and (indices.min() < 0 or indices.max() >= n):
+                bad = int(indices[(indices < 0) | (indices >= n)][0])
+                raise InvalidArgumentError(f"`{op}` got split {bad}, outside [0, {n})")
+            yield indices
+
+    return batches()
+
+
 def _split_index(split: Any, n: int, op: str) -> int:
     try:
         i = int(split)
@@ -131,6 +158,11 @@ class RangeDataset(Dataset):
 
     def _from_splits(self, source: SplitSource) -> Iterator[Element]:
         n = self._len()
+        batches = _index_batches(source, n, "range")
+        if batches is not None:  # a batch at a time: no Python work per element
+            for indices in batches:
+                yield from indices * self._step + self._start  # np.int64 elements
+            return
         for split in _splits(source):
             yield np.int64(self._start + _split_index(split, n, "range") * self._step)
 

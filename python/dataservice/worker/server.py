@@ -74,13 +74,30 @@ class _SplitFetcher:
             return self._splits[pos]
         if self._end:
             return None
+        if not self._refill():
+            return None
+        return self.get_next()
+
+    def get_next_batch(self) -> list[Any] | None:
+        """The splits not yet taken from the current batch (or the next batch), all
+        at once; None when there are no more (a source that turns a batch into
+        elements without a Python call per split: `range`)."""
+        if self._pos >= len(self._splits) and (self._end or not self._refill()):
+            return None
+        batch = self._splits[self._pos :] if self._pos else self._splits
+        self._pos = len(self._splits)
+        return batch
+
+    def _refill(self) -> bool:
+        """Takes the next batch (waiting for its RPC) and asks for the one after;
+        False if there is none."""
         self._ask_next()
         assert self._next is not None
         pending, self._next = self._next, None
         self._splits, self._end = pending.result()  # raises what the RPC raised
         self._pos = 0
         self._ask_next()
-        return self.get_next() if self._splits else None
+        return bool(self._splits)
 
     def _ask_next(self) -> None:
         """Starts the GetSplits RPC for the next batch, unless one is in flight."""

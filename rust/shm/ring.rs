@@ -35,6 +35,25 @@ use crate::error::Error;
 use crate::shm::layout::{RingHeader, FRAME_ALIGN};
 use crate::sync::{fence, spin_loop, Mutex, MutexGuard, Ordering, Woken};
 
+/// PAD bytes to write at data-area offset `slot` before a frame of `len` bytes aligned
+/// to `align`, in a data area of `cap` bytes: up to the end when the frame would
+/// straddle it (frames never wrap), else up to the next `align` boundary (to the end
+/// if the aligned frame would straddle). Shared by the ring and the cache window.
+pub(crate) fn pad_before(slot: u64, len: u64, align: u64, cap: u64) -> u64 {
+    if slot + len > cap {
+        cap - slot
+    } else if align > FRAME_ALIGN && slot % align != 0 {
+        let aligned = slot.next_multiple_of(align);
+        if aligned + len > cap {
+            cap - slot
+        } else {
+            aligned - slot
+        }
+    } else {
+        0
+    }
+}
+
 /// Frame-header words the ring itself reads (the rest is `transport::frame`'s).
 pub const FRAME_MAGIC: u32 = 0xD5 << 8;
 pub const KIND_PAD: u32 = 2;
@@ -129,17 +148,7 @@ impl Producer {
     pub fn try_reserve(&mut self, len: u64, align: u64) -> Option<u64> {
         debug_assert!(len % FRAME_ALIGN == 0 && len >= MIN_FRAME && len <= self.cap / 2);
         let slot = self.write & (self.cap - 1);
-        let mut pad = 0;
-        if slot + len > self.cap {
-            pad = self.cap - slot;
-        } else if align > FRAME_ALIGN && slot % align != 0 {
-            let aligned = slot.next_multiple_of(align);
-            pad = if aligned + len > self.cap {
-                self.cap - slot
-            } else {
-                aligned - slot
-            };
-        }
+        let pad = pad_before(slot, len, align, self.cap);
         if self.free_bytes(pad + len) < pad + len {
             return None;
         }

@@ -51,7 +51,7 @@ use rustix::mm::{MapFlags, MremapFlags, ProtFlags};
 
 use crate::error::Error;
 use crate::shm::layout::FRAME_ALIGN;
-use crate::shm::ring::{FRAME_MAGIC, KIND_PAD, MIN_FRAME};
+use crate::shm::ring::{pad_before, FRAME_MAGIC, KIND_PAD, MIN_FRAME};
 use crate::shm::segment::page_bytes;
 
 pub const MAGIC: [u8; 8] = *b"DSWIND01";
@@ -531,17 +531,7 @@ impl WindowLog {
     pub fn try_place(&self, len: u64, align: u64, held: u64) -> Place {
         debug_assert!(len % FRAME_ALIGN == 0 && len >= MIN_FRAME && len <= self.cap / 2);
         let slot = self.end & (self.cap - 1);
-        let mut pad = 0;
-        if slot + len > self.cap {
-            pad = self.cap - slot;
-        } else if align > FRAME_ALIGN && slot % align != 0 {
-            let aligned = slot.next_multiple_of(align);
-            pad = if aligned + len > self.cap {
-                self.cap - slot
-            } else {
-                aligned - slot
-            };
-        }
+        let pad = pad_before(slot, len, align, self.cap);
         let first = self.first_pos();
         let limit = reclaim_limit(first, self.end, [held]);
         if self.end + pad + len <= limit + self.cap {

@@ -105,14 +105,7 @@ fn check_pid(pid: u32) -> PyResult<()> {
 }
 
 fn lock<'a, T>(m: &'a Mutex<Option<T>>, what: &str) -> PyResult<MutexGuard<'a, Option<T>>> {
-    match m.try_lock() {
-        Ok(g) => Ok(g),
-        Err(std::sync::TryLockError::Poisoned(p)) => Ok(p.into_inner()),
-        Err(std::sync::TryLockError::WouldBlock) => Err(Error::RingState(format!(
-            "{what} in use by another thread (one thread per ring end)"
-        ))
-        .into()),
-    }
+    super::try_lock(m, what, "one thread per ring end")
 }
 
 fn closed(what: &str) -> PyErr {

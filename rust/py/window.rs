@@ -29,14 +29,7 @@ use crate::transport::frame::{self, FrameHeader, FramePlan, LeafDesc, LeafKind, 
 const GIL_FREE_COPY_BYTES: u64 = 64 << 10;
 
 fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> PyResult<MutexGuard<'a, T>> {
-    match m.try_lock() {
-        Ok(g) => Ok(g),
-        Err(std::sync::TryLockError::Poisoned(p)) => Ok(p.into_inner()),
-        Err(std::sync::TryLockError::WouldBlock) => Err(Error::RingState(format!(
-            "{what} in use by another thread (one thread at a time)"
-        ))
-        .into()),
-    }
+    super::try_lock(m, what, "one thread at a time")
 }
 
 fn corrupted(pos: u64, what: &str) -> PyErr {

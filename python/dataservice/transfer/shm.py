@@ -161,6 +161,21 @@ class _Connection:
         else:
             self._sock.send(data)
 
+    def _next_message(self) -> bytes | None:
+        """The client's next control message (a request, or a window reply's DONE);
+        None once it closed the connection or the server is stopping (checked every
+        0.2 s)."""
+        while not self._server.stopping:
+            self._sock.settimeout(0.2)
+            try:
+                data = self._sock.recv(64)
+            except (TimeoutError, InterruptedError):
+                continue
+            except OSError:
+                return None
+            return data or None
+        return None
+
     def _run(self) -> None:
         try:
             self._serve()
@@ -247,16 +262,8 @@ class _Connection:
         finally:
             os.close(fd)
         known_specs: set[int] = set()
-        while not server.stopping:
-            self._sock.settimeout(0.2)
-            try:
-                data = self._sock.recv(64)
-            except (TimeoutError, InterruptedError):
-                continue
-            except OSError:
-                return
-            if not data:
-                return  # the trainer closed the connection (detach clears its slot)
+        # Until the trainer closes the connection (detach clears its slot).
+        while (data := self._next_message()) is not None:
             if data == _DONE:
                 cache.writer.ungrant(slot)
                 continue
@@ -305,16 +312,7 @@ class _Connection:
         server = self._server
         max_frame = max(1, self.ring.max_frame_bytes)
         cache = runner.cross_trainer_cache if trainer_id else None
-        while not server.stopping:
-            self._sock.settimeout(0.2)
-            try:
-                data = self._sock.recv(64)
-            except (TimeoutError, InterruptedError):
-                continue
-            except OSError:
-                return
-            if not data:
-                return  # the client closed the connection
+        while (data := self._next_message()) is not None:  # until the client closes
             if len(data) != _REQUEST.size or data[:1] != b"G":
                 log.warning("shm: unexpected %d-byte message from a client", len(data))
                 return

@@ -186,16 +186,15 @@ def start_workers(dispatcher: str, ports: list[int], host_ids: list[str | None],
     return workers
 
 
-class StaticCluster:
-    """A dispatcher (in this process) with a fixed list of 4 worker processes,
-    started on pre-picked ports; only worker LOCAL_INDEX shares our host id."""
+class _FixedWorkersCluster:
+    """A dispatcher (in this process) configured with `config`, whose
+    `worker_addresses` are worker processes on `ports`, worker i with host id
+    `host_ids[i]` (None: ours)."""
 
-    def __init__(self) -> None:
-        ports = free_ports(STATIC_WORKERS)
-        addresses = [f"127.0.0.1:{p}" for p in ports]
-        self.dispatcher = ds.DispatchServer(ds.DispatcherConfig(worker_addresses=addresses))
+    def __init__(self, config: ds.DispatcherConfig, ports: list[int], host_ids: list) -> None:
+        self.config = config
+        self.dispatcher = ds.DispatchServer(config)
         self.target = self.dispatcher.target
-        host_ids = [None if i == LOCAL_INDEX else f"remote-host-{i}" for i in range(len(ports))]
         try:
             self.workers = start_workers(self.target.split("://")[1], ports, host_ids)
         except BaseException:
@@ -212,16 +211,27 @@ class StaticCluster:
         self.dispatcher.stop()
 
 
+class StaticCluster(_FixedWorkersCluster):
+    """A dispatcher (in this process) with a fixed list of 4 worker processes,
+    started on pre-picked ports; only worker LOCAL_INDEX shares our host id."""
+
+    def __init__(self) -> None:
+        ports = free_ports(STATIC_WORKERS)
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        host_ids = [None if i == LOCAL_INDEX else f"remote-host-{i}" for i in range(len(ports))]
+        super().__init__(ds.DispatcherConfig(worker_addresses=addresses), ports, host_ids)
+
+
 HOST_A, HOST_B = "host-a", "host-b"
 
 
-class TwoHostCluster:
+class TwoHostCluster(_FixedWorkersCluster):
     """A fault-tolerant dispatcher (in this process, on a fixed port) with a
     fixed list of 4 worker processes: 0 and 1 on host-a, 2 and 3 on host-b."""
 
     def __init__(self, work_dir: str) -> None:
         dispatcher_port, *ports = free_ports(5)
-        self.config = ds.DispatcherConfig(
+        config = ds.DispatcherConfig(
             port=dispatcher_port,
             worker_addresses=[f"127.0.0.1:{p}" for p in ports],
             work_dir=work_dir,
@@ -229,15 +239,7 @@ class TwoHostCluster:
             job_gc_check_interval_ms=200,
             job_gc_timeout_ms=1000,
         )
-        self.dispatcher = ds.DispatchServer(self.config)
-        self.target = self.dispatcher.target
-        host_ids = [HOST_A, HOST_A, HOST_B, HOST_B]
-        try:
-            self.workers = start_workers(self.target.split("://")[1], ports, host_ids)
-        except BaseException:
-            self.dispatcher.stop()
-            raise
-        self.index_of_pid = {w.pid: i for i, w in enumerate(self.workers)}
+        super().__init__(config, ports, [HOST_A, HOST_A, HOST_B, HOST_B])
 
     @staticmethod
     def read_on(host: str, monkeypatch, dataset):
@@ -246,18 +248,10 @@ class TwoHostCluster:
         monkeypatch.setenv("DATASERVICE_HOST_ID", host)
         return iter(dataset)
 
-    def by_worker(self, got: list) -> dict[int, list]:
-        return {self.index_of_pid[pid]: xs for pid, xs in by_pid(got).items()}
-
     def restart_dispatcher(self) -> None:
         """Stops the dispatcher and starts it again on its port (the journal replayed)."""
         self.dispatcher.stop()
         self.dispatcher = ds.DispatchServer(self.config)
-
-    def stop(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.dispatcher.stop()
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,12 @@ checks that the child was really re-parented before it stops the server. A
 otherwise lose its processes with that thread."""
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """This process's C library, loaded once (raises OSError if it cannot be)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def set_parent_death_signal(signum: int = PARENT_DEATH_SIGNAL) -> bool:
     """Asks Linux to send `signum` to this process when its parent thread exits.
 
@@ -51,7 +57,7 @@ def set_parent_death_signal(signum: int = PARENT_DEATH_SIGNAL) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = _libc()
         if libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
             err = ctypes.get_errno()
             logger.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(err))
@@ -338,26 +344,19 @@ class ExitWatchdog:
         os._exit(code)
 
 
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    import platform
-
-    if platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        libc = ctypes.CDLL(None)
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
 def release_free_memory() -> None:
     """Gives the free memory malloc keeps back to the kernel (glibc's
     `malloc_trim(0)`, which also releases free pages inside the heap, not only at
     its top; a no-op elsewhere). A worker calls it when tasks end: a task buffer
     of up to 64 MiB of small elements (`bytes` of a few KiB, small arrays) is
     freed into malloc's bins, which glibc does not return on its own."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        malloc_trim = _libc().malloc_trim
+    except (OSError, AttributeError):
+        return
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim(0)

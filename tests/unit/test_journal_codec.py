@@ -79,7 +79,7 @@ def _non_default_updates() -> list[st.Update]:
     """One of each kind, every field away from its default."""
     return [
         st.SetIncarnation("inc-\u00e9"),
-        st.RegisterDataset("ds/1", "f" * 64, b"\x00spec\xff", -2, True),
+        st.RegisterDataset("ds/1", "f" * 64, b"\x00spec\xff", -2, True, "d" * 64),
         st.CreateJob(st.JobId(1001), "ds/1", "job", ShardingPolicy.HINT, 3, "ANY", "host", True),
         st.CreateIteration(st.IterationId(2001), st.JobId(1001), 4, 2**62 - 1, 3),
         st.AcquireIterationClient(st.IterationClientId(3001), st.IterationId(2001), "host-a"),

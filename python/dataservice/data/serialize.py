@@ -21,6 +21,7 @@ import hashlib
 import mmap
 import os
 import pickle
+import stat
 from typing import Any
 
 import cloudpickle
@@ -108,7 +109,8 @@ def load(definition: Any) -> Dataset:
     """The Dataset of the `DatasetDef` `definition`, whose buffers are inline or
     files on this host (`DatasetBuffer.path`).
 
-    A file is mapped, not read (`map_buffer_file`): the arrays made from it are
+    A file (only ever the dispatcher's, named by the buffer's `sha256`) is
+    mapped, not read (`map_buffer_file`): the arrays made from it are
     views of page-cache pages shared with every process that maps the same file.
     An inline buffer is copied into memory of its own. Either way an array is as
     writable as the one that was serialised.
@@ -119,10 +121,15 @@ def load(definition: Any) -> Dataset:
         InvalidArgumentError: Unpickling failed (e.g. a module a function refers
             to is not importable here), or the bytes are not a Dataset.
     """
-    buffers = [
-        map_buffer_file(b.path, b.size_bytes) if b.path else bytearray(b.data)
-        for b in definition.buffers
-    ]
+    buffers = []
+    for b in definition.buffers:
+        if not b.path:
+            buffers.append(bytearray(b.data))
+            continue
+        # The dispatcher names its files by their digest (dispatcher/buffer_store.py).
+        if b.sha256 and os.path.basename(b.path) != b.sha256:
+            raise OSError(f"{b.path} is not the dispatcher's file of the buffer {b.sha256}")
+        buffers.append(map_buffer_file(b.path, b.size_bytes))
     try:
         obj = pickle.loads(definition.pickle, buffers=buffers)
     except Exception as e:
@@ -138,14 +145,24 @@ def map_buffer_file(path: str, size_bytes: int) -> mmap.mmap:
     """The file at `path` mapped copy-on-write: its pages are the page cache's,
     shared by every process that maps the file, until this process writes to one.
 
+    It is opened without following a symlink and without blocking, and must
+    be a regular file: a FIFO or device in its place is an error, not a hang.
+
     Raises:
-        OSError: It cannot be opened or mapped, or it does not hold `size_bytes`.
+        OSError: It cannot be opened or mapped, is not a regular file, or does
+            not hold `size_bytes`.
     """
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{path} is not a regular file (mode {info.st_mode:o})")
+        size = info.st_size
         if size != size_bytes or size == 0:
             raise OSError(f"{path} holds {size} bytes, not the {size_bytes} of its buffer")
-        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
 
 
 def fingerprint(dataset: Dataset) -> str:

@@ -4,17 +4,26 @@ dispatcher's host map instead of each keeping a copy (CASES C-19).
 A registered `DatasetDef` (rpc/dataset.proto, data/serialize.py) carries its
 out-of-band buffers (`MIN_SHARED_BUFFER_BYTES` and more) inline. `put` moves
 each into a file named by the SHA-256 of its bytes and leaves the file's path
-in the definition: equal buffers of several datasets share one file. A file
-is written under a temporary name and renamed, so a file under its final name
-is complete, and it is never changed afterwards; a worker that mapped one
-keeps valid pages even once it is deleted.
+and digest in the definition: equal buffers of several datasets share one
+file. A file is written under a temporary name (mode 0600) and renamed, so a
+file under its final name is complete, and it is never changed afterwards; a
+worker that mapped one keeps valid pages even once it is deleted.
+
+Every path here is made by the store, under its own directory, from a
+digest: a definition whose buffer names a path (`DatasetBuffer.path` or
+`sha256` set) is refused, as a client could name any file with it
+(`/etc/shadow`, a FIFO that blocks the reader). A file read back (`inline`,
+an existing file `put` reuses) is opened as work_dir.py's `open_regular`
+does and checked against its digest.
 
 Where the files live:
 
-* A fault-tolerant dispatcher: `work_dir/dataset_buffers`, kept across
-  restarts. The journal holds every definition with its buffers inline, so the
-  files are rebuilt from it at start when missing, and files no recovered
-  dataset refers to are deleted then (`retain_only`).
+* A fault-tolerant dispatcher: `work_dir/dataset_buffers` (mode 0700), kept
+  across restarts. The journal holds every definition with its buffers
+  inline, so the files are rebuilt from it at start when missing, and files
+  no recovered dataset refers to are deleted then (`retain_only`). A file
+  that is there but damaged (another size or digest, a symlink, a FIFO)
+  stops start-up with `DataLossError` naming it (`put(..., repair=False)`).
 * Otherwise: a private temporary directory `dataservice-dispatcher-<pid>-*`
   under `tempfile.gettempdir()`, made on the first big buffer and deleted by
   `close()` (the dispatcher's `stop()`) or at interpreter exit. Should the
@@ -35,6 +44,7 @@ import weakref
 from typing import Any
 
 from dataservice import errors
+from dataservice.dispatcher import work_dir as files
 from dataservice.rpc import dataset_pb2
 
 log = logging.getLogger(__name__)
@@ -75,22 +85,33 @@ class BufferStore:
                 self._dir = tempfile.mkdtemp(prefix=_private_dir_prefix(os.getpid()))
                 self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
             elif self._persistent:
-                os.makedirs(self._dir, exist_ok=True)
+                files.private_dir(self._dir, "the dataset buffers folder", strict=False)
             return self._dir
 
-    def put(self, definition: Any) -> Any:
+    def put(self, definition: Any, repair: bool = True) -> Any:
         """`definition` (a `DatasetDef`) with each inline buffer written to its
-        file and replaced by the file's path. A buffer whose file cannot be
-        written (disk full, read-only directory) stays inline: workers then get
-        it inline, one copy each."""
+        file and replaced by the file's path and digest. A buffer whose file
+        cannot be written (disk full, read-only directory) stays inline:
+        workers then get it inline, one copy each.
+
+        Args:
+            definition: A `DatasetDef` whose buffers are all inline.
+            repair: A file already there that does not hold the buffer is
+                replaced (logged); else it is a `DataLossError` (start-up).
+
+        Raises:
+            InvalidArgumentError: A buffer names a file (`path` or `sha256`
+                set) or its `size_bytes` is not `len(data)`; the message
+                names the field (see `check_inline`).
+            DataLossError: With `repair=False`, a file of this name is damaged.
+        """
+        check_inline(definition, "DatasetDef")
         stored = dataset_pb2.DatasetDef(pickle=definition.pickle)
         for buffer in definition.buffers:
-            if buffer.path:
-                stored.buffers.add().CopyFrom(buffer)
-                continue
             data = buffer.data
+            digest = hashlib.sha256(data).hexdigest()
             try:
-                path = self._write(data)
+                path = self._write(data, digest, repair)
             except OSError as err:
                 log.warning(
                     "cannot keep a %d-byte dataset buffer in a file (%s): workers on this "
@@ -100,19 +121,26 @@ class BufferStore:
                 )
                 stored.buffers.add(data=data, size_bytes=len(data))
             else:
-                stored.buffers.add(path=path, size_bytes=len(data))
+                stored.buffers.add(path=path, size_bytes=len(data), sha256=digest)
         return stored
 
-    def _write(self, data: bytes) -> str:
+    def _write(self, data: bytes, digest: str, repair: bool) -> str:
         directory = self._directory()
-        path = os.path.join(directory, hashlib.sha256(data).hexdigest())
-        try:
-            if os.stat(path).st_size == len(data):
+        path = os.path.join(directory, digest)
+        if os.path.lexists(path):
+            try:
+                files.verify(path, "dataset buffer file", digest, len(data))
                 return path  # written before (this dataset, or another with equal bytes)
-        except FileNotFoundError:
-            pass
+            except errors.DataLossError as err:
+                if not repair:
+                    raise errors.DataLossError(
+                        f"{err}. It is a copy of bytes the journal holds: delete it and the "
+                        "dispatcher writes it again at start"
+                    ) from err
+                log.warning("replacing a damaged dataset buffer file: %s", err)
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         try:
+            os.fchmod(fd, files.FILE_MODE)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 if self._persistent:  # it must not be torn after a crash of the host
@@ -129,11 +157,12 @@ class BufferStore:
 
     def inline(self, definition: Any) -> Any:
         """`definition` with every file buffer read back inline, for a worker
-        on another host.
+        on another host; each file is checked against its digest.
 
         Raises:
-            DataLossError: A buffer's file is gone or has another size (someone
-                deleted or changed the dispatcher's directory).
+            DataLossError: A buffer's file is gone, not a regular file, or holds
+                other bytes (someone deleted or changed the dispatcher's
+                directory); names the file.
         """
         inlined = dataset_pb2.DatasetDef(pickle=definition.pickle)
         for buffer in definition.buffers:
@@ -141,17 +170,13 @@ class BufferStore:
                 inlined.buffers.add().CopyFrom(buffer)
                 continue
             try:
-                with open(buffer.path, "rb") as f:
-                    data = f.read()
-            except OSError as err:
+                data = files.read_verified(
+                    buffer.path, "dataset buffer file", buffer.sha256, buffer.size_bytes
+                )
+            except errors.DataLossError as err:
                 raise errors.DataLossError(
                     f"a buffer file of a registered dataset is unreadable: {err}"
                 ) from err
-            if len(data) != buffer.size_bytes:
-                raise errors.DataLossError(
-                    f"the buffer file {buffer.path} holds {len(data)} bytes, not "
-                    f"{buffer.size_bytes}"
-                )
             inlined.buffers.add(data=data, size_bytes=len(data))
         return inlined
 
@@ -180,3 +205,35 @@ class BufferStore:
                 self._dir = None
         if cleanup is not None:
             cleanup()
+
+
+def check_inline(definition: Any, field: str) -> None:
+    """Checks that every buffer of the `DatasetDef` `definition` is inline:
+    the dispatcher opens no file that a client names.
+
+    Args:
+        definition: The `DatasetDef` a client sent.
+        field: The request field that holds it, for messages
+            ("RegisterDatasetRequest.dataset").
+
+    Raises:
+        InvalidArgumentError: A buffer sets `path` or `sha256`, or its
+            `size_bytes` is not `len(data)`; the message names the field.
+    """
+    for i, buffer in enumerate(definition.buffers):
+        name = f"{field}.buffers[{i}]"
+        if buffer.path:
+            raise errors.InvalidArgumentError(
+                f"{name}.path is set ({buffer.path[:200]!r}): the dispatcher opens no file "
+                "that a client names; send the buffer's bytes in `data` (serialize() does)"
+            )
+        if buffer.sha256:
+            raise errors.InvalidArgumentError(
+                f"{name}.sha256 is set: it is the dispatcher's name for its own file, "
+                "never sent by a client; send the buffer's bytes in `data`"
+            )
+        if buffer.size_bytes != len(buffer.data):
+            raise errors.InvalidArgumentError(
+                f"{name}.size_bytes is {buffer.size_bytes}, not the {len(buffer.data)} bytes "
+                "of its data"
+            )

@@ -138,6 +138,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             element_spec=d.element_spec,
             cardinality=d.cardinality,
             auto_id=d.auto_id,
+            definition_sha256=d.definition_sha256,
         )
     for fingerprint, dataset_id in state.datasets_by_fingerprint.items():
         snapshot.datasets_by_fingerprint.add(fingerprint=fingerprint, dataset_id=dataset_id)
@@ -203,7 +204,12 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
     state.incarnation_id = snapshot.incarnation_id
     for d in snapshot.datasets:
         state.datasets[d.dataset_id] = st.Dataset(
-            d.dataset_id, d.fingerprint, d.element_spec, d.cardinality, d.auto_id
+            d.dataset_id,
+            d.fingerprint,
+            d.element_spec,
+            d.cardinality,
+            d.auto_id,
+            d.definition_sha256,
         )
     for e in snapshot.datasets_by_fingerprint:
         state.datasets_by_fingerprint[e.fingerprint] = e.dataset_id

@@ -25,7 +25,7 @@ from dataservice import errors
 from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
-from dataservice.dispatcher.buffer_store import BufferStore
+from dataservice.dispatcher.buffer_store import BufferStore, check_inline
 from dataservice.dispatcher.journal import Journal
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
@@ -101,6 +101,28 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
 
     def ReportWorkerFailure(self, request: Any, context: Any) -> Any:
         return self._call(self._d._report_worker_failure, request, context)
+
+
+def _parse_journaled(journal: Journal, dataset: st.Dataset) -> Any:
+    """The checked `DatasetDef` of a journaled dataset.
+
+    Raises:
+        DataLossError: Its file is damaged (journal.read_dataset), does not
+            parse, or names a buffer file (written by a version that took
+            client paths); names the file.
+    """
+    from dataservice.data.serialize import parse
+
+    data = journal.read_dataset(dataset)
+    path = journal.dataset_path(dataset.definition_sha256 or dataset.fingerprint)
+    try:
+        definition = parse(data)
+        check_inline(definition, f"the DatasetDef in {path}")
+    except errors.InvalidArgumentError as err:
+        raise errors.DataLossError(
+            f"the definition of dataset {dataset.dataset_id!r} ({path}) is not usable: {err}"
+        ) from err
+    return definition
 
 
 class DispatchServer:
@@ -226,9 +248,11 @@ class DispatchServer:
         self.stop()
 
     def _recover(self) -> None:
-        """Fresh state, or the journal's in fault-tolerant mode."""
-        from dataservice.data.serialize import parse
+        """Fresh state, or the journal's in fault-tolerant mode.
 
+        Raises:
+            DataLossError: A file of `work_dir` is damaged (journal.py, work_dir.py).
+        """
         with self._mu:
             self._state = st.DispatcherState()
             self._datasets = {}
@@ -252,10 +276,11 @@ class DispatchServer:
                 # The journal holds each definition with its buffers inline; the
                 # buffer files are kept across restarts and rebuilt when missing.
                 self._buffers = BufferStore(os.path.join(self._config.work_dir, BUFFERS_SUBDIR))
-                for dataset_id in self._state.datasets:
+                for dataset_id, dataset in self._state.datasets.items():
                     self._datasets[dataset_id] = self._buffers.put(
-                        parse(journal.read_dataset(dataset_id))
+                        _parse_journaled(journal, dataset), repair=False
                     )
+                journal.retain_datasets(self._state.datasets.values())
                 self._buffers.retain_only(list(self._datasets.values()))
                 self._journal = journal
             now = time.monotonic()
@@ -525,13 +550,15 @@ class DispatchServer:
     def _register_dataset(self, request: Any) -> Any:
         from dataservice.data.serialize import parse
 
+        definition = parse(request.dataset)
+        check_inline(definition, "RegisterDatasetRequest.dataset")  # no file a client names
         with self._mu:
             found = self._registered_locked(request)
             if found is not None:
                 return pb.RegisterDatasetResponse(dataset_id=found)
             buffers = self._buffers
         # Writing big buffers to their files can take seconds: not under the lock.
-        stored = buffers.put(parse(request.dataset))
+        stored = buffers.put(definition)
         with self._mu:
             if buffers is not self._buffers:
                 raise errors.UnavailableError("the dispatcher restarted; register again")
@@ -544,8 +571,9 @@ class DispatchServer:
                 dataset_id = str(self._state.next_dataset_number)
                 while dataset_id in self._state.datasets:
                     dataset_id = str(int(dataset_id) + 1)
+            definition_sha256 = ""
             if self._journal is not None:
-                self._journal.write_dataset(dataset_id, request.dataset)
+                definition_sha256 = self._journal.write_dataset(request.dataset)
             self._datasets[dataset_id] = stored
             self._apply_locked(
                 st.RegisterDataset(
@@ -554,6 +582,7 @@ class DispatchServer:
                     request.element_spec,
                     request.cardinality,
                     auto,
+                    definition_sha256,
                 )
             )
             return pb.RegisterDatasetResponse(dataset_id=dataset_id)

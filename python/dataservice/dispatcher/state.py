@@ -47,6 +47,9 @@ class RegisterDataset:
     element_spec: bytes
     cardinality: int
     auto_id: bool
+    # Hex SHA-256 of the definition file that the dispatcher wrote (journal.py);
+    # "" without a journal, and in journals written before it.
+    definition_sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ class Dataset:
     element_spec: bytes
     cardinality: int
     auto_id: bool
+    definition_sha256: str = ""  # RegisterDataset.definition_sha256
 
 
 @dataclass
@@ -264,7 +268,12 @@ class DispatcherState:
 
     def _apply_RegisterDataset(self, u: RegisterDataset) -> None:
         self.datasets[u.dataset_id] = Dataset(
-            u.dataset_id, u.fingerprint, u.element_spec, u.cardinality, u.auto_id
+            u.dataset_id,
+            u.fingerprint,
+            u.element_spec,
+            u.cardinality,
+            u.auto_id,
+            u.definition_sha256,
         )
         if u.auto_id:
             self.datasets_by_fingerprint[u.fingerprint] = u.dataset_id

@@ -16,9 +16,10 @@ Layout, under `<work_dir>/journal/`:
 
 On start-up the newest snapshot is loaded (`load_snapshot`) and `replay`
 yields the update of every record of the segments from `n` on, in order. A
-torn last record of a segment (the dispatcher died mid-write: cut short, or
-failing its CRC with nothing after it) is dropped, and the segment is
-truncated to its last whole record. Any other damage stops start-up with
+torn last record of the newest segment (the dispatcher died mid-write: cut
+short, or failing its CRC with nothing after it) is dropped, and the segment
+is truncated to its last whole record (an older segment was truncated so by
+the start that made the next one: a torn tail there is damage). Any other damage stops start-up with
 `DataLossError` naming the file and the record's offset, and leaves the file
 as it is: a record that fails its CRC with records after it, and a record
 whose CRC holds but whose data is not a `JournalRecord` this version reads
@@ -263,15 +264,16 @@ class Journal:
         """
         self._check_layout()
         first = self._base()
-        for path in self._segments():
+        segments = self._segments()
+        for path in segments:
             if self._index(path, SEGMENT_PREFIX, SEGMENT_SUFFIX) < first:
                 continue  # replaced by the snapshot
-            yield from self._replay_segment(path)
+            yield from self._replay_segment(path, newest=path == segments[-1])
 
-    def _replay_segment(self, path: str) -> Iterator[state.Update]:
+    def _replay_segment(self, path: str, newest: bool) -> Iterator[state.Update]:
         fd = files.open_regular(path, "journal segment")
         try:
-            records = self._read_segment(path, fd)
+            records = self._read_segment(path, fd, newest)
         finally:
             os.close(fd)
         offset = 0
@@ -290,8 +292,10 @@ class Journal:
             offset += len(record) + 16
 
     @staticmethod
-    def _read_segment(path: str, fd: int) -> list[bytes]:
-        """The whole records of the segment open as `fd`, truncating a torn tail."""
+    def _read_segment(path: str, fd: int, newest: bool) -> list[bytes]:
+        """The whole records of the segment open as `fd`, truncating a torn
+        tail if it is the `newest` segment. An older one cannot have one: the
+        start that made the next segment replayed it and truncated its tail."""
         reader = _core.TFRecordReader(_fd_path(fd))
         good_offset = 0
         records: list[bytes] = []
@@ -307,6 +311,14 @@ class Journal:
                         f"not the last one (so not a torn write): {err}. The dispatcher "
                         "cannot replay its state past it; restore the work_dir or start "
                         "with a new one"
+                    ) from err
+                if not newest:
+                    raise errors.DataLossError(
+                        f"journal {path}: its last record (offset {good_offset}) is cut short "
+                        f"or garbled ({err}), and it is not the newest segment, whose tail "
+                        "alone a crash can tear: the file was truncated or changed. The "
+                        "dispatcher cannot replay its state past it; restore the work_dir "
+                        "or start with a new one"
                     ) from err
                 # The last record is incomplete or garbled: the torn write of a crash.
                 log.warning(

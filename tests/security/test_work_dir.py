@@ -91,6 +91,8 @@ def pristine(tmp_path_factory) -> str:
     with ds.DispatchServer(_config(work_dir)) as d:  # a second start: segment-000002
         ds.register_dataset(d.target, ds.Dataset.range(6), dataset_id="d")
         ds.register_dataset(d.target, ds.Dataset.range(7), dataset_id="e")
+    with open(os.path.join(work_dir, "journal.head")) as f:
+        assert f.read().split()[0] == "2"  # the newest segment made
     names = sorted(os.listdir(os.path.join(work_dir, "journal")))
     assert names == [
         "segment-000001.tfrecord",
@@ -131,6 +133,8 @@ FILES = {
     "snapshot": lambda wd: os.path.join(wd, "journal", "snapshot-000001.tfrecord"),
     # segment-000001 is not the newest: deleting it leaves a gap in the numbering.
     "segment": lambda wd: os.path.join(wd, "journal", "segment-000001.tfrecord"),
+    "newest-segment": lambda wd: os.path.join(wd, "journal", "segment-000002.tfrecord"),
+    "head": lambda wd: os.path.join(wd, "journal.head"),
     "definition": lambda wd: _definition_file(wd, "b"),
     "big-definition": lambda wd: _definition_file(wd, "big"),
     "buffer": lambda wd: os.path.join(wd, BUFFERS_SUBDIR, BIG_DIGEST),
@@ -146,6 +150,7 @@ def _damage(path: str, kind: str) -> None:
         # In the first record of a journal file (not its torn tail): byte 20 is
         # in the data of the first record; elsewhere any byte will do.
         at = 20 if path.endswith(".tfrecord") else os.path.getsize(path) // 2
+        at = 0 if path.endswith(".head") else at
         with open(path, "r+b") as f:
             f.seek(at)
             b = f.read(1)
@@ -164,7 +169,11 @@ def _damage(path: str, kind: str) -> None:
 DAMAGES = ["deleted", "truncated", "flipped", "fifo", "symlink"]
 # Damage a start-up recovers from, as documented (README "Recovering a damaged work_dir").
 # (A cut newest segment is a crash's torn write: test_the_newest_segment_cut_short...)
-RECOVERED = {("buffer", "deleted")}  # rebuilt from the journaled definition
+RECOVERED = {
+    ("buffer", "deleted"),  # rebuilt from the journaled definition
+    ("newest-segment", "truncated"),  # a crash's torn write (the record of "e" is dropped)
+    ("head", "deleted"),  # only names the newest segment: written again with the next one
+}
 WHAT_IS_WRONG = {
     "deleted": "missing",
     "truncated": "",  # in words that depend on the file kind
@@ -186,6 +195,8 @@ def test_damaged_file_stops_start_up_naming_it(work_dir, kind, damage):
             if kind == "buffer":
                 assert _elements(d.target, "big") == BIG.tolist()
                 assert os.path.isfile(path)
+            if kind in ("newest-segment", "head"):
+                assert _elements(d.target, "d") == list(range(6))
         return
     with pytest.raises(errors.DataLossError) as info:
         ds.DispatchServer(_config(work_dir)).stop()

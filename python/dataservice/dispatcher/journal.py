@@ -28,9 +28,12 @@ pickled updates of a journal written before records were protobuf). A
 snapshot that cannot be read is a `DataLossError` naming it.
 
 Segments are numbered without gaps from the newest snapshot's `n` (from 0
-without one), so a missing snapshot or a missing segment before the newest is
-a `DataLossError` naming the file that should be there, not a replay that
-fails on an id it never heard of.
+without one), and `<work_dir>/journal.head` names the newest segment made
+(written once per new segment, with a CRC), so a missing snapshot or segment
+is a `DataLossError` naming the file that should be there, not a replay that
+fails on an id it never heard of, nor a silently older state. Without
+`journal.head` (deleted, or an older work_dir) only the newest segment's
+deletion goes unnoticed.
 
 Registered dataset definitions are stored beside the journal as
 `<work_dir>/datasets/<sha256>.def`: named by the hex SHA-256 of their bytes
@@ -70,6 +73,7 @@ SNAPSHOT_SUFFIX = ".tfrecord"
 LEGACY_SNAPSHOT_SUFFIX = ".pickle"  # pickled snapshots, before records were protobuf
 SNAPSHOT_EVERY_RECORDS = 20_000  # bounds replay: a snapshot, then at most this many records
 DATASETS_SUBDIR = "datasets"
+HEAD_NAME = "journal.head"  # of work_dir: "<newest segment index> <masked CRC32C hex>"
 DEFINITION_SUFFIX = ".def"
 LEGACY_DEFINITION_SUFFIX = ".bin"  # <escaped dataset_id>.bin, before definitions were digests
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -116,6 +120,7 @@ class Journal:
         self._dir = work_dir
         self._journal_dir = os.path.join(work_dir, "journal")
         self._datasets_dir = os.path.join(work_dir, DATASETS_SUBDIR)
+        self._head_path = os.path.join(work_dir, HEAD_NAME)
         if not os.path.exists(work_dir):
             os.makedirs(work_dir, mode=files.DIR_MODE)
         files.private_dir(self._datasets_dir, "the dataset definitions folder")
@@ -162,7 +167,6 @@ class Journal:
         snapshots = self._snapshots()
         if not snapshots:
             return None
-        self._check_layout()
         path = snapshots[-1]
         fd = files.open_regular(path, "journal snapshot")
         try:
@@ -253,6 +257,51 @@ class Journal:
                 "The dispatcher cannot replay its state without it; restore the work_dir "
                 "or start with a new one"
             )
+        head = self._read_head()
+        if head is None:
+            if indices:
+                log.warning(
+                    "%s is missing (deleted, or a work_dir of an older dataservice): a "
+                    "deleted newest journal segment would go unnoticed this start",
+                    self._head_path,
+                )
+            return
+        if head >= base and (not indices or indices[-1] < head):
+            missing = f"{SEGMENT_PREFIX}{head:06d}{SEGMENT_SUFFIX}"
+            raise errors.DataLossError(
+                f"journal file {os.path.join(self._journal_dir, missing)} is missing: "
+                f"{self._head_path} says it was made (or, had a snapshot replaced it, that "
+                "snapshot is missing). The dispatcher cannot replay its state without it; "
+                "restore the work_dir or start with a new one"
+            )
+
+    def _read_head(self) -> int | None:
+        """The newest segment's index that `_write_head` recorded, or None
+        without the file.
+
+        Raises:
+            DataLossError: It is not what `_write_head` writes; names it.
+        """
+        if not os.path.lexists(self._head_path):
+            return None
+        data = files.read_verified(self._head_path, "journal head")
+        try:
+            index_text, crc_text = data.decode("ascii").split()
+            index = int(index_text)
+            if int(crc_text, 16) != _core.masked_crc32c(index_text.encode("ascii")):
+                raise ValueError("its CRC32C does not match")
+        except ValueError as err:
+            raise errors.DataLossError(
+                f"journal head {self._head_path} is damaged ({data[:40]!r}: {err}); it "
+                "only names the newest segment: delete it to start without that check"
+            ) from err
+        return index
+
+    def _write_head(self, index: int) -> None:
+        """Records that segment `index` was made, so that a start can tell
+        a deleted newest segment from one never written."""
+        text = str(index).encode("ascii")
+        files.write_atomic(self._head_path, b"%s %08x\n" % (text, _core.masked_crc32c(text)))
 
     def replay(self) -> Iterator[state.Update]:
         """Yields the journaled updates in order, dropping a torn last record
@@ -351,6 +400,7 @@ class Journal:
             )
             os.close(files.create_private(path))  # mode 0600: the writer keeps it
             files.fsync_dir(self._journal_dir)
+            self._write_head(self._segment)
             self._writer = _core.TFRecordWriter(path)
             self.records_in_segment = 0
         self._writer.write(journal_codec.encode_update(update))

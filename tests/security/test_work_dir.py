@@ -229,6 +229,16 @@ def test_a_folder_replaced_by_a_symlink_stops_start_up(work_dir, folder, tmp_pat
     assert path in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["segment-x.tfrecord", "snapshot-.tfrecord"])
+def test_a_journal_name_without_a_number_stops_start_up(work_dir, name):
+    path = os.path.join(work_dir, "journal", name)
+    with open(path, "wb"):
+        pass
+    with pytest.raises(errors.DataLossError, match="no number") as info:
+        ds.DispatchServer(_config(work_dir)).stop()
+    assert path in str(info.value)
+
+
 def test_the_newest_segment_cut_short_is_a_torn_write(work_dir):
     path = os.path.join(work_dir, "journal", "segment-000002.tfrecord")
     os.truncate(path, os.path.getsize(path) - 3)  # the record of "e" is incomplete

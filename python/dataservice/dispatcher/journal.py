@@ -138,14 +138,27 @@ class Journal:
     def _index(path: str, prefix: str, suffix: str) -> int:
         return int(os.path.basename(path)[len(prefix) : -len(suffix)])
 
-    def _snapshots(self) -> list[str]:
+    def _numbered(self, prefix: str, suffix: str) -> list[str]:
+        """The paths of the journal folder named `<prefix><n><suffix>`, by `n`.
+
+        Raises:
+            DataLossError: A name has the prefix and suffix but no number
+                between them (`segment-x.tfrecord`); names it.
+        """
         names = [
-            n
-            for n in os.listdir(self._journal_dir)
-            if n.startswith(SNAPSHOT_PREFIX) and n.endswith(SNAPSHOT_SUFFIX)
+            n for n in os.listdir(self._journal_dir) if n.startswith(prefix) and n.endswith(suffix)
         ]
-        names.sort(key=lambda n: self._index(n, SNAPSHOT_PREFIX, SNAPSHOT_SUFFIX))
+        for n in names:
+            if not n[len(prefix) : -len(suffix)].isdigit():
+                raise errors.DataLossError(
+                    f"journal file {os.path.join(self._journal_dir, n)} has no number in its "
+                    "name (a dispatcher never writes one: remove it)"
+                )
+        names.sort(key=lambda n: self._index(n, prefix, suffix))
         return [os.path.join(self._journal_dir, n) for n in names]
+
+    def _snapshots(self) -> list[str]:
+        return self._numbered(SNAPSHOT_PREFIX, SNAPSHOT_SUFFIX)
 
     def load_snapshot(self) -> state.DispatcherState | None:
         """The newest snapshot's state (segments before it are replaced by it), or None.
@@ -213,13 +226,7 @@ class Journal:
             os.remove(old)
 
     def _segments(self) -> list[str]:
-        names = [
-            n
-            for n in os.listdir(self._journal_dir)
-            if n.startswith(SEGMENT_PREFIX) and n.endswith(SEGMENT_SUFFIX)
-        ]
-        names.sort(key=lambda n: int(n[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]))
-        return [os.path.join(self._journal_dir, n) for n in names]
+        return self._numbered(SEGMENT_PREFIX, SEGMENT_SUFFIX)
 
     def _base(self) -> int:
         """The index of the first segment replayed: the newest snapshot's, or 0."""

@@ -8,6 +8,15 @@ Python layer does.
 
 from __future__ import annotations
 
+import base64
+import builtins
+import importlib
+import json
+import pickle
+import sys
+import traceback as traceback_module
+from typing import Any, NamedTuple
+
 
 class DataServiceError(Exception):
     """Base class of every error raised by the data service at run time."""
@@ -89,15 +98,82 @@ class WorkerCrashedError(DataServiceError):
 class WorkerError(DataServiceError):
     """A user function raised on a worker.
 
+    The consumer raises it in place of the worker's exception, as an instance of
+    that exception's class too when the class can be found here (a builtin, one
+    of these errors, or a user's class importable by its module and name): its
+    type is a subclass of both, named as the original, so `except ValueError`,
+    `except KeyError` or `except my_module.BadRecord` catch it, and it carries
+    the original `args` (and attributes) when the exception could be pickled.
+    Otherwise it is a plain `WorkerError` whose `type_name` names the original.
+
+    `str()` is the original message once, then "(raised on worker ADDRESS)";
+    `__cause__` is a `RemoteTraceback` holding the worker-side traceback, so a
+    printed traceback shows the user's file and line first, as PyTorch's
+    DataLoader shows its worker's "Original Traceback".
+
     Attributes:
-        type_name: The original exception's qualified type name, e.g. "ZeroDivisionError".
+        type_name: The original exception's type: "ZeroDivisionError" for a
+            builtin or a dataservice error, "module.QualName" for others.
+        message: The original exception's `str()`, e.g. "'key'" for a KeyError.
         worker_address: The "host:port" of the worker that ran the function.
+        remote_traceback: The worker-side formatted traceback ("" if unknown).
     """
 
-    def __init__(self, message: str, type_name: str = "", worker_address: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        type_name: str = "",
+        worker_address: str = "",
+        remote_traceback: str = "",
+    ) -> None:
         super().__init__(message)
+        self.message = message
         self.type_name = type_name
         self.worker_address = worker_address
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        message = getattr(self, "message", None)
+        if message is None:
+            return super().__str__()
+        address = getattr(self, "worker_address", "")
+        if not address:
+            return message
+        where = f"(raised on worker {address})"
+        return f"{message} {where}" if message else where
+
+    def __reduce__(self) -> Any:
+        # The class of a remote error is made at run time; rebuild it by name.
+        return (
+            remote_error,
+            (
+                self.type_name,
+                self.message,
+                self.worker_address,
+                self.remote_traceback,
+            ),
+        )
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised on a worker, set as the `__cause__`
+    of the `WorkerError` the consumer raises; `str()` is that traceback.
+
+    Source: `concurrent.futures.process._RemoteTraceback` (Python), PyTorch's
+    `ExceptionWrapper` ("Original Traceback (most recent call last)").
+    """
+
+    def __init__(self, traceback: str, worker_address: str = "") -> None:
+        super().__init__(traceback)
+        self.traceback = traceback
+        self.worker_address = worker_address
+
+    def __str__(self) -> str:
+        where = f" on worker {self.worker_address}" if self.worker_address else ""
+        return f"\nOriginal traceback{where}:\n{self.traceback.rstrip()}"
+
+    def __reduce__(self) -> Any:
+        return (RemoteTraceback, (self.traceback, self.worker_address))
 
 
 _BY_NAME: dict[str, type[DataServiceError]] = {
@@ -124,37 +200,206 @@ _BY_NAME: dict[str, type[DataServiceError]] = {
 }
 
 
-_REMOTE_CLASSES: dict[str, type[WorkerError]] = {}
+_MAX_TRACEBACK_CHARS = 64 << 10  # a deep recursion's traceback is cut in the middle
+_MAX_PICKLE_BYTES = 64 << 10  # a bigger exception travels by type name and message only
+_FRAME_MARK = "\x00dataservice-error-v1\x00"
 
 
-def remote_error(type_name: str, message: str, worker_address: str) -> WorkerError:
+class RemoteErrorInfo(NamedTuple):
+    """An exception raised on a worker, in the form that travels to consumers.
+
+    Made on the worker by `capture`; turned back into an exception on the
+    consumer by `RemoteErrorInfo.to_exception`. gRPC carries it in the
+    `GetElementsResponse.error_*` fields, shared memory in an ERROR frame
+    (`to_frame` / `from_frame`).
+    """
+
+    type_name: str  # "ValueError", "DataLossError", or "module.QualName"
+    message: str  # str() of the exception, once
+    traceback: str = ""  # traceback.format_exception(), possibly cut in the middle
+    pickled: bytes = b""  # pickle of the exception if it round-trips there, else b""
+
+    def to_frame(self) -> tuple[str, str]:
+        """(type name, text) for a transport that carries two strings (a shared-
+        memory ERROR frame, a JSON reply); `from_frame` reverses it."""
+        if not self.traceback and not self.pickled:
+            return self.type_name, self.message
+        rest = {"message": self.message, "traceback": self.traceback}
+        if self.pickled:
+            rest["pickled"] = base64.b64encode(self.pickled).decode("ascii")
+        return self.type_name, _FRAME_MARK + json.dumps(rest)
+
+    @classmethod
+    def from_frame(cls, type_name: str, text: str) -> RemoteErrorInfo:
+        """The inverse of `to_frame`; a plain message (older peers) is kept as is."""
+        if not text.startswith(_FRAME_MARK):
+            return cls(type_name, text)
+        try:
+            rest = json.loads(text[len(_FRAME_MARK) :])
+            pickled = base64.b64decode(rest.get("pickled", ""))
+            return cls(type_name, str(rest["message"]), str(rest.get("traceback", "")), pickled)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return cls(type_name, text[len(_FRAME_MARK) :])
+
+    def to_exception(self, worker_address: str) -> WorkerError:
+        """The consumer-side exception; see `remote_error`."""
+        return remote_error(
+            self.type_name, self.message, worker_address, self.traceback, self.pickled
+        )
+
+
+def _type_name(cls: type) -> str:
+    if cls.__module__ == "builtins" or _BY_NAME.get(cls.__name__) is cls:
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _safe_str(err: BaseException) -> str:
+    try:
+        return str(err)
+    except Exception:  # a user __str__ that raises
+        try:
+            return repr(err)
+        except Exception:
+            return f"<{type(err).__name__} whose str() raised>"
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    tail = limit - head
+    skipped = len(text) - head - tail
+    return f"{text[:head]}\n    ... [{skipped} characters cut] ...\n{text[-tail:]}"
+
+
+def capture(err: BaseException) -> RemoteErrorInfo:
+    """The worker-side form of `err`, raised by a pipeline: its type name,
+    message, formatted traceback (PyTorch's "Original Traceback") and, when it
+    pickles and unpickles here, its pickle (so the consumer gets its `args` and
+    attributes back). Never raises, whatever the exception does.
+    """
+    if isinstance(err, WorkerError) and getattr(err, "type_name", ""):
+        # Already a remote error (a pipeline that reads another service): keep
+        # the original, not "raised on worker" twice.
+        return RemoteErrorInfo(err.type_name, err.message, err.remote_traceback)
+    try:
+        tb = "".join(traceback_module.format_exception(err))
+    except Exception:
+        tb = ""
+    pickled = b""
+    try:
+        data = pickle.dumps(err, protocol=pickle.HIGHEST_PROTOCOL)
+        # Constructors that take other arguments than their args fail here, not
+        # on the consumer; a class defined in a pipeline's __main__ fails here too.
+        if len(data) <= _MAX_PICKLE_BYTES and type(pickle.loads(data)) is type(err):
+            pickled = data
+    except Exception:
+        pickled = b""
+    return RemoteErrorInfo(
+        _type_name(type(err)), _safe_str(err), _cut(tb, _MAX_TRACEBACK_CHARS), pickled
+    )
+
+
+_REMOTE_CLASSES: dict[type, type[WorkerError]] = {}
+
+
+def _find_class(type_name: str) -> type | None:
+    """The exception class called `type_name` here, or None."""
+    if "." not in type_name:
+        return _BY_NAME.get(type_name) or getattr(builtins, type_name, None)
+    # Longest importable module prefix ("a.b.C" may be module "a.b", class "C").
+    parts = type_name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module_name, qualname = ".".join(parts[:i]), parts[i:]
+        module = sys.modules.get(module_name)
+        if module is None:
+            try:
+                module = importlib.import_module(module_name)
+            except Exception:
+                continue
+        obj: Any = module
+        for part in qualname:
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, type):
+            return obj
+    return None
+
+
+def _remote_class(original: type | None) -> type[WorkerError]:
+    """A subclass of `WorkerError` and `original`, named as `original`."""
+    if (
+        not isinstance(original, type)
+        or not issubclass(original, Exception)
+        or issubclass(original, WorkerError)
+        # A StopIteration out of next() would end the consumer's loop silently.
+        or issubclass(original, (StopIteration, StopAsyncIteration))
+    ):
+        return WorkerError
+    cls = _REMOTE_CLASSES.get(original)
+    if cls is None:
+        namespace = {
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+            "__doc__": original.__doc__,
+            # Built from the original's args, so its own constructor.
+            "__init__": original.__init__,
+        }
+        try:
+            cls = type(original.__name__, (WorkerError, original), namespace)
+        except TypeError:  # incompatible layouts or a final class: WorkerError alone
+            cls = WorkerError
+        _REMOTE_CLASSES[original] = cls
+    return cls
+
+
+def remote_error(
+    type_name: str,
+    message: str,
+    worker_address: str,
+    traceback: str = "",
+    pickled: bytes = b"",
+) -> WorkerError:
     """The consumer-side form of an exception raised by a pipeline on a worker.
 
-    The result is a `WorkerError` and, when the original class is one of
-    ours or a builtin (`DataLossError`, `ZeroDivisionError`, ...), also an
-    instance of that class, so `except ZeroDivisionError:` still catches it.
+    The result is a `WorkerError` and, when the original class can be found
+    here (see `WorkerError`), also an instance of that class, with the original
+    `args` when `pickled` holds the exception. Its `__cause__` is a
+    `RemoteTraceback` of `traceback`. Never raises: whatever goes wrong in
+    rebuilding the original gives a plain `WorkerError` naming its type.
     """
-    cls = _REMOTE_CLASSES.get(type_name)
-    if cls is None:
-        import builtins
-
-        original = _BY_NAME.get(type_name) or getattr(builtins, type_name, None)
-        cls = WorkerError
-        if (
-            isinstance(original, type)
-            and issubclass(original, Exception)
-            and not issubclass(original, WorkerError)
-        ):
-            try:
-                cls = type(type_name, (WorkerError, original), {"__module__": __name__})
-            except TypeError:  # incompatible C layouts (e.g. OSError): keep WorkerError
-                cls = WorkerError
-        _REMOTE_CLASSES[type_name] = cls
-    return cls(
-        f"{type_name}: {message} (raised on worker {worker_address})",
-        type_name=type_name,
-        worker_address=worker_address,
-    )
+    original: BaseException | None = None
+    if pickled:
+        try:
+            loaded = pickle.loads(pickled)
+            if isinstance(loaded, BaseException):
+                original = loaded
+        except Exception:  # the class is not importable here, or changed
+            original = None
+    cls = _remote_class(type(original) if original is not None else _find_class(type_name))
+    err: WorkerError | None = None
+    if cls is not WorkerError:
+        try:
+            if original is not None:
+                err = cls(*original.args)
+                err.__dict__.update(original.__dict__)
+            else:
+                err = cls.__new__(cls)
+                err.args = (message,)
+        except Exception:  # a constructor that rejects its own args here
+            err = None
+    if err is None:
+        err = WorkerError.__new__(WorkerError)
+        err.args = (message,)
+    err.message = message
+    err.type_name = type_name
+    err.worker_address = worker_address
+    err.remote_traceback = traceback
+    if traceback:
+        err.__cause__ = RemoteTraceback(traceback, worker_address)
+    return err
 
 
 def error_class(name: str) -> type[DataServiceError]:
@@ -162,4 +407,10 @@ def error_class(name: str) -> type[DataServiceError]:
     return _BY_NAME.get(name, DataServiceError)
 
 
-__all__ = [name for name in _BY_NAME] + ["error_class"]
+__all__ = [name for name in _BY_NAME] + [
+    "RemoteErrorInfo",
+    "RemoteTraceback",
+    "capture",
+    "error_class",
+    "remote_error",
+]

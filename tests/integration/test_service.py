@@ -179,8 +179,10 @@ def test_corrupt_record_reaches_consumer(cluster, tmp_path):
     path.write_bytes(bytes(data))
     it = iter(dist(ds.TFRecordDataset(str(path)), cluster))
     assert next(it) == b"record 0" and next(it) == b"record 1"
-    with pytest.raises(errors.WorkerError, match=r"DataLossError.*offset 48 of .*bad.tfrecord"):
+    with pytest.raises(errors.DataLossError, match=r"offset 48 of .*bad.tfrecord") as info:
         next(it)
+    assert isinstance(info.value, errors.WorkerError)
+    assert "DataLossError" not in str(info.value)  # the type is the class, not the text
 
 
 def test_unpicklable_function_is_named():
@@ -211,8 +213,10 @@ def test_worker_exception_keeps_type_message_and_worker(cluster):
 
     it = iter(dist(ds.Dataset.range(5).map(boom), cluster))
     assert [int(next(it)) for _ in range(2)] == [0, 1]
-    with pytest.raises(errors.WorkerError, match="ZeroDivisionError: no dividing by two") as info:
+    with pytest.raises(ZeroDivisionError) as info:
         next(it)
+    assert isinstance(info.value, errors.WorkerError)
+    assert str(info.value) == f"no dividing by two (raised on worker {cluster.workers[0].address})"
     assert info.value.type_name == "ZeroDivisionError"
     assert info.value.worker_address == cluster.workers[0].address
 

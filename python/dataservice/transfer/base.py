@@ -68,7 +68,9 @@ class TransferClient(abc.ABC):
         may return none before `timeout_s` seconds pass if none is ready.
 
         Raises:
-            WorkerError: The pipeline raised on the worker (original type name kept).
+            WorkerError: The pipeline raised on the worker, after the elements it
+                produced before (also an instance of the original class; see
+                `errors.WorkerError`).
             UnavailableError: The worker cannot be reached.
             NotFoundError: The worker does not know the task.
         """

@@ -30,6 +30,7 @@ class GrpcTransferClient(base.TransferClient):
         self._channel = rpc_util.make_channel(endpoint.transfer_address)
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
         self._metadata = rpc_util.call_metadata(rpc_util.token_from_env(auth_token))
+        self._error: errors.WorkerError | None = None  # the pipeline's, once reported
 
     def get_elements(
         self,
@@ -49,18 +50,27 @@ class GrpcTransferClient(base.TransferClient):
             trainer_id=trainer_id,
             compression=self._compression,
         )
+        if self._error is not None:  # after the elements that came with it
+            raise self._error
         try:
             response = self._stub.GetElements(
                 request, timeout=timeout_s + 5.0, metadata=self._metadata
             )
         except grpc.RpcError as err:
             raise rpc_util.to_error(err, self._endpoint.transfer_address, "GetElements") from None
-        if response.error_type:
-            raise errors.remote_error(
-                response.error_type, response.error_message, self._endpoint.worker_address
-            )
         elements: list[Any] = [codec.decode(e) for e in response.elements]
         nbytes = sum(len(e) for e in response.elements)
+        if response.error_type:
+            self._error = errors.RemoteErrorInfo(
+                response.error_type,
+                response.error_message,
+                response.error_traceback,
+                response.error_pickle,
+            ).to_exception(self._endpoint.worker_address)
+            if not elements:
+                raise self._error
+            # The elements produced before the failure come first, as over shm.
+            return base.ElementsResult(elements, nbytes, False, response.worker_uid)
         return base.ElementsResult(elements, nbytes, response.end_of_sequence, response.worker_uid)
 
     def set_compression(self, compression: str) -> None:

@@ -281,7 +281,11 @@ class _Connection:
                 timeout_ms / 1000,
                 max_bytes=max(1, max_bytes),
             )
-            reply: dict[str, Any] = {"n": 0, "end": end, "error": list(error) if error else None}
+            reply: dict[str, Any] = {
+                "n": 0,
+                "end": end,
+                "error": list(error.to_frame()) if error else None,
+            }
             fds = []
             if read is not None:
                 reply.update(
@@ -328,7 +332,7 @@ class _Connection:
                 )
             else:
                 elements, end = [], True
-                error = (
+                error = errors.RemoteErrorInfo(
                     "FailedPreconditionError",
                     f"task {runner.task_id} does not use a cross-trainer cache, but a "
                     f"read for trainer {trainer_id!r} asked for one",
@@ -343,12 +347,12 @@ class _Connection:
                 except errors.UnavailableError:
                     raise  # the consumer is gone
                 except Exception as err:  # e.g. an unpicklable leaf: a worker error
-                    self.ring.put_error(type(err).__name__, str(err), None)
+                    self.ring.put_error(*errors.capture(err).to_frame(), None)
                     return
                 if server.stopping:
                     return
             if error is not None:
-                self.ring.put_error(error[0], error[1], None)
+                self.ring.put_error(*error.to_frame(), None)
                 return
             if end:
                 self.ring.put_end(None)
@@ -644,7 +648,9 @@ class ShmTransferClient(base.TransferClient):
             out.extend(elements)
             nbytes += n
             if error is not None:  # an element could not be encoded: the rest never come
-                self._error = errors.remote_error(error[0], error[1], self._endpoint.worker_address)
+                self._error = errors.RemoteErrorInfo.from_frame(*error).to_exception(
+                    self._endpoint.worker_address
+                )
                 if not out:
                     raise self._error
                 return base.ElementsResult(out, nbytes, False, self.worker_uid)
@@ -655,7 +661,9 @@ class ShmTransferClient(base.TransferClient):
             except errors.UnavailableError:
                 return self._after_death(out, nbytes)
             if error is not None:
-                self._error = errors.remote_error(error[0], error[1], self._endpoint.worker_address)
+                self._error = errors.RemoteErrorInfo.from_frame(*error).to_exception(
+                    self._endpoint.worker_address
+                )
                 if not out:
                     raise self._error
             self._end = end
@@ -710,7 +718,7 @@ class ShmTransferClient(base.TransferClient):
                     pass
         error = reply.get("error")
         if error:
-            self._error = errors.remote_error(error[0], error[1], address)
+            self._error = errors.RemoteErrorInfo.from_frame(*error).to_exception(address)
             if not out:
                 raise self._error
             return base.ElementsResult(out, nbytes, False, self.worker_uid)
@@ -728,7 +736,9 @@ class ShmTransferClient(base.TransferClient):
             out.extend(elements)
             nbytes += n
             if error is not None:
-                self._error = errors.remote_error(error[0], error[1], self._endpoint.worker_address)
+                self._error = errors.RemoteErrorInfo.from_frame(*error).to_exception(
+                    self._endpoint.worker_address
+                )
                 break
             if not elements:
                 break

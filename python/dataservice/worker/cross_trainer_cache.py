@@ -109,7 +109,7 @@ class CrossTrainerCache:
         self._cursors: dict[str, int] = {}
         self._free_slots = list(range(HOLD_SLOTS - 1, -1, -1))
         self._end = False
-        self._error: tuple[str, str] | None = None
+        self._error: errors.RemoteErrorInfo | None = None
         self.abandons = 0
 
     @property
@@ -156,7 +156,7 @@ class CrossTrainerCache:
         max_elements: int,
         timeout_s: float,
         max_bytes: int | None = None,
-    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
         """Up to `max_elements` elements for `trainer_id`, from its cursor on,
         waiting up to `timeout_s` seconds for the pipeline when it is at the newest.
         `max_bytes` (None: no bound) stops a read before the element that would
@@ -191,7 +191,7 @@ class CrossTrainerCache:
         max_elements: int,
         timeout_s: float,
         max_bytes: int | None = None,
-    ) -> tuple[WindowRead | None, bool, tuple[str, str] | None]:
+    ) -> tuple[WindowRead | None, bool, errors.RemoteErrorInfo | None]:
         """As `get_elements`, for a same-host trainer in hold slot `slot`: names the
         frames instead of decoding them, and grants the slot those frames until the
         trainer says it is done (`writer.ungrant(slot)`) or hangs up (`detach`).
@@ -221,7 +221,7 @@ class CrossTrainerCache:
         timeout_s: float,
         max_bytes: int | None,
         take: Any,
-    ) -> tuple[Any, bool, tuple[str, str] | None]:
+    ) -> tuple[Any, bool, errors.RemoteErrorInfo | None]:
         deadline = time.monotonic() + timeout_s
         while True:
             with self._mu:
@@ -305,7 +305,7 @@ class CrossTrainerCache:
                 try:
                     evicted, size = self.writer.append(element, index, self._segment_bound)
                 except Exception as err:  # an element the frame codec cannot carry
-                    self._end, self._error = True, (type(err).__name__, str(err))
+                    self._end, self._error = True, errors.capture(err)
                     return False
                 self._drop_oldest_locked(evicted)
                 if size is not None:
@@ -320,7 +320,7 @@ class CrossTrainerCache:
                     try:
                         self._drop_oldest_locked(self.writer.abandon())
                     except errors.DataServiceError as err:
-                        self._end, self._error = True, (type(err).__name__, str(err))
+                        self._end, self._error = True, errors.capture(err)
                         return False
                     self.abandons += 1
                     grace_deadline = None

@@ -183,7 +183,7 @@ class _WorkerTaskRunner(TaskRunner):
 
     def get_elements_raw(
         self, max_elements: int, max_bytes: int, timeout_s: float
-    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
         if not self._go.is_set():
             self._go.set()
         result = super().get_elements_raw(max_elements, max_bytes, timeout_s)
@@ -193,7 +193,7 @@ class _WorkerTaskRunner(TaskRunner):
 
     def get_round_element(
         self, consumer_index: int, num_consumers: int, round_index: int, timeout_s: float
-    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
         if not self._go.is_set():
             self._go.set()
         result = super().get_round_element(consumer_index, num_consumers, round_index, timeout_s)
@@ -672,7 +672,8 @@ class WorkerServer:
             elements=elements, end_of_sequence=end, worker_uid=self._uid
         )
         if error is not None:
-            response.error_type, response.error_message = error
+            response.error_type, response.error_message = error.type_name, error.message
+            response.error_traceback, response.error_pickle = error.traceback, error.pickled
         if end:
             self._wake.set()  # report the finished task promptly
         return response

@@ -107,7 +107,7 @@ class TaskRunner:
         self._buffered_bytes = 0
         self._produced = 0
         self._end = False
-        self._error: tuple[str, str] | None = None
+        self._error: errors.RemoteErrorInfo | None = None
         self._stopped = False
         self._waiting = 0  # consumers blocked on an empty buffer
         # coordinated reads (guarded by self._cv): round -> [element per consumer]
@@ -166,7 +166,7 @@ class TaskRunner:
             if batch:  # the elements produced before the failure come first
                 self._publish(batch, batch_bytes)
             with self._cv:
-                self._error = (type(err).__name__, str(err))
+                self._error = errors.capture(err)
         finally:
             with self._cv:
                 self._end = True
@@ -211,7 +211,7 @@ class TaskRunner:
 
     def get_elements_raw(
         self, max_elements: int, max_bytes: int, timeout_s: float
-    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
         """Takes up to `max_elements` elements (at most ~`max_bytes` payload
         bytes, but always one), waiting up to `timeout_s` seconds for the first.
 
@@ -257,14 +257,14 @@ class TaskRunner:
 
     def get_elements(
         self, max_elements: int, max_bytes: int, timeout_s: float
-    ) -> tuple[list[bytes], bool, tuple[str, str] | None]:
+    ) -> tuple[list[bytes], bool, errors.RemoteErrorInfo | None]:
         """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`)."""
         elements, end, error = self.get_elements_raw(max_elements, max_bytes, timeout_s)
         return [codec.encode(e) for e in elements], end, error
 
     def get_round_element(
         self, consumer_index: int, num_consumers: int, round_index: int, timeout_s: float
-    ) -> tuple[list[Any], bool, tuple[str, str] | None]:
+    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
         """Coordinated reads (tf.data service's RoundRobinTaskRunner): consumer
         `consumer_index` of `num_consumers` takes its element of round
         `round_index`. The first request for a round takes the next

@@ -17,11 +17,13 @@ worker process shares instead of one private copy per worker (CASES C-19).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
 import pickle
 import stat
+import types
 from typing import Any
 
 import cloudpickle
@@ -187,6 +189,152 @@ def _describe_function(fn: Any) -> tuple[str, str]:
     return name or repr(fn), where
 
 
+def _pickle_error(obj: Any) -> Exception | None:
+    """Why cloudpickle cannot pickle `obj`, or None if it can. Buffers stay out
+    of band (not copied), so a big array costs nothing here."""
+    try:
+        cloudpickle.dumps(obj, protocol=PICKLE_PROTOCOL, buffer_callback=lambda _: False)
+    except Exception as e:
+        return e
+    return None
+
+
+# A step from an object to one of the things it holds: (kind, name). Kinds that
+# start a new named thing: "closure variable", "global", "default argument",
+# "attribute" (of the function itself or of `self`); "." and "[]" extend it.
+_Step = tuple[str, str]
+_MAX_DEPTH = 8
+_MAX_ITEMS = 10_000
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    """The global names `code` and the functions nested in it refer to, as
+    cloudpickle collects them for a function pickled by value."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_global_names(const))
+    return names
+
+
+def _parts(obj: Any, root: bool) -> list[tuple[_Step, Any]]:
+    """What pickling `obj` pickles with it, each named by the step that reaches it."""
+    out: list[tuple[_Step, Any]] = []
+    if isinstance(obj, functools.partial):
+        out.append(((".", "func"), obj.func))
+        out.extend((("partial argument", str(i)), a) for i, a in enumerate(obj.args))
+        out.extend((("partial keyword argument", k), v) for k, v in obj.keywords.items())
+        return out
+    if isinstance(obj, types.MethodType):
+        out.append((("self", "self"), obj.__self__))
+        obj = obj.__func__
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        for name, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
+            try:
+                out.append((("closure variable", name), cell.cell_contents))
+            except ValueError:  # an empty cell: nothing to pickle
+                pass
+        seen: set[str] = set()
+        for name in _global_names(code):
+            if name in obj.__globals__ and name not in seen:
+                seen.add(name)
+                out.append((("global", name), obj.__globals__[name]))
+        positional = code.co_varnames[: code.co_argcount]
+        defaults = obj.__defaults__ or ()
+        for name, value in zip(
+            positional[len(positional) - len(defaults) :], defaults, strict=False
+        ):
+            out.append((("default argument", name), value))
+        for name, value in (obj.__kwdefaults__ or {}).items():
+            out.append((("default argument", name), value))
+        for name, value in getattr(obj, "__dict__", {}).items():
+            out.append((("attribute", f"{obj.__name__}.{name}"), value))
+        return out
+    if isinstance(obj, (types.ModuleType, type)):
+        return out
+    if isinstance(obj, dict):
+        items = list(obj.items())[:_MAX_ITEMS]
+        return [(("[]", f"[{k!r}]"), v) for k, v in items]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        values = list(obj)[:_MAX_ITEMS]
+        if isinstance(obj, (set, frozenset)):
+            return [(("[]", "{...}"), v) for v in values]
+        return [(("[]", f"[{i}]"), v) for i, v in enumerate(values)]
+    self_of = getattr(obj, "__self__", None)  # a builtin method: `lock.acquire`
+    if self_of is not None and not isinstance(self_of, types.ModuleType):
+        return [(("self", "self"), self_of)]
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        if root:  # a callable object given as the function: its `self.attr`
+            return [(("attribute", f"self.{k}"), v) for k, v in state.items()]
+        return [((".", k), v) for k, v in state.items()]
+    return out
+
+
+def _culprit(obj: Any) -> tuple[list[_Step], Any, Exception] | None:
+    """The innermost part of `obj` that cannot be pickled: (steps to it, it,
+    its error), or None if `obj` pickles. Runs only once pickling has failed."""
+    error = _pickle_error(obj)
+    if error is None:
+        return None
+    steps: list[_Step] = []
+    seen = {id(obj)}
+    root = True
+    while len(steps) < _MAX_DEPTH:
+        for step, part in _parts(obj, root):
+            if id(part) in seen:
+                continue
+            part_error = _pickle_error(part)
+            if part_error is not None:
+                seen.add(id(part))
+                steps.append(step)
+                obj, error = part, part_error
+                break
+        else:
+            break  # nothing it holds fails alone: `obj` is the one at fault
+        root = False
+    return steps, obj, error
+
+
+def _type_name(obj: Any) -> str:
+    cls = type(obj)
+    return (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+
+
+def _describe_path(steps: list[_Step]) -> str:
+    """Steps as words: "closure variable `cfg['lock']`", or, through a nested
+    function, "global `helper`, whose closure variable `lock`"."""
+    phrases: list[list[str]] = []
+    for kind, name in steps:
+        if kind in (".", "[]"):
+            if not phrases:
+                phrases.append(["", ""])
+            phrases[-1][1] += f".{name}" if kind == "." else name
+        elif kind == "self":  # a bound method's object: its attributes are `self.x`
+            phrases.append(["attribute ", "self"])
+        else:
+            phrases.append([kind + " ", name])
+    return ", whose ".join(f"{kind}`{expr}`" for kind, expr in phrases)
+
+
+def _what_fails(obj: Any) -> str:
+    """ ", its closure variable `lock` is a _thread.lock, which cannot be pickled
+    (TypeError: ...)" for the part of `obj` at fault, or the error alone."""
+    found = _culprit(obj)
+    if found is None:
+        return ""
+    steps, part, error = found
+    if not steps:
+        return f"{type(error).__name__}: {error}"
+    return (
+        f"its {_describe_path(steps)} is a {_type_name(part)}, which cannot be pickled "
+        f"({type(error).__name__}: {error})"
+    )
+
+
 def _explain(dataset: Dataset, error: Exception) -> ValueError:
     """Finds which function or argument of which node cannot be pickled."""
     nodes = list(dataset._walk())
@@ -198,7 +346,7 @@ def _explain(dataset: Dataset, error: Exception) -> ValueError:
                 name, where = _describe_function(fn)
                 return ValueError(
                     f"Cannot serialize the function `{name}` given to `{_op(node)}` "
-                    f"(defined in {where}): {type(e).__name__}: {e}"
+                    f"(defined in {where}): {_what_fails(fn) or f'{type(e).__name__}: {e}'}"
                 )
     for node in nodes:
         skip = set(getattr(node, "_input_attrs", ())) | set(getattr(node, "_fn_attrs", ()))
@@ -208,9 +356,16 @@ def _explain(dataset: Dataset, error: Exception) -> ValueError:
             try:
                 cloudpickle.dumps(value, protocol=PICKLE_PROTOCOL)
             except Exception as e:
+                found = _culprit(value)
+                inner = ""
+                if found is not None and found[0]:
+                    inner = (
+                        f"; the part at fault is `{attr.lstrip('_')}"
+                        f"{_describe_path(found[0]).strip('`')}`, a {_type_name(found[1])}"
+                    )
                 return ValueError(
                     f"Cannot serialize the `{_op(node)}` dataset: its argument "
                     f"`{attr.lstrip('_')}` ({type(value).__name__}) cannot be pickled: "
-                    f"{type(e).__name__}: {e}"
+                    f"{type(e).__name__}: {e}{inner}"
                 )
     return ValueError(f"Cannot serialize the dataset: {type(error).__name__}: {error}")

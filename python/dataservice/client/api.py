@@ -218,6 +218,7 @@ class DistributedDataset(Dataset):
         self._given_spec = element_spec
         self._mu = threading.Lock()
         self._repetition = 0  # guarded by self._mu
+        self._cardinality: int | None = None  # registered one, read by id; guarded by self._mu
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -235,17 +236,51 @@ class DistributedDataset(Dataset):
         return []
 
     def _compute_cardinality(self) -> int:
-        if self._input_dataset is None:
-            return UNKNOWN_CARDINALITY
-        card = self._input_dataset.cardinality()
+        """As tf.data service: INFINITE for a coordinated read; 0 for an empty
+        dataset; INFINITE for an infinite one under OFF, DYNAMIC and DATA (which
+        shard after `repeat`), UNKNOWN under FILE, FILE_OR_DATA and HINT (sharding
+        files may leave a worker nothing); UNKNOWN for a finite one. A dataset
+        read by id asks the dispatcher the cardinality it was registered with.
+
+        Source: tensorflow/core/data/service/common.cc, `EstimateCardinality`.
+
+        Raises:
+            DataServiceError: (read by id) the dispatcher cannot say, e.g.
+                `NotFoundError` for an unknown dataset id.
+        """
+        if self._num_consumers:  # coordinated reads need an infinite dataset
+            return INFINITE_CARDINALITY
+        if self._input_dataset is not None:
+            card = self._input_dataset.cardinality()
+        else:
+            card = self._registered_cardinality()
         if card == 0:
             return 0
         if card == INFINITE_CARDINALITY and self._processing_mode in (
             ShardingPolicy.OFF,
             ShardingPolicy.DYNAMIC,
+            ShardingPolicy.DATA,
         ):
             return INFINITE_CARDINALITY
         return UNKNOWN_CARDINALITY
+
+    def _registered_cardinality(self) -> int:
+        """The cardinality `dataset_id` was registered with (one GetElementSpec
+        RPC, bounded by `client_timeout_ms`; cached). UNKNOWN from a dispatcher
+        that does not say."""
+        with self._mu:
+            if self._cardinality is not None:
+                return self._cardinality
+        response = _dispatcher_call(
+            self._address,
+            "GetElementSpec",
+            pb.GetElementSpecRequest(dataset_id=self._dataset_id),
+            self._client_timeout_ms,
+        )
+        card = response.cardinality if response.HasField("cardinality") else UNKNOWN_CARDINALITY
+        with self._mu:
+            self._cardinality = card
+        return card
 
     def _static_element_spec(self) -> Any:
         if self._given_spec is not None:

@@ -602,7 +602,9 @@ class DispatchServer:
             dataset = self._state.datasets.get(request.dataset_id)
             if dataset is None:
                 raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
-            return pb.GetElementSpecResponse(element_spec=dataset.element_spec)
+            return pb.GetElementSpecResponse(
+                element_spec=dataset.element_spec, cardinality=dataset.cardinality
+            )
 
     def _get_or_create_job(self, request: Any) -> Any:
         mode = request.processing_mode

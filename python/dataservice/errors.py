@@ -200,7 +200,7 @@ _BY_NAME: dict[str, type[DataServiceError]] = {
 }
 
 
-_MAX_TRACEBACK_CHARS = 64 << 10  # a deep recursion's traceback is cut in the middle
+_MAX_TRACEBACK_CHARS = 64 << 10  # longer messages and tracebacks are cut in the middle
 _MAX_PICKLE_BYTES = 64 << 10  # a bigger exception travels by type name and message only
 _FRAME_MARK = "\x00dataservice-error-v1\x00"
 
@@ -297,7 +297,10 @@ def capture(err: BaseException) -> RemoteErrorInfo:
     except Exception:
         pickled = b""
     return RemoteErrorInfo(
-        _type_name(type(err)), _safe_str(err), _cut(tb, _MAX_TRACEBACK_CHARS), pickled
+        _type_name(type(err)),
+        _cut(_safe_str(err), _MAX_TRACEBACK_CHARS),
+        _cut(tb, _MAX_TRACEBACK_CHARS),
+        pickled,
     )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import mmap
+import re
 import threading
 
 import numpy as np
@@ -104,6 +106,114 @@ def test_unpicklable_function_names_op_and_function():
     assert "given to `map`" in msg
     assert "test_serialize.py:" in msg
     assert "lock" in msg
+
+
+GLOBAL_LOCK = threading.Lock()
+
+
+class _Parser:
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __call__(self, x):
+        return x
+
+    def parse(self, x):
+        return x
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+
+
+def _capture_cases():
+    """(function, the capture path the error must name, its type)."""
+    lock = threading.Lock()
+
+    def closure(x):
+        with lock:
+            return x
+
+    def default(x, guard=threading.Lock()):
+        return x
+
+    def kwdefault(x, *, guard=threading.Lock()):
+        return x
+
+    def helper():
+        return lock
+
+    def uses_global(x):  # nested, so pickled by value with the globals it names
+        with GLOBAL_LOCK:
+            return x
+
+    def nested(x):
+        helper()
+        return x
+
+    items = [1, threading.Lock()]
+    cfg = {"path": "/data", "lock": threading.Lock()}
+    state = _State()
+
+    def in_list(x):
+        return items and x
+
+    def in_dict(x):
+        return cfg and x
+
+    def in_object(x):
+        return state and x
+
+    def with_attr(x):
+        return x
+
+    with_attr.cache = threading.Lock()
+    return {
+        "closure": (closure, "its closure variable `lock`", "_thread.lock"),
+        "global": (uses_global, "its global `GLOBAL_LOCK`", "_thread.lock"),
+        "default": (default, "its default argument `guard`", "_thread.lock"),
+        "kwdefault": (kwdefault, "its default argument `guard`", "_thread.lock"),
+        "callable_object": (_Parser(), "its attribute `self.lock`", "_thread.lock"),
+        "bound_method": (_Parser().parse, "its attribute `self.lock`", "_thread.lock"),
+        "nested_function": (
+            nested,
+            "its closure variable `helper`, whose closure variable `lock`",
+            "_thread.lock",
+        ),
+        "list_element": (in_list, "its closure variable `items[1]`", "_thread.lock"),
+        "dict_element": (in_dict, "its closure variable `cfg['lock']`", "_thread.lock"),
+        "object_attribute": (in_object, "its closure variable `state.lock`", "_thread.lock"),
+        "function_attribute": (with_attr, "its attribute `with_attr.cache`", "_thread.lock"),
+        "partial": (
+            functools.partial(double_with, guard=threading.Lock()),
+            "its partial keyword argument `guard`",
+            "_thread.lock",
+        ),
+    }
+
+
+def double_with(x, guard=None):
+    return 2 * x
+
+
+@pytest.mark.parametrize("kind", sorted(_capture_cases()))
+def test_unpicklable_capture_is_named_with_its_type(kind):
+    fn, path, type_name = _capture_cases()[kind]
+    with pytest.raises(ValueError) as e:
+        serialize(Dataset.range(3).map(fn))
+    msg = str(e.value)
+    assert f"{path} is a {type_name}, which cannot be pickled" in msg, msg
+    assert re.search(r"given to `map` \(defined in test_serialize\.py:\d+\)", msg), msg
+    assert "TypeError: cannot pickle '_thread.lock' object" in msg
+
+
+def test_unpicklable_part_of_an_argument_is_named():
+    ds = Dataset.from_tensors({"ok": 1, "bad": [2, threading.Lock()]})
+    with pytest.raises(
+        ValueError, match=r"the part at fault is `value\['bad'\]\[1\]`, a _thread.lock"
+    ):
+        serialize(ds)
 
 
 def test_unpicklable_generator_in_from_generator():

@@ -27,6 +27,7 @@ import types
 from typing import Any
 
 import cloudpickle
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from dataservice.data.dataset import Dataset
@@ -256,6 +257,8 @@ def _parts(obj: Any, root: bool) -> list[tuple[_Step, Any]]:
     if isinstance(obj, dict):
         items = list(obj.items())[:_MAX_ITEMS]
         return [(("[]", f"[{k!r}]"), v) for k, v in items]
+    if isinstance(obj, np.ndarray) and obj.dtype == object:  # flat index of the item
+        return [(("[]", f"[{i}]"), v) for i, v in enumerate(obj.flat[:_MAX_ITEMS])]
     if isinstance(obj, (list, tuple, set, frozenset)):
         values = list(obj)[:_MAX_ITEMS]
         if isinstance(obj, (set, frozenset)):

@@ -1,0 +1,248 @@
+"""A user function's exception as the consumer sees it, end to end: its type
+(builtin, dataservice or the user's own class), its args, its message once and
+the worker's traceback (file and line of the user's raise) as `__cause__`, over
+gRPC and shared memory, for plain, coordinated and cross-trainer-cache reads,
+with in-process workers and with worker processes (`LocalCluster`). Also the
+tf.data conformance of `compression` and `cardinality()` and the naming of an
+unshippable capture at `distribute` / `register_dataset` time."""
+
+from __future__ import annotations
+
+import re
+import threading
+import traceback
+
+import pytest
+
+import dataservice as ds
+from dataservice import errors
+
+pytestmark = pytest.mark.timeout(120)
+
+OFF = ds.ShardingPolicy.OFF
+DYNAMIC = ds.ShardingPolicy.DYNAMIC
+DOUBLED = re.compile(r"\b(\w+): \1:")
+FAIL_AT = 3
+RAISE_LINE: dict[str, int] = {}  # function name -> line of its raise
+
+
+class BadRecord(Exception):
+    """A user exception whose constructor takes other arguments than its args."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"record {index}: {reason}")
+        self.index = index
+
+
+def fail_value(x):
+    if x == FAIL_AT:
+        raise ValueError(f"bad record {x}")
+    return x
+
+
+RAISE_LINE["fail_value"] = fail_value.__code__.co_firstlineno + 2
+
+
+def fail_key(x):
+    if x == FAIL_AT:
+        raise KeyError("label")
+    return x
+
+
+RAISE_LINE["fail_key"] = fail_key.__code__.co_firstlineno + 2
+
+
+def fail_user(x):
+    if x == FAIL_AT:
+        raise BadRecord(int(x), "truncated")
+    return x
+
+
+RAISE_LINE["fail_user"] = fail_user.__code__.co_firstlineno + 2
+
+
+def fail_local_class(x):
+    class LocalOnly(Exception):  # not importable anywhere by its name
+        pass
+
+    if x == FAIL_AT:
+        raise LocalOnly("local")
+    return x
+
+
+RAISE_LINE["fail_local_class"] = fail_local_class.__code__.co_firstlineno + 5
+
+CASES = {  # function -> (class the consumer catches, message, args)
+    "fail_value": (ValueError, f"bad record {FAIL_AT}", (f"bad record {FAIL_AT}",)),
+    "fail_key": (KeyError, "'label'", ("label",)),
+    "fail_user": (BadRecord, f"record {FAIL_AT}: truncated", (f"record {FAIL_AT}: truncated",)),
+    "fail_local_class": (errors.WorkerError, "local", ("local",)),
+}
+
+
+def check(err: BaseException, fn_name: str, worker_addresses: list[str]) -> None:
+    cls, message, args = CASES[fn_name]
+    assert isinstance(err, cls) and isinstance(err, errors.WorkerError), type(err).__mro__
+    assert err.args == args
+    assert err.worker_address in worker_addresses
+    text = str(err)
+    assert text == f"{message} (raised on worker {err.worker_address})"
+    printed = "".join(traceback.format_exception(err))
+    assert not DOUBLED.search(printed), printed
+    cause = err.__cause__
+    assert isinstance(cause, errors.RemoteTraceback)
+    where = f'test_remote_errors.py", line {RAISE_LINE[fn_name]}, in {fn_name}'
+    assert where in str(cause), str(cause)
+    if cls is errors.WorkerError:
+        assert type(err) is errors.WorkerError and err.type_name.endswith("LocalOnly")
+
+
+def read_until_error(dataset) -> tuple[list[int], BaseException]:
+    got: list[int] = []
+    try:
+        for x in dataset:
+            got.append(int(x))
+    except Exception as err:
+        return got, err
+    raise AssertionError(f"no error after {got}")
+
+
+def distribute(fn, target: str, **kw):
+    dataset = ds.Dataset.range(10).map(fn)
+    if kw.get("num_consumers") or kw.get("cross_trainer_cache"):
+        dataset = dataset.repeat()
+    return dataset.apply(ds.distribute(OFF, target, **kw))
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "shm"])
+@pytest.mark.parametrize("fn", [fail_value, fail_key, fail_user, fail_local_class])
+def test_in_process_workers(cluster, protocol, fn):
+    got, err = read_until_error(distribute(fn, cluster.target, data_transfer_protocol=protocol))
+    assert got == list(range(FAIL_AT))  # the elements before the error come first
+    check(err, fn.__name__, [w.address for w in cluster.workers])
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "shm"])
+@pytest.mark.parametrize("read", ["coordinated", "cross_trainer_cache"])
+def test_coordinated_and_cached_reads(cluster, protocol, read):
+    kw: dict = {"job_name": f"{read}-{protocol}", "data_transfer_protocol": protocol}
+    if read == "coordinated":
+        kw.update(consumer_index=0, num_consumers=1)
+    else:
+        kw.update(cross_trainer_cache=ds.CrossTrainerCache("trainer-a"))
+    got, err = read_until_error(distribute(fail_key, cluster.target, **kw))
+    assert got == list(range(FAIL_AT))
+    check(err, "fail_key", [w.address for w in cluster.workers])
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    with ds.LocalCluster(num_workers=1) as c:
+        yield c
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "shm"])
+@pytest.mark.parametrize("fn", [fail_value, fail_user, fail_local_class])
+def test_worker_processes(local_cluster, protocol, fn):
+    dataset = distribute(fn, local_cluster.target, data_transfer_protocol=protocol)
+    got, err = read_until_error(dataset)
+    assert got == list(range(FAIL_AT))
+    check(err, fn.__name__, [err.worker_address])
+    assert ":" in err.worker_address
+
+
+def test_corrupt_tfrecord_reads_as_data_loss_once(cluster, tmp_path):
+    path = tmp_path / "bad.tfrecord"
+    with ds.io.TFRecordWriter(str(path)) as w:
+        for i in range(3):
+            w.write(b"record %d" % i)
+    data = bytearray(path.read_bytes())
+    data[-6] ^= 0xFF
+    path.write_bytes(bytes(data))
+    for protocol in ("grpc", "shm"):
+        dataset = ds.TFRecordDataset(str(path)).apply(
+            ds.distribute(OFF, cluster.target, data_transfer_protocol=protocol)
+        )
+        with pytest.raises(errors.DataLossError) as info:
+            list(dataset)
+        text = "".join(traceback.format_exception(info.value))
+        assert "bad.tfrecord" in str(info.value) and not DOUBLED.search(text), text
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [OSError("disk gone"), errors.DataLossError("corrupted record"), ValueError("bad split")],
+    ids=["oserror", "dataloss", "valueerror"],
+)
+def test_error_while_the_dispatcher_builds_splits_is_named_once(cluster, monkeypatch, exc):
+    source = ds.Dataset.range(10)
+
+    def broken(self, seed):
+        raise exc
+
+    monkeypatch.setattr(type(source), "_split_providers", broken)
+    with pytest.raises(errors.DataServiceError) as info:
+        list(source.apply(ds.distribute(DYNAMIC, cluster.target)))
+    text = str(info.value)
+    assert str(exc) in text and text.count(str(exc)) == 1
+    assert not DOUBLED.search(f"{type(info.value).__name__}: {text}"), text
+
+
+# ---------------------------------------------------------------- shipping
+def test_unshippable_capture_is_named_at_distribute_and_register(cluster):
+    lock = threading.Lock()
+
+    def parse(x):
+        with lock:
+            return x
+
+    dataset = ds.Dataset.range(3).map(parse)
+    expected = (
+        r"`map`.*test_remote_errors\.py:\d+.*closure variable `lock` is a _thread\.lock, "
+        r"which cannot be pickled"
+    )
+    with pytest.raises(ValueError, match=expected):
+        dataset.apply(ds.distribute(OFF, cluster.target))
+    with pytest.raises(ValueError, match=expected):
+        ds.register_dataset(cluster.target, dataset)
+    assert cluster.dispatcher._state.datasets == {}  # nothing was registered
+
+
+# ---------------------------------------------------------------- tf.data conformance
+@pytest.mark.parametrize("compression", ["bogus", "", "gzip", 3])
+def test_invalid_compression_is_a_value_error(cluster, compression):
+    with pytest.raises(ValueError, match="Invalid `compression` argument"):
+        ds.register_dataset(cluster.target, ds.Dataset.range(3), compression=compression)
+    with pytest.raises(ValueError, match="Invalid `compression` argument"):
+        ds.Dataset.range(3).apply(ds.distribute(OFF, cluster.target, compression=compression))
+
+
+INF, UNKNOWN = ds.INFINITE_CARDINALITY, ds.UNKNOWN_CARDINALITY
+# tensorflow/core/data/service/common.cc, EstimateCardinality.
+EXPECTED_CARDINALITY = {
+    "OFF": (INF, 0, UNKNOWN),
+    "DYNAMIC": (INF, 0, UNKNOWN),
+    "DATA": (INF, 0, UNKNOWN),
+    "FILE": (UNKNOWN, 0, UNKNOWN),
+    "FILE_OR_DATA": (UNKNOWN, 0, UNKNOWN),
+    "HINT": (UNKNOWN, 0, UNKNOWN),
+}
+
+
+def test_cardinality_of_distributed_and_by_id_datasets(cluster):
+    sources = [ds.Dataset.range(3).repeat(), ds.Dataset.range(0), ds.Dataset.range(3)]
+    ids = [ds.register_dataset(cluster.target, s) for s in sources]
+    for policy, expected in EXPECTED_CARDINALITY.items():
+        mode = ds.ShardingPolicy[policy]
+        by_distribute = tuple(
+            s.apply(ds.distribute(mode, cluster.target)).cardinality() for s in sources
+        )
+        by_id = tuple(ds.from_dataset_id(mode, cluster.target, i).cardinality() for i in ids)
+        assert by_distribute == expected, policy
+        assert by_id == expected, policy
+    coordinated = ds.from_dataset_id(
+        OFF, cluster.target, ids[2], job_name="j", consumer_index=0, num_consumers=1
+    )
+    assert coordinated.cardinality() == INF
+    with pytest.raises(errors.NotFoundError):
+        ds.from_dataset_id(OFF, cluster.target, "no-such-id").cardinality()

@@ -1,0 +1,211 @@
+"""A worker-side exception turned into its transport form (`errors.capture`,
+`RemoteErrorInfo.to_frame`) and back into the consumer's exception
+(`errors.remote_error`): type, args, message once, traceback as the cause,
+whatever the exception's constructor, `__str__` or pickling does."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import sys
+import threading
+import traceback
+
+import pytest
+
+from dataservice import errors
+
+pytestmark = pytest.mark.timeout(30)
+
+ADDRESS = "10.0.0.7:5051"
+DOUBLED = re.compile(r"\b(\w+): \1:")  # "ValueError: ValueError: ..."
+
+
+class BadRecord(Exception):
+    """A user exception whose constructor takes other arguments than its args."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"record {index}: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+class WithFields(Exception):
+    """Pickles and unpickles: its attributes come back on the consumer."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self):  # type: ignore[override]
+        return (WithFields, (self.args[0], self.code))
+
+
+class HoldsLock(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()  # cannot be pickled
+
+
+class BadStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+def raise_and_capture(exc: BaseException) -> tuple[errors.RemoteErrorInfo, int]:
+    """Raises `exc` here and captures it as a worker does; returns it and the
+    line of the raise."""
+    line = sys._getframe().f_lineno + 2
+    try:
+        raise exc
+    except BaseException as err:
+        return errors.capture(err), line
+
+
+def over_the_wire(info: errors.RemoteErrorInfo) -> errors.WorkerError:
+    """Both transports: gRPC's fields and the shared-memory frame give the same."""
+    via_frame = errors.RemoteErrorInfo.from_frame(*info.to_frame())
+    assert via_frame == info
+    return via_frame.to_exception(ADDRESS)
+
+
+def assert_reads_well(err: BaseException, message: str) -> None:
+    text = str(err)
+    assert text == f"{message} (raised on worker {ADDRESS})"
+    assert text.count(message) == 1 if message else True
+    assert not DOUBLED.search(text), text
+    assert not DOUBLED.search("".join(traceback.format_exception(err))), text
+
+
+def test_builtin_keeps_type_message_once_and_traceback_as_cause():
+    info, line = raise_and_capture(ValueError("bad record 7"))
+    err = over_the_wire(info)
+    assert isinstance(err, ValueError) and isinstance(err, errors.WorkerError)
+    assert type(err).__name__ == "ValueError" and type(err).__module__ == "builtins"
+    assert err.args == ("bad record 7",)
+    assert err.type_name == "ValueError" and err.worker_address == ADDRESS
+    assert_reads_well(err, "bad record 7")
+    cause = err.__cause__
+    assert isinstance(cause, errors.RemoteTraceback)
+    assert f'test_remote_errors.py", line {line}, in raise_and_capture' in str(cause)
+    assert "ValueError: bad record 7" in str(cause)
+    assert ADDRESS in str(cause)
+    printed = "".join(traceback.format_exception(err))
+    assert printed.index(f"line {line}") < printed.index("direct cause")
+    assert printed.rstrip().endswith(f"ValueError: bad record 7 (raised on worker {ADDRESS})")
+
+
+def test_key_error_is_quoted_once_and_keeps_its_key():
+    info, _ = raise_and_capture(KeyError("label"))
+    err = over_the_wire(info)
+    with pytest.raises(KeyError) as caught:
+        raise err
+    assert caught.value.args == ("label",)
+    assert_reads_well(err, "'label'")
+
+
+def test_several_args_are_kept():
+    err = over_the_wire(raise_and_capture(ValueError("shape", 3, None))[0])
+    assert isinstance(err, ValueError) and err.args == ("shape", 3, None)
+    assert_reads_well(err, "('shape', 3, None)")
+
+
+def test_dataservice_error_is_not_named_twice():
+    err = over_the_wire(raise_and_capture(errors.DataLossError("corrupted record"))[0])
+    assert isinstance(err, errors.DataLossError) and err.type_name == "DataLossError"
+    assert_reads_well(err, "corrupted record")
+    assert "DataLossError" not in str(err)
+
+
+def test_importable_user_class_with_other_constructor_arguments():
+    err = over_the_wire(raise_and_capture(BadRecord(7, "truncated"))[0])
+    assert isinstance(err, BadRecord) and isinstance(err, errors.WorkerError)
+    assert err.type_name == f"{__name__}.BadRecord"
+    assert type(err).__qualname__ == "BadRecord" and type(err).__module__ == __name__
+    assert_reads_well(err, "record 7: truncated")
+
+
+def test_user_class_that_pickles_keeps_its_attributes():
+    info, _ = raise_and_capture(WithFields("bad header", code=42))
+    assert info.pickled
+    err = over_the_wire(info)
+    assert isinstance(err, WithFields) and err.code == 42 and err.args == ("bad header",)
+    assert_reads_well(err, "bad header")
+
+
+def test_exception_that_cannot_be_pickled_still_arrives_by_name():
+    info, _ = raise_and_capture(HoldsLock("held"))
+    assert info.pickled == b""
+    err = over_the_wire(info)
+    assert isinstance(err, HoldsLock) and err.args == ("held",)
+    assert_reads_well(err, "held")
+
+
+def test_class_unknown_to_the_consumer_is_a_worker_error_naming_it():
+    info = errors.RemoteErrorInfo("no_such_module.sub.Err", "lost", "Traceback ...\n", b"\x80junk")
+    err = over_the_wire(info)
+    assert type(err) is errors.WorkerError
+    assert err.type_name == "no_such_module.sub.Err" and err.args == ("lost",)
+    assert_reads_well(err, "lost")
+    local = type("Local", (Exception,), {"__qualname__": "f.<locals>.Local"})
+    err = over_the_wire(raise_and_capture(local("gone"))[0])
+    assert type(err) is errors.WorkerError and err.type_name.endswith("f.<locals>.Local")
+
+
+def test_str_that_raises_gives_a_message_not_a_crash():
+    info, _ = raise_and_capture(BadStr("x"))
+    assert info.message  # repr() of it
+    err = over_the_wire(info)
+    assert isinstance(err, BadStr)
+
+
+def test_stop_iteration_never_ends_the_consumer_loop_silently():
+    err = over_the_wire(raise_and_capture(StopIteration("early"))[0])
+    assert not isinstance(err, StopIteration)
+    assert type(err) is errors.WorkerError and err.type_name == "StopIteration"
+
+
+def test_os_error_keeps_errno():
+    err = over_the_wire(raise_and_capture(FileNotFoundError(2, "No such file"))[0])
+    assert isinstance(err, FileNotFoundError) and err.errno == 2
+    assert_reads_well(err, "[Errno 2] No such file")
+
+
+def test_consumer_side_error_pickles():
+    err = over_the_wire(raise_and_capture(KeyError("label"))[0])
+    again = pickle.loads(pickle.dumps(err))
+    assert isinstance(again, KeyError) and str(again) == str(err)
+    assert isinstance(again.__cause__, errors.RemoteTraceback)
+
+
+def test_a_remote_error_raised_again_on_a_worker_is_not_wrapped_twice():
+    first = over_the_wire(raise_and_capture(ValueError("inner"))[0])
+    info, _ = raise_and_capture(first)
+    assert (info.type_name, info.message) == ("ValueError", "inner")
+    assert_reads_well(info.to_exception(ADDRESS), "inner")
+
+
+def test_huge_message_and_traceback_are_cut_in_the_middle():
+    text = "head " + "x" * 500_000 + " tail"
+    info, _ = raise_and_capture(ValueError(text))
+    limit = errors._MAX_TRACEBACK_CHARS
+    assert len(info.traceback) <= limit + 100 and len(info.message) <= limit + 100
+    assert info.message.startswith("head ") and info.message.endswith(" tail")
+    assert "characters cut" in info.message
+    assert info.traceback.startswith("Traceback (most recent call last):")
+    assert info.pickled == b""  # too big to travel pickled
+    err = over_the_wire(info)
+    assert isinstance(err, ValueError) and str(err).endswith(f" tail (raised on worker {ADDRESS})")
+
+
+def test_a_frame_from_an_older_peer_is_a_plain_message():
+    info = errors.RemoteErrorInfo.from_frame("ValueError", "bad")
+    assert info == errors.RemoteErrorInfo("ValueError", "bad")
+    err = info.to_exception(ADDRESS)
+    assert isinstance(err, ValueError) and err.__cause__ is None
+    assert_reads_well(err, "bad")
+
+
+def test_worker_error_made_directly_reads_as_before():
+    err = errors.WorkerError("boom", type_name="X", worker_address="")
+    assert str(err) == "boom" and err.type_name == "X"

@@ -209,3 +209,67 @@ def test_a_frame_from_an_older_peer_is_a_plain_message():
 def test_worker_error_made_directly_reads_as_before():
     err = errors.WorkerError("boom", type_name="X", worker_address="")
     assert str(err) == "boom" and err.type_name == "X"
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _FakeContext:
+    """The part of grpc.ServicerContext that `abort_with` uses."""
+
+    def __init__(self) -> None:
+        self.metadata: tuple = ()
+        self.code = None
+        self.details = ""
+
+    def set_trailing_metadata(self, metadata: tuple) -> None:
+        self.metadata = metadata
+
+    def abort(self, code, details: str) -> None:
+        self.code, self.details = code, details
+        raise _Aborted
+
+
+def _rpc_error(context: _FakeContext):
+    import grpc
+
+    class _Error(grpc.RpcError):
+        def code(self):
+            return context.code
+
+        def details(self):
+            return context.details
+
+        def trailing_metadata(self):
+            return context.metadata
+
+    return _Error()
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        errors.DataLossError("corrupted record"),
+        errors.InvalidArgumentError("bad split"),
+        errors.InternalError("KeyError: 'x'"),
+        errors.NotFoundError("Dataset id 7 not found"),
+        errors.UnavailableError("worker gone"),
+        ValueError("bad argument"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_status_round_trip_names_the_type_once(err):
+    from dataservice.rpc import util as rpc_util
+
+    context = _FakeContext()
+    with pytest.raises(_Aborted):
+        rpc_util.abort_with(context, err)  # type: ignore[arg-type]
+    got = rpc_util.to_error(_rpc_error(context), "127.0.0.1:1", "GetElements")
+    text = f"{type(got).__name__}: {got}"
+    assert str(err) in str(got) and str(got).count(str(err)) == 1
+    assert not DOUBLED.search(text), text
+    if isinstance(err, errors.DataServiceError):
+        assert type(got) is type(err)
+    else:
+        assert isinstance(got, ValueError)

@@ -202,6 +202,7 @@ _BY_NAME: dict[str, type[DataServiceError]] = {
 
 _MAX_TRACEBACK_CHARS = 64 << 10  # longer messages and tracebacks are cut in the middle
 _MAX_PICKLE_BYTES = 64 << 10  # a bigger exception travels by type name and message only
+_MAX_FRAME_CHARS = 32 << 10  # an ERROR frame's text, all told
 _FRAME_MARK = "\x00dataservice-error-v1\x00"
 
 
@@ -221,13 +222,26 @@ class RemoteErrorInfo(NamedTuple):
 
     def to_frame(self) -> tuple[str, str]:
         """(type name, text) for a transport that carries two strings (a shared-
-        memory ERROR frame, a JSON reply); `from_frame` reverses it."""
-        if not self.traceback and not self.pickled:
+        memory ERROR frame, a JSON reply); `from_frame` reverses it. The text
+        is at most about `_MAX_FRAME_CHARS` characters (the pickle is dropped,
+        then the message and traceback cut, to fit), so that a reply that
+        escapes it again stays within a socket message."""
+        if not self.traceback and not self.pickled and len(self.message) <= _MAX_FRAME_CHARS:
             return self.type_name, self.message
-        rest = {"message": self.message, "traceback": self.traceback}
-        if self.pickled:
-            rest["pickled"] = base64.b64encode(self.pickled).decode("ascii")
-        return self.type_name, _FRAME_MARK + json.dumps(rest)
+        message, traceback, pickled = self.message, self.traceback, self.pickled
+        limit = _MAX_FRAME_CHARS
+        while True:
+            rest = {"message": message, "traceback": traceback}
+            if pickled:
+                rest["pickled"] = base64.b64encode(pickled).decode("ascii")
+            text = _FRAME_MARK + json.dumps(rest)
+            if len(text) <= _MAX_FRAME_CHARS + len(_FRAME_MARK) + 64:
+                return self.type_name, text
+            if pickled:
+                pickled = b""
+            else:  # halving: json.dumps may write 6 characters for one (\uXXXX)
+                limit //= 2
+                message, traceback = _cut(message, limit), _cut(traceback, limit)
 
     @classmethod
     def from_frame(cls, type_name: str, text: str) -> RemoteErrorInfo:
@@ -268,7 +282,7 @@ def _cut(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     head = limit // 4
-    tail = limit - head
+    tail = max(1, limit - head)
     skipped = len(text) - head - tail
     return f"{text[:head]}\n    ... [{skipped} characters cut] ...\n{text[-tail:]}"
 

@@ -127,13 +127,14 @@ class WorkerError(DataServiceError):
         remote_traceback: str = "",
     ) -> None:
         super().__init__(message)
-        self.message = message
+        self._remote_message = self.message = message
         self.type_name = type_name
         self.worker_address = worker_address
         self.remote_traceback = remote_traceback
 
     def __str__(self) -> str:
-        message = getattr(self, "message", None)
+        # Not `self.message`: a user's class may define its own.
+        message = self.__dict__.get("_remote_message")
         if message is None:
             return super().__str__()
         address = getattr(self, "worker_address", "")
@@ -148,7 +149,7 @@ class WorkerError(DataServiceError):
             remote_error,
             (
                 self.type_name,
-                self.message,
+                self.__dict__.get("_remote_message", ""),
                 self.worker_address,
                 self.remote_traceback,
             ),
@@ -296,7 +297,8 @@ def capture(err: BaseException) -> RemoteErrorInfo:
     if isinstance(err, WorkerError) and getattr(err, "type_name", ""):
         # Already a remote error (a pipeline that reads another service): keep
         # the original, not "raised on worker" twice.
-        return RemoteErrorInfo(err.type_name, err.message, err.remote_traceback)
+        message = err.__dict__.get("_remote_message", "")
+        return RemoteErrorInfo(err.type_name, message, err.remote_traceback)
     try:
         tb = "".join(traceback_module.format_exception(err))
     except Exception:
@@ -410,12 +412,21 @@ def remote_error(
     if err is None:
         err = WorkerError.__new__(WorkerError)
         err.args = (message,)
-    err.message = message
-    err.type_name = type_name
-    err.worker_address = worker_address
-    err.remote_traceback = traceback
-    if traceback:
-        err.__cause__ = RemoteTraceback(traceback, worker_address)
+    fields = {
+        "_remote_message": message,
+        "message": message,
+        "type_name": type_name,
+        "worker_address": worker_address,
+        "remote_traceback": traceback,
+    }
+    try:
+        err.__dict__.update(fields)  # not setattr: a user class's properties stay out of it
+        if traceback:
+            err.__cause__ = RemoteTraceback(traceback, worker_address)
+    except Exception:  # a user class that refuses them: WorkerError alone
+        err = WorkerError(message, type_name, worker_address, traceback)
+        if traceback:
+            err.__cause__ = RemoteTraceback(traceback, worker_address)
     return err
 
 

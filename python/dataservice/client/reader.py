@@ -723,8 +723,11 @@ class DataServiceIterator:
     of them), in each worker's order, interleaved across workers.
 
     Raises (from `__next__`):
-        WorkerError: The pipeline raised on a worker (type name, message and
-            worker address kept).
+        WorkerError: The pipeline raised on a worker, after the elements it
+            produced before; also an instance of the original class where it
+            can be found here (`except ValueError` works), with its args, its
+            message once and the worker's traceback as `__cause__`
+            (`errors.RemoteTraceback`); see `errors.WorkerError`.
         UnavailableError: The dispatcher could not be reached within the
             client timeout; the message names the address.
         DispatcherRestartedError: The dispatcher restarted without fault

@@ -4,6 +4,11 @@
 damaged TFRecord, `UnavailableError` for an unreachable server, and so on.
 Bad arguments caught at call time raise the builtin `ValueError`, as tf.data's
 Python layer does.
+
+An exception a pipeline raises on a worker travels as a `RemoteErrorInfo`
+(`capture`, on the worker) and is raised by the consumer as a `WorkerError`
+that is also an instance of the original class where it can be found
+(`remote_error`), with the worker's traceback as its `RemoteTraceback` cause.
 """
 
 from __future__ import annotations

@@ -157,6 +157,7 @@ class WorkerError(DataServiceError):
                 self.__dict__.get("_remote_message", ""),
                 self.worker_address,
                 self.remote_traceback,
+                self.__dict__.get("_remote_pickled", b""),
             ),
         )
 
@@ -423,6 +424,7 @@ def remote_error(
         "type_name": type_name,
         "worker_address": worker_address,
         "remote_traceback": traceback,
+        "_remote_pickled": pickled if original is not None else b"",
     }
     try:
         err.__dict__.update(fields)  # not setattr: a user class's properties stay out of it

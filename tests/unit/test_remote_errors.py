@@ -176,6 +176,7 @@ def test_consumer_side_error_pickles():
     err = over_the_wire(raise_and_capture(KeyError("label"))[0])
     again = pickle.loads(pickle.dumps(err))
     assert isinstance(again, KeyError) and str(again) == str(err)
+    assert again.args == ("label",) and again.worker_address == ADDRESS
     assert isinstance(again.__cause__, errors.RemoteTraceback)
 
 

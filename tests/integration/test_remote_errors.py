@@ -135,6 +135,45 @@ def test_coordinated_and_cached_reads(cluster, protocol, read):
     check(err, "fail_key", [w.address for w in cluster.workers])
 
 
+class Box:
+    """An element leaf that refuses to be encoded (pickled) when it holds 2."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self):
+        if self.value == FAIL_AT:
+            raise TypeError(f"Box {self.value} refuses to pickle")
+        return (Box, (self.value,))
+
+
+def boxed(x):
+    return {"x": x, "box": Box(int(x))}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "shm"])
+@pytest.mark.parametrize("read", ["plain", "coordinated", "cross_trainer_cache"])
+def test_an_element_that_cannot_be_sent_is_the_pipelines_error(cluster, protocol, read):
+    kw: dict = {"data_transfer_protocol": protocol}
+    dataset = ds.Dataset.range(10).map(boxed)
+    if read != "plain":
+        dataset = dataset.repeat()
+        kw["job_name"] = f"{read}-{protocol}"
+    if read == "coordinated":
+        kw.update(consumer_index=0, num_consumers=1)
+    if read == "cross_trainer_cache":
+        kw["cross_trainer_cache"] = ds.CrossTrainerCache("trainer-a")
+    got: list[int] = []
+    with pytest.raises(TypeError) as info:
+        for element in dataset.apply(ds.distribute(OFF, cluster.target, **kw)):
+            got.append(int(element["x"]))
+    assert got == list(range(FAIL_AT))
+    err = info.value
+    assert isinstance(err, errors.WorkerError)
+    assert str(err) == f"Box {FAIL_AT} refuses to pickle (raised on worker {err.worker_address})"
+    assert "in __reduce__" in str(err.__cause__)
+
+
 @pytest.fixture(scope="module")
 def local_cluster():
     with ds.LocalCluster(num_workers=1) as c:

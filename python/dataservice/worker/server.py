@@ -32,7 +32,7 @@ from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, apply_static_s
 from dataservice.transfer import base as transfer
 from dataservice.transfer import codec
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
-from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner
+from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner, encode_elements
 
 DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
 
@@ -651,7 +651,9 @@ class WorkerServer:
                 max(1, request.max_elements or 1),
                 max(0.0, deadline - time.monotonic()),
             )
-            elements = [codec.encode(e) for e in raw]
+            elements, encode_error = encode_elements(raw)
+            if encode_error is not None:
+                end, error = True, encode_error
         elif request.round_index >= 0:
             raw, end, error = runner.get_round_element(
                 request.consumer_index,
@@ -659,7 +661,9 @@ class WorkerServer:
                 request.round_index,
                 max(0.0, deadline - time.monotonic()),
             )
-            elements = [codec.encode(e) for e in raw]
+            elements, encode_error = encode_elements(raw)
+            if encode_error is not None:
+                end, error = True, encode_error
         else:
             elements, end, error = runner.get_elements(
                 max(1, request.max_elements or 1),

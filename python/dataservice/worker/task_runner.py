@@ -34,6 +34,19 @@ _PRODUCE_BATCH_BYTES = 1 << 20
 _PRODUCE_BATCH_ELEMENT_S = 50e-6  # an element slower than this is handed off at once
 
 
+def encode_elements(elements: list[Any]) -> tuple[list[bytes], errors.RemoteErrorInfo | None]:
+    """`codec.encode` of each element, up to the first that cannot be encoded
+    (e.g. a leaf that cannot be pickled): (the ones before it, its error). That
+    error reaches the consumer as the pipeline's own, as over shared memory."""
+    out: list[bytes] = []
+    for element in elements:
+        try:
+            out.append(codec.encode(element))
+        except Exception as err:
+            return out, errors.capture(err)
+    return out, None
+
+
 class _StructureCheck:
     """Checks that every element of a stream has the first one's structure
     (`codec.signature`) and returns its `codec.element_nbytes`; a single array
@@ -258,9 +271,13 @@ class TaskRunner:
     def get_elements(
         self, max_elements: int, max_bytes: int, timeout_s: float
     ) -> tuple[list[bytes], bool, errors.RemoteErrorInfo | None]:
-        """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`)."""
+        """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`);
+        an element the codec cannot carry ends the read with its error."""
         elements, end, error = self.get_elements_raw(max_elements, max_bytes, timeout_s)
-        return [codec.encode(e) for e in elements], end, error
+        encoded, encode_error = encode_elements(elements)
+        if encode_error is not None:
+            return encoded, True, encode_error
+        return encoded, end, error
 
     def get_round_element(
         self, consumer_index: int, num_consumers: int, round_index: int, timeout_s: float

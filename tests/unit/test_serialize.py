@@ -185,6 +185,11 @@ def _capture_cases():
         "dict_element": (in_dict, "its closure variable `cfg['lock']`", "_thread.lock"),
         "object_attribute": (in_object, "its closure variable `state.lock`", "_thread.lock"),
         "function_attribute": (with_attr, "its attribute `with_attr.cache`", "_thread.lock"),
+        "partial_of_closure": (
+            functools.partial(closure),
+            "its closure variable `lock`",
+            "_thread.lock",
+        ),
         "partial": (
             functools.partial(double_with, guard=threading.Lock()),
             "its partial keyword argument `guard`",

@@ -222,10 +222,9 @@ def _parts(obj: Any, root: bool) -> list[tuple[_Step, Any]]:
     """What pickling `obj` pickles with it, each named by the step that reaches it."""
     out: list[tuple[_Step, Any]] = []
     if isinstance(obj, functools.partial):
-        out.append(((".", "func"), obj.func))
         out.extend((("partial argument", str(i)), a) for i, a in enumerate(obj.args))
         out.extend((("partial keyword argument", k), v) for k, v in obj.keywords.items())
-        return out
+        return out + _parts(obj.func, root)  # named as the function it wraps
     if isinstance(obj, types.MethodType):
         out.append((("self", "self"), obj.__self__))
         obj = obj.__func__

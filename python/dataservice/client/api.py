@@ -18,6 +18,7 @@ from dataservice.client.reader import DataServiceIterator, ReadOptions
 from dataservice.data.dataset import (
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,
+    AllowPickledElementsDataset,
     Dataset,
     IterContext,
 )
@@ -71,6 +72,11 @@ def _check_job_name(job_name: Any) -> str:
     if not job_name:
         raise ValueError("`job_name` must not be empty")
     return job_name
+
+
+def _check_allow_pickled(allow_pickled_elements: Any) -> None:
+    if not isinstance(allow_pickled_elements, bool):
+        raise ValueError(f"`allow_pickled_elements` must be a bool, got {allow_pickled_elements!r}")
 
 
 def _check_compression(compression: Any) -> None:
@@ -379,6 +385,7 @@ def distribute(
     *,
     client_timeout_ms: int | None = None,
     zero_copy: bool = True,
+    allow_pickled_elements: bool = False,
 ) -> Callable[[Dataset], Dataset]:
     """A transformation that runs a dataset on the data service, for `Dataset.apply`.
 
@@ -404,6 +411,12 @@ def distribute(
             while referenced: one the consumer keeps is copied out when the ring
             runs short or closes). False: every array is the caller's own copy.
             (Not in tf.data service, which always copies.)
+        allow_pickled_elements: Let elements hold leaves that are not numpy values
+            (a dataclass instance, a set, a PIL image, ...): the workers pickle them.
+            False (the default): such an element fails the read with
+            `InvalidArgumentError` naming its path and type (e.g.
+            `element['meta'][2] is a mymodule.Box`). (Not in tf.data service,
+            whose elements are tensors.)
 
     Returns:
         A function `Dataset -> Dataset` for `dataset.apply(...)`.
@@ -425,10 +438,13 @@ def distribute(
     _check_cache(cross_trainer_cache, name, consumers)
     if not isinstance(zero_copy, bool):
         raise ValueError(f"`zero_copy` must be a bool, got {zero_copy!r}")
+    _check_allow_pickled(allow_pickled_elements)
 
     def _apply(dataset: Dataset) -> Dataset:
         if not isinstance(dataset, Dataset):
             raise ValueError(f"distribute() applies to a Dataset, got {dataset!r}")
+        if allow_pickled_elements:
+            dataset = AllowPickledElementsDataset(dataset)
         serialize_dataset(dataset)  # fails now, naming a function that cannot be shipped
         return DistributedDataset(
             address=address,
@@ -456,11 +472,13 @@ def register_dataset(
     dataset_id: str | None = None,
     *,
     client_timeout_ms: int | None = None,
+    allow_pickled_elements: bool = False,
 ) -> str:
     """Registers `dataset` with the dispatcher, as tf.data service's `register_dataset`.
 
     Registering an equal pipeline again returns the same id. Registering under
     an existing `dataset_id` a dataset of another structure is an error.
+    `allow_pickled_elements` as `distribute`'s (it makes another dataset id).
 
     Returns:
         The dataset id (str): `dataset_id` if given, else one the dispatcher assigned.
@@ -478,6 +496,9 @@ def register_dataset(
     if not isinstance(dataset, Dataset):
         raise ValueError(f"register_dataset() needs a Dataset, got {dataset!r}")
     timeout_ms = _client_timeout_ms(client_timeout_ms)
+    _check_allow_pickled(allow_pickled_elements)
+    if allow_pickled_elements:
+        dataset = AllowPickledElementsDataset(dataset)
     return _register(address, dataset, compression, dataset_id, timeout_ms)
 
 

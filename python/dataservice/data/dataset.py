@@ -1609,6 +1609,24 @@ class PrefetchDataset(_UnaryDataset):
         return _BackgroundIterator(source, size, "prefetch")
 
 
+class AllowPickledElementsDataset(_UnaryDataset):
+    """Its input's elements, which may hold leaves that are not numpy values
+    (a dataclass instance, a set, a PIL image): the service pickles those
+    instead of refusing them. Added by `distribute(..., allow_pickled_elements=True)`
+    and `register_dataset(..., allow_pickled_elements=True)`; being part of the
+    graph, it travels to the workers and changes the dataset's fingerprint."""
+
+    _op_name = "allow_pickled_elements"
+
+    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
+        return self._input._make_iterator(ctx)
+
+
+def allows_pickled_elements(dataset: Dataset) -> bool:
+    """Whether `dataset`'s graph opted in to elements that are not numpy values."""
+    return any(isinstance(d, AllowPickledElementsDataset) for d in dataset._walk())
+
+
 # ------------------------------------------------------------ several inputs
 
 

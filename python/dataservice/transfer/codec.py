@@ -142,15 +142,166 @@ def describe(sig: Any) -> str:
     return repr(sig)
 
 
-def element_nbytes(element: Any) -> int:
-    """Approximate size of an element's payload in bytes (array nbytes, bytes
-    and str lengths, 8 per other scalar): what buffers count against budgets."""
-    if isinstance(element, np.ndarray):
+# Leaves the codecs carry as values (gRPC's pickle and the shared-memory frame
+# codec alike); anything else is pickled, which an element only may when its
+# pipeline opted in (`allow_pickled_elements`).
+_SIMPLE_LEAVES = (bytes, str, int, float, complex, bool, type(None))
+_LEAF_BYTES = 8  # a Python number or None, as counted against budgets
+MAX_WALK_NODES = 10_000
+"""Values `element_nbytes` visits one by one in an element; past that the rest of
+a long object array or list is estimated from the mean size of the items measured
+so far (their types are still all checked)."""
+_MAX_DEPTH = 32  # the frame codec pickles deeper nests
+
+
+class _Walk:
+    """One element's walk: the node budget and whether pickled leaves may pass."""
+
+    __slots__ = ("allow_pickled", "nodes")
+
+    def __init__(self, allow_pickled: bool) -> None:
+        self.allow_pickled = allow_pickled
+        self.nodes = 0
+
+
+class _NotNumpy(Exception):
+    """A leaf that is not a numpy value; `steps` is its path, innermost last."""
+
+    def __init__(self, value: Any, why: str) -> None:
+        super().__init__()
+        self.value = value
+        self.why = why
+        self.steps: list[str] = []
+
+
+def element_nbytes(element: Any, *, allow_pickled: bool = True) -> int:
+    """The bytes an element holds: what task buffers, the cross-trainer cache and
+    the shared-memory requests count against their budgets.
+
+    A numeric numpy array counts `nbytes` (no walk); a numpy *object* array counts
+    its pointers plus what each item holds (bytes and str lengths, nested arrays,
+    recursively); bytes and str their length; a numpy scalar its itemsize; a
+    Python number or None 8; tuples, lists and dicts the sum of their items; any
+    other object (pickled by the codecs) its `sys.getsizeof`. The walk visits at
+    most `MAX_WALK_NODES` values one by one, then estimates the rest of a long
+    sequence from the mean of its measured items; lists and object arrays of only
+    bytes, str or Python numbers are summed in C, whatever their length.
+
+    Args:
+        element: One element of a pipeline.
+        allow_pickled: False: a leaf that is not a numpy value (not an array, a
+            numpy scalar, bytes, str, int, float, complex, bool or None: a
+            dataclass instance, a set, a PIL image, ...) raises.
+
+    Returns:
+        The element's payload size in bytes.
+
+    Raises:
+        InvalidArgumentError: `allow_pickled` is False and the element holds a
+            leaf that is not a numpy value; the message names its path (e.g.
+            `element["meta"][2]`) and type.
+    """
+    if type(element) is np.ndarray and not element.dtype.hasobject:
         return int(element.nbytes)
-    if isinstance(element, (bytes, str)):
-        return len(element)
-    if isinstance(element, dict):
-        return sum(element_nbytes(v) for v in element.values())
-    if isinstance(element, (tuple, list)):
-        return sum(element_nbytes(v) for v in element)
-    return 8
+    try:
+        return _nbytes(element, _Walk(allow_pickled), 0)
+    except _NotNumpy as err:
+        raise errors.InvalidArgumentError(_not_numpy_message(err)) from None
+
+
+def _nbytes(value: Any, walk: _Walk, depth: int) -> int:
+    walk.nodes += 1
+    if isinstance(value, np.ndarray):
+        if not value.dtype.hasobject:
+            return int(value.nbytes)
+        if value.dtype.fields is not None:  # a structured dtype with object fields
+            return _other(value, walk, "a structured array holding objects")
+        flat = value.ravel(order="K")
+        try:
+            return int(value.nbytes) + _items_nbytes(flat, walk, depth)
+        except _NotNumpy as err:
+            index = err.steps.pop() if err.steps else ""
+            if value.ndim != 1 and index:
+                position = np.unravel_index(int(index[1:-1]), value.shape)
+                index = "[" + ", ".join(str(int(p)) for p in position) + "]"
+            err.steps.append(index)
+            raise
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, np.generic):
+        return int(value.nbytes) if not isinstance(value, np.object_) else _LEAF_BYTES
+    if isinstance(value, _SIMPLE_LEAVES):
+        return _LEAF_BYTES
+    if depth >= _MAX_DEPTH and isinstance(value, (dict, tuple, list)):
+        return _other(value, walk, f"nested more than {_MAX_DEPTH} levels deep")
+    if isinstance(value, dict):
+        total = 0
+        for key, item in value.items():
+            try:
+                total += _nbytes(item, walk, depth + 1)
+            except _NotNumpy as err:
+                err.steps.append(f"[{key!r}]")
+                raise
+        return total
+    if isinstance(value, (tuple, list)):
+        return _items_nbytes(value, walk, depth)
+    return _other(value, walk, "")
+
+
+def _is_known(kind: type) -> bool:
+    return issubclass(kind, (np.ndarray, np.generic, dict, tuple, list, *_SIMPLE_LEAVES))
+
+
+def _items_nbytes(items: Any, walk: _Walk, depth: int) -> int:
+    """The bytes of a list's, tuple's or flattened object array's items."""
+    n = len(items)
+    if n == 0:
+        return 0
+    kinds = set(map(type, items))  # in C: cheap even for millions of items
+    if kinds <= {bytes, str}:
+        return sum(map(len, items))
+    if kinds <= {int, float, bool, type(None)}:
+        return _LEAF_BYTES * n
+    if not walk.allow_pickled:
+        unknown = tuple(k for k in kinds if not _is_known(k))
+        if unknown:  # the first one, wherever it is: checked before any estimate
+            i = next(i for i, item in enumerate(items) if type(item) in unknown)
+            err = _NotNumpy(items[i], "")
+            err.steps.append(f"[{i}]")
+            raise err
+    total = 0
+    for i, item in enumerate(items):
+        if walk.nodes >= MAX_WALK_NODES and i:
+            return total + (total // i) * (n - i)  # the rest at the mean so far
+        try:
+            total += _nbytes(item, walk, depth + 1)
+        except _NotNumpy as err:
+            err.steps.append(f"[{i}]")
+            raise
+    return total
+
+
+def _other(value: Any, walk: _Walk, why: str) -> int:
+    """A leaf the codecs pickle: counted as its `sys.getsizeof`, or refused."""
+    if not walk.allow_pickled:
+        raise _NotNumpy(value, why)
+    import sys
+
+    return int(sys.getsizeof(value))
+
+
+def _not_numpy_message(err: _NotNumpy) -> str:
+    kind = type(err.value)
+    name = kind.__qualname__
+    if kind.__module__ != "builtins":
+        name = f"{kind.__module__}.{name}"
+    path = "element" + "".join(reversed(err.steps))
+    return (
+        f"{path} is a {name}"
+        + (f" ({err.why})" if err.why else "")
+        + ", which is not a numpy value: elements hold numpy arrays and scalars, bytes, str, "
+        "int, float, bool and None, nested in tuples, lists and dicts. Convert it in the "
+        "pipeline (e.g. np.asarray(image), a dict of a dataclass's fields), or let the "
+        "service pickle such elements: distribute(..., allow_pickled_elements=True) or "
+        "register_dataset(..., allow_pickled_elements=True)"
+    )

@@ -146,12 +146,13 @@ class _SplitFetcher:
 class _WorkerTaskRunner(TaskRunner):
     """A `TaskRunner` that tells its worker when it hands out elements and, for
     a worker started with `lazy_tasks`, runs no pipeline code before a consumer
-    asks for the task (`start_producing`, or any read)."""
+    asks for the task (`start_producing`, or any read). `make_iterator(runner)`
+    builds the pipeline and sets `runner.allow_pickled_elements` from it."""
 
     def __init__(
         self,
         task_id: int,
-        make_iterator: Callable[[], Iterator[Any]],
+        make_iterator: Callable[[TaskRunner], Iterator[Any]],
         worker_address: str,
         *,
         lazy: bool,
@@ -169,7 +170,7 @@ class _WorkerTaskRunner(TaskRunner):
             self._go.wait()
             if self._cancelled:
                 return iter(())
-            return make_iterator()
+            return make_iterator(self)
 
         super().__init__(task_id, make_when_asked, worker_address, buffer_bytes=buffer_bytes)
 
@@ -573,10 +574,11 @@ class WorkerServer:
         return load(response.dataset)
 
     def _start_task(self, task: Any) -> None:
-        def make_iterator() -> Any:
-            from dataservice.data.dataset import IterContext
+        def make_iterator(runner: TaskRunner) -> Any:
+            from dataservice.data.dataset import IterContext, allows_pickled_elements
 
             dataset = self._dataset(task.dataset_id)
+            runner.allow_pickled_elements = allows_pickled_elements(dataset)
             policy = ShardingPolicy(task.processing_mode)
             if policy in STATIC_POLICIES:
                 dataset = apply_static_sharding(

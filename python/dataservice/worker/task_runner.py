@@ -4,9 +4,11 @@ bounded buffer of elements, which consumers drain first come, first served
 
 The buffer holds raw elements (each transfer protocol encodes them its own
 way: `get_elements` for gRPC, `get_elements_raw` for shared memory) and is
-bounded by `buffer_elements` and `buffer_bytes` (payload bytes, see
-`codec.element_nbytes`), so a slow consumer back-pressures the pipeline. A
-pipeline error is delivered after the elements produced before it.
+bounded by `buffer_elements` and `buffer_bytes` (the bytes elements hold,
+object arrays' items included, see `codec.element_nbytes`), so a slow consumer
+back-pressures the pipeline. A pipeline error, or an element that is not a
+numpy value in a pipeline that did not allow pickled elements, is delivered
+after the elements produced before it.
 """
 
 from __future__ import annotations
@@ -50,10 +52,13 @@ def encode_elements(elements: list[Any]) -> tuple[list[bytes], errors.RemoteErro
 class _StructureCheck:
     """Checks that every element of a stream has the first one's structure
     (`codec.signature`) and returns its `codec.element_nbytes`; a single array
-    or scalar leaf of the same type and dtype object takes a fast path."""
+    (of a numeric dtype) or scalar leaf of the same type and dtype object takes a
+    fast path. Unless `allow_pickled`, an element holding a leaf that is not a
+    numpy value raises `InvalidArgumentError` naming its path and type."""
 
-    def __init__(self, task_id: int) -> None:
+    def __init__(self, task_id: int, allow_pickled: bool = False) -> None:
         self._task_id = task_id
+        self._allow_pickled = allow_pickled
         self._index = 0
         self._signature: Any = None
         self._type: type | None = None
@@ -77,7 +82,9 @@ class _StructureCheck:
         sig = codec.signature(element)
         if self._signature is None:
             self._signature = sig
-            if kind is np.ndarray or isinstance(element, np.generic) or kind in _PLAIN_LEAVES:
+            if (kind is np.ndarray and not element.dtype.hasobject) or (
+                isinstance(element, np.generic) or kind in _PLAIN_LEAVES
+            ):
                 self._type = kind
                 self._dtype = getattr(element, "dtype", None)
                 self._ndim = getattr(element, "ndim", -1)
@@ -88,7 +95,12 @@ class _StructureCheck:
                 f"{codec.describe(self._signature)}: every element of a dataset must have "
                 "the same structure and dtypes"
             )
-        return codec.element_nbytes(element)
+        try:
+            return codec.element_nbytes(element, allow_pickled=self._allow_pickled)
+        except errors.InvalidArgumentError as err:
+            raise errors.InvalidArgumentError(
+                f"element {self._index - 1} of task {self._task_id}: {err}"
+            ) from None
 
 
 _PLAIN_SCALARS = (int, float, bool, type(None))
@@ -106,8 +118,10 @@ class TaskRunner:
         worker_address: str,
         buffer_elements: int = DEFAULT_BUFFER_ELEMENTS,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        allow_pickled_elements: bool = False,
     ) -> None:
         self.task_id = task_id
+        self.allow_pickled_elements = allow_pickled_elements
         self.num_consumers = 0  # > 0: a coordinated read (rounds)
         self.cross_trainer_cache: Any = None  # set for jobs with a cross-trainer cache
         self._make_iterator = make_iterator
@@ -140,7 +154,6 @@ class TaskRunner:
             return self._end and not self._buffer
 
     def _produce(self) -> None:
-        check = _StructureCheck(self.task_id)
         # Elements of a fast pipeline go to the shared buffer in small batches (one
         # lock and wake-up per batch, not per element); an element that took a
         # while to produce, or one a consumer is waiting for, goes at once.
@@ -148,6 +161,8 @@ class TaskRunner:
         batch_bytes = 0
         try:
             iterator = self._make_iterator()
+            # After make_iterator: it may set allow_pickled_elements from the pipeline.
+            check = _StructureCheck(self.task_id, self.allow_pickled_elements)
             clock = time.perf_counter
             last = clock()
             for element in iterator:

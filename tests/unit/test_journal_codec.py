@@ -91,6 +91,7 @@ def _non_default_updates() -> list[st.Update]:
         st.ProduceSplits(st.IterationId(2001), 17, True, 2),
         st.AssignRounds(st.IterationId(2001), 96, (st.TaskId(4001), st.TaskId(4002))),
         st.GarbageCollectJob(st.JobId(1001)),
+        st.RetireJob(st.JobId(1001)),
     ]
 
 
@@ -178,7 +179,7 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
     for _ in range(draw(hs.integers(0, max_steps))):
         kinds = ["dataset", "job", "incarnation", "release"]
         if shadow.jobs:
-            kinds += ["iteration", "gc"]
+            kinds += ["iteration", "gc", "retire"]
         if shadow.iterations:
             kinds += ["client", "task", "splits", "rounds"]
         if shadow.tasks:
@@ -230,6 +231,8 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
             )
         elif kind == "gc":
             add(st.GarbageCollectJob(pick(job_ids)))
+        elif kind == "retire":
+            add(st.RetireJob(pick(job_ids)))
         elif kind == "client":
             add(
                 st.AcquireIterationClient(

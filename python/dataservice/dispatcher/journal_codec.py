@@ -46,6 +46,7 @@ ONEOF_FIELD: dict[type, str] = {
     st.ProduceSplits: "produce_splits",
     st.AssignRounds: "assign_rounds",
     st.GarbageCollectJob: "garbage_collect_job",
+    st.RetireJob: "retire_job",
 }
 _UPDATE_CLASS = {name: cls for cls, name in ONEOF_FIELD.items()}
 _FIELD_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in ONEOF_FIELD}
@@ -153,6 +154,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             client_host_id=job.client_host_id,
             use_cross_trainer_cache=job.use_cross_trainer_cache,
             garbage_collected=job.garbage_collected,
+            retired=job.retired,
         )
         for repetition, iteration_id in job.iterations.items():
             message.iterations.add(repetition=repetition, iteration_id=iteration_id)
@@ -225,6 +227,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
             use_cross_trainer_cache=j.use_cross_trainer_cache,
             iterations={e.repetition: st.IterationId(e.iteration_id) for e in j.iterations},
             garbage_collected=j.garbage_collected,
+            retired=j.retired,
         )
     for e in snapshot.jobs_by_name:
         state.jobs_by_name[e.job_name] = st.JobId(e.job_id)

@@ -686,13 +686,30 @@ class DispatchServer:
                             f"num_consumers (existing: {job.num_consumers}, "
                             f"requested: {request.num_consumers})"
                         )
-                    if diffs:
+                    if not diffs:
+                        self._job_last_used[job.job_id] = time.monotonic()
+                        return pb.GetOrCreateJobResponse(job_id=job.job_id)
+                    live = self._live_consumers_locked(job)
+                    if live:
                         raise errors.InvalidArgumentError(
                             f"Tried to create job with name {request.job_name}, but found an "
-                            f"existing job with different parameters: {'; '.join(diffs)} differ"
+                            f"existing job with different parameters: {'; '.join(diffs)} "
+                            f"differ. Job {job.job_id} is still read: {'; '.join(live)}. It "
+                            "can be replaced once its consumers finish or are released (their "
+                            "iterators closed or deleted), or time out after client_timeout_ms "
+                            f"({self._config.client_timeout_ms_or_default} ms) without a "
+                            "heartbeat; or use another job_name"
                         )
-                    self._job_last_used[job.job_id] = time.monotonic()
-                    return pb.GetOrCreateJobResponse(job_id=job.job_id)
+                    # Nobody reads the old job: the name goes to the new pipeline now,
+                    # not after job GC (tf.data service would refuse until then).
+                    log.info(
+                        "job %d (%s) replaced by a new job: %s differ",
+                        job.job_id,
+                        job.job_name,
+                        "; ".join(diffs),
+                    )
+                    self._apply_locked(st.RetireJob(job.job_id))
+                    self._forget_job_locked(job)
             job_id = st.JobId(self._state.next_job_id)
             self._apply_locked(
                 st.CreateJob(
@@ -709,12 +726,40 @@ class DispatchServer:
             self._job_last_used[job_id] = time.monotonic()
             return pb.GetOrCreateJobResponse(job_id=job_id)
 
+    def _live_consumers_locked(self, job: st.Job) -> list[str]:
+        """What reads `job` now: per iteration with consumers attached, its id,
+        repetition and iteration client ids (empty: nobody)."""
+        live = []
+        for repetition, iteration_id in sorted(job.iterations.items()):
+            clients = self._state.iterations[iteration_id].clients
+            if clients:
+                ids = ", ".join(str(c) for c in sorted(clients))
+                live.append(
+                    f"iteration {iteration_id} (repetition {repetition}) has "
+                    f"{len(clients)} consumer(s) attached (iteration client ids {ids})"
+                )
+        return live
+
+    def _forget_job_locked(self, job: st.Job) -> None:
+        """Drops the runtime state of a job that was collected or retired."""
+        for iteration_id in job.iterations.values():
+            self._split_providers.pop(iteration_id, None)
+        self._job_last_used.pop(job.job_id, None)
+
     def _get_or_create_iteration(self, request: Any) -> Any:
         with self._mu:
             self._check_incarnation_locked(request.incarnation_id)
             job = self._state.jobs.get(st.JobId(request.job_id))
             if job is None:
                 raise errors.NotFoundError(f"Job {request.job_id} not found")
+            if job.retired:
+                replacement = self._state.live_job_named(job.job_name)
+                raise errors.NotFoundError(
+                    f"Job {request.job_id} ({job.job_name}) was replaced by "
+                    + (f"job {replacement.job_id}" if replacement else "a newer job")
+                    + " of the same name with another dataset or parameters, after its "
+                    "consumers had finished: iterate the new pipeline, or use another job_name"
+                )
             if job.garbage_collected:
                 raise errors.NotFoundError(
                     f"Job {request.job_id} ({job.job_name or 'anonymous'}) was garbage "

@@ -143,6 +143,15 @@ class GarbageCollectJob:
     job_id: JobId
 
 
+@dataclass(frozen=True)
+class RetireJob:
+    """A named job with no consumer left gave its name to a new job (another
+    dataset or parameters, `GetOrCreateJob`): as `GarbageCollectJob`, and the
+    job remembers it was replaced, for the errors of its late readers."""
+
+    job_id: JobId
+
+
 Update = (
     SetIncarnation
     | RegisterDataset
@@ -157,6 +166,7 @@ Update = (
     | ProduceSplits
     | AssignRounds
     | GarbageCollectJob
+    | RetireJob
 )
 
 
@@ -183,6 +193,7 @@ class Job:
     use_cross_trainer_cache: bool = False
     iterations: dict[int, IterationId] = field(default_factory=dict)  # repetition -> id
     garbage_collected: bool = False
+    retired: bool = False  # replaced under its name by another job (RetireJob)
 
     @property
     def reads_local_workers_only(self) -> bool:
@@ -359,6 +370,10 @@ class DispatcherState:
                 self.clients.pop(client_id, None)
                 self.client_hosts.pop(client_id, None)
             it.clients.clear()
+
+    def _apply_RetireJob(self, u: RetireJob) -> None:
+        self._apply_GarbageCollectJob(GarbageCollectJob(u.job_id))
+        self.jobs[u.job_id].retired = True
 
     def _maybe_finish_iteration(self, it: Iteration) -> None:
         # Finished once some task ran to its end and no live task remains

@@ -79,6 +79,13 @@ class _StructureCheck:
                 return len(element)
             elif kind in _PLAIN_SCALARS:
                 return 8
+        # Leaves that are not numpy values first: they would also differ in structure.
+        try:
+            nbytes = codec.element_nbytes(element, allow_pickled=self._allow_pickled)
+        except errors.InvalidArgumentError as err:
+            raise errors.InvalidArgumentError(
+                f"element {self._index - 1} of task {self._task_id}: {err}"
+            ) from None
         sig = codec.signature(element)
         if self._signature is None:
             self._signature = sig
@@ -95,12 +102,7 @@ class _StructureCheck:
                 f"{codec.describe(self._signature)}: every element of a dataset must have "
                 "the same structure and dtypes"
             )
-        try:
-            return codec.element_nbytes(element, allow_pickled=self._allow_pickled)
-        except errors.InvalidArgumentError as err:
-            raise errors.InvalidArgumentError(
-                f"element {self._index - 1} of task {self._task_id}: {err}"
-            ) from None
+        return nbytes
 
 
 _PLAIN_SCALARS = (int, float, bool, type(None))

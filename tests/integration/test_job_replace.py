@@ -5,6 +5,7 @@ says what reads it and how to proceed."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -38,19 +39,48 @@ def test_a_finished_job_is_replaced_at_once_by_an_edited_pipeline(cluster):
     assert live is not None and not live.retired and live.job_id != retired[0].job_id
 
 
-def test_a_released_iterator_frees_the_name(cluster):
+def test_an_unfinished_iteration_keeps_the_name_until_job_gc(make_cluster):
+    """A consumer that stopped before the end leaves an unfinished iteration (a
+    cross-trainer cache's, say, which other trainers may still join): the job
+    keeps its name until job GC collects it."""
+    cluster = make_cluster(1, job_gc_timeout_ms=1_000, job_gc_check_interval_ms=100)
     it = iter(named(old(), cluster))
     assert int(next(it)) == 0
-    it.close()  # released: the iteration is unfinished, but nobody reads it
+    it.close()  # released before the end
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        next(iter(named(edited(), cluster)))
+    text = str(info.value)
+    job = cluster.dispatcher._state.jobs[min(cluster.dispatcher._state.jobs)]
+    (iteration_id,) = job.iterations.values()
+    assert f"iteration {iteration_id} (repetition 0) did not finish, and no consumer" in text
+    assert "job_gc_timeout_ms (1000 ms)" in text and "another job_name" in text
+    deadline = time.monotonic() + 20
+    while not job.garbage_collected:
+        assert time.monotonic() < deadline, "job GC did not collect the abandoned job"
+        time.sleep(0.05)
     assert [int(x) for x in named(edited(), cluster)] == [0, 10, 20, 30, 40]
 
 
-def test_other_parameters_replace_a_finished_job_too(cluster):
+def test_a_new_pipeline_with_other_parameters_replaces_a_finished_job(cluster):
+    assert [int(x) for x in named(old(), cluster)] == [0, 1, 2, 3, 4]
+    dynamic = edited().apply(
+        ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="train")
+    )
+    assert sorted(int(x) for x in dynamic) == [0, 10, 20, 30, 40]
+
+
+def test_other_parameters_alone_do_not_replace_a_job(cluster):
+    """As tf.data service (and the conformance suite's JOB-07, TW-08, CACHE-15):
+    the same dataset under the same name keeps its parameters."""
     assert [int(x) for x in named(old(), cluster)] == [0, 1, 2, 3, 4]
     dynamic = old().apply(
         ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="train")
     )
-    assert sorted(int(x) for x in dynamic) == [0, 1, 2, 3, 4]
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        list(dynamic)
+    text = str(info.value)
+    assert "processing mode (existing: OFF, requested: DYNAMIC) differ" in text
+    assert "use another job_name" in text
 
 
 def test_a_live_job_is_refused_saying_what_reads_it_and_how_to_proceed(cluster):
@@ -69,7 +99,7 @@ def test_a_live_job_is_refused_saying_what_reads_it_and_how_to_proceed(cluster):
         text,
     ), text
     assert "client_timeout_ms" in text and "another job_name" in text
-    assert "iterators closed" in text
+    assert "closed or deleted" in text and "read to the end" in text
     # The old job is intact: its consumer reads on to the end.
     assert [int(x) for x in it] == [1, 2, 3, 4]
     # and now the name is free

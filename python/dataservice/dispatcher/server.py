@@ -689,19 +689,26 @@ class DispatchServer:
                     if not diffs:
                         self._job_last_used[job.job_id] = time.monotonic()
                         return pb.GetOrCreateJobResponse(job_id=job.job_id)
-                    live = self._live_consumers_locked(job)
-                    if live:
+                    if job.dataset_id == request.dataset_id:
+                        # As tf.data service: one job, one set of parameters.
                         raise errors.InvalidArgumentError(
                             f"Tried to create job with name {request.job_name}, but found an "
                             f"existing job with different parameters: {'; '.join(diffs)} "
-                            f"differ. Job {job.job_id} is still read: {'; '.join(live)}. It "
-                            "can be replaced once its consumers finish or are released (their "
-                            "iterators closed or deleted), or time out after client_timeout_ms "
-                            f"({self._config.client_timeout_ms_or_default} ms) without a "
-                            "heartbeat; or use another job_name"
+                            "differ. A job's parameters cannot change under its name (a new "
+                            "pipeline, another dataset id, replaces a job whose iterations "
+                            "finished and whose consumers left): use another job_name"
                         )
-                    # Nobody reads the old job: the name goes to the new pipeline now,
-                    # not after job GC (tf.data service would refuse until then).
+                    in_use = self._job_in_use_locked(job)
+                    if in_use:
+                        raise errors.InvalidArgumentError(
+                            f"Tried to create job with name {request.job_name}, but found an "
+                            f"existing job with different parameters: {'; '.join(diffs)} "
+                            f"differ. Job {job.job_id} is still in use: {'; '.join(in_use)}. "
+                            + self._how_to_replace_locked(job)
+                        )
+                    # A new pipeline, every iteration of the old one finished and nobody
+                    # reads it: the name goes to the new one now, not after job GC
+                    # (tf.data service refuses any mismatch while the job exists).
                     log.info(
                         "job %d (%s) replaced by a new job: %s differ",
                         job.job_id,
@@ -726,19 +733,54 @@ class DispatchServer:
             self._job_last_used[job_id] = time.monotonic()
             return pb.GetOrCreateJobResponse(job_id=job_id)
 
-    def _live_consumers_locked(self, job: st.Job) -> list[str]:
-        """What reads `job` now: per iteration with consumers attached, its id,
-        repetition and iteration client ids (empty: nobody)."""
-        live = []
+    def _job_in_use_locked(self, job: st.Job) -> list[str]:
+        """Why `job` cannot give its name to another job now (empty: it can):
+        its iterations with consumers attached (ids, repetition, iteration
+        client ids), and those no consumer reads that did not finish."""
+        in_use = []
         for repetition, iteration_id in sorted(job.iterations.items()):
-            clients = self._state.iterations[iteration_id].clients
-            if clients:
-                ids = ", ".join(str(c) for c in sorted(clients))
-                live.append(
+            it = self._state.iterations[iteration_id]
+            if it.clients:
+                ids = ", ".join(str(c) for c in sorted(it.clients))
+                in_use.append(
                     f"iteration {iteration_id} (repetition {repetition}) has "
-                    f"{len(clients)} consumer(s) attached (iteration client ids {ids})"
+                    f"{len(it.clients)} consumer(s) attached (iteration client ids {ids})"
                 )
-        return live
+            elif not self._iteration_done_locked(job, it):
+                in_use.append(
+                    f"iteration {iteration_id} (repetition {repetition}) did not finish, "
+                    "and no consumer reads it (its consumers stopped before the end)"
+                )
+        return in_use
+
+    def _iteration_done_locked(self, job: st.Job, it: st.Iteration) -> bool:
+        """Finished; for a job whose consumers read their own host's workers
+        (which ends per host), finished on every host a consumer read from."""
+        if it.finished:
+            return True
+        if job.reads_local_workers_only and job.processing_mode != ShardingPolicy.DYNAMIC:
+            return bool(it.consumer_hosts) and all(
+                self._state.host_part_finished(it, host) for host in it.consumer_hosts
+            )
+        return False
+
+    def _how_to_replace_locked(self, job: st.Job) -> str:
+        """How a user gets `job`'s name for another pipeline (an error's tail)."""
+        gc_ms = self._config.job_gc_timeout_ms_or_default
+        collected = (
+            "a named DYNAMIC job is never garbage collected"
+            if job.processing_mode == ShardingPolicy.DYNAMIC
+            else f"it is garbage collected job_gc_timeout_ms ({gc_ms} ms) after its last "
+            "consumer left"
+        )
+        return (
+            "It can be replaced once each of its iterations has finished and no consumer "
+            "is attached: consumers must read to the end, and a consumer leaves when its "
+            "iterator ends, is closed or deleted, or sends no heartbeat for "
+            f"client_timeout_ms ({self._config.client_timeout_ms_or_default} ms). An "
+            f"iteration left unfinished keeps the job until it is collected ({collected}). "
+            "Or use another job_name"
+        )
 
     def _forget_job_locked(self, job: st.Job) -> None:
         """Drops the runtime state of a job that was collected or retired."""

@@ -26,8 +26,10 @@ def test_readme_usage_example_runs(capsys):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("index", [1, 2, 3, 4])
+@pytest.mark.parametrize("index", [1, 2, 3, 4, 5])
 def test_readme_mode_examples_run(index):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
-    assert len(blocks) == 5, "README.md: the usage example and four mode examples"
+    assert len(blocks) == 6, (
+        "README.md: the usage example, four mode examples and the pickled-elements one"
+    )
     exec(compile(blocks[index], f"README.md block {index}", "exec"), {})

@@ -1156,5 +1156,4 @@ class DispatchServer:
                 if now - self._job_last_used.get(job.job_id, now) > timeout_s:
                     log.info("garbage collecting job %d (%s)", job.job_id, job.job_name)
                     self._apply_locked(st.GarbageCollectJob(job.job_id))
-                    for i in job.iterations.values():
-                        self._split_providers.pop(i, None)
+                    self._forget_job_locked(job)

@@ -158,11 +158,18 @@ def test_too_deep_a_nest_is_refused():
         codec.element_nbytes(element, allow_pickled=False)
 
 
-def test_allowed_pickled_leaves_count_their_size():
-    box = Box(1)
-    import sys
+@dataclasses.dataclass
+class Holder:
+    payload: bytes
 
-    assert codec.element_nbytes({"b": box, "x": b"12"}) == sys.getsizeof(box) + 2
+
+def test_allowed_pickled_leaves_count_what_they_hold():
+    import pickle
+
+    holder = Holder(b"p" * 100_000)
+    got = codec.element_nbytes({"h": holder, "x": b"12"})
+    assert got == len(pickle.dumps(holder, protocol=5)) + 2
+    assert got > 100_000  # not sys.getsizeof(holder), a few dozen bytes
 
 
 def test_task_buffer_bound_holds_with_object_elements():
@@ -226,3 +233,11 @@ def test_task_runner_may_allow_pickled_elements():
         assert got == [{"s": {1, 2}}] and error is None
     finally:
         runner.stop()
+
+
+def test_a_pil_image_is_refused_or_counted_by_its_pixels():
+    image_module = pytest.importorskip("PIL.Image")
+    image = image_module.new("RGB", (100, 100))
+    with pytest.raises(errors.InvalidArgumentError, match=r"^element\['img'\] is a PIL\.Image"):
+        codec.element_nbytes({"img": image, "label": 1}, allow_pickled=False)
+    assert codec.element_nbytes({"img": image, "label": 1}) >= 100 * 100 * 3 + 8

@@ -182,7 +182,8 @@ def element_nbytes(element: Any, *, allow_pickled: bool = True) -> int:
     its pointers plus what each item holds (bytes and str lengths, nested arrays,
     recursively); bytes and str their length; a numpy scalar its itemsize; a
     Python number or None 8; tuples, lists and dicts the sum of their items; any
-    other object (pickled by the codecs) its `sys.getsizeof`. The walk visits at
+    other object (pickled by the codecs, so only with `allow_pickled`) the size of
+    its pickle (it is pickled once more to be measured). The walk visits at
     most `MAX_WALK_NODES` values one by one, then estimates the rest of a long
     sequence from the mean of its measured items; lists and object arrays of only
     bytes, str or Python numbers are summed in C, whatever their length.
@@ -282,12 +283,18 @@ def _items_nbytes(items: Any, walk: _Walk, depth: int) -> int:
 
 
 def _other(value: Any, walk: _Walk, why: str) -> int:
-    """A leaf the codecs pickle: counted as its `sys.getsizeof`, or refused."""
+    """A leaf the codecs pickle: counted as its pickle's size (what it holds as it
+    travels: a PIL image's pixels, which `sys.getsizeof` would miss), or refused."""
     if not walk.allow_pickled:
         raise _NotNumpy(value, why)
-    import sys
+    out_of_band: list[pickle.PickleBuffer] = []
+    try:
+        header = pickle.dumps(value, protocol=5, buffer_callback=out_of_band.append)
+    except Exception:  # the codec will say why when it pickles the element
+        import sys
 
-    return int(sys.getsizeof(value))
+        return int(sys.getsizeof(value))
+    return len(header) + sum(memoryview(b).nbytes for b in out_of_band)
 
 
 def _not_numpy_message(err: _NotNumpy) -> str:

@@ -143,6 +143,18 @@ def test_path_of_an_item_of_a_two_dimensional_object_array():
         codec.element_nbytes({"x": arr}, allow_pickled=False)
 
 
+def test_path_in_a_transposed_and_a_zero_dimensional_object_array():
+    arr = np.empty((2, 3), object)
+    arr[:] = b"ok"
+    arr[0, 2] = {1}
+    with pytest.raises(errors.InvalidArgumentError, match=r"^element\['t'\]\[2, 0\] is a set"):
+        codec.element_nbytes({"t": arr.T}, allow_pickled=False)
+    scalar = np.empty((), object)
+    scalar[()] = {1}
+    with pytest.raises(errors.InvalidArgumentError, match=r"^element\[\(\)\] is a set"):
+        codec.element_nbytes(scalar, allow_pickled=False)
+
+
 def test_a_bad_item_past_the_walk_bound_is_still_found(monkeypatch):
     monkeypatch.setattr(codec, "MAX_WALK_NODES", 10)
     element = [np.zeros(1)] * 1000 + [Box(1)]

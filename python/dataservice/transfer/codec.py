@@ -216,15 +216,16 @@ def _nbytes(value: Any, walk: _Walk, depth: int) -> int:
         if not value.dtype.hasobject:
             return int(value.nbytes)
         if value.dtype.fields is not None:  # a structured dtype with object fields
-            return _other(value, walk, "a structured array holding objects")
-        flat = value.ravel(order="K")
+            return _pickled_nbytes(value)
+        flat = value.ravel()  # C order (a copy of the pointers if not contiguous)
         try:
             return int(value.nbytes) + _items_nbytes(flat, walk, depth)
         except _NotNumpy as err:
             index = err.steps.pop() if err.steps else ""
-            if value.ndim != 1 and index:
+            if value.ndim != 1 and index:  # the flat index as the array's own
                 position = np.unravel_index(int(index[1:-1]), value.shape)
                 index = "[" + ", ".join(str(int(p)) for p in position) + "]"
+                index = "[()]" if index == "[]" else index
             err.steps.append(index)
             raise
     if isinstance(value, (bytes, str)):
@@ -287,6 +288,10 @@ def _other(value: Any, walk: _Walk, why: str) -> int:
     travels: a PIL image's pixels, which `sys.getsizeof` would miss), or refused."""
     if not walk.allow_pickled:
         raise _NotNumpy(value, why)
+    return _pickled_nbytes(value)
+
+
+def _pickled_nbytes(value: Any) -> int:
     out_of_band: list[pickle.PickleBuffer] = []
     try:
         header = pickle.dumps(value, protocol=5, buffer_callback=out_of_band.append)

@@ -164,3 +164,21 @@ def test_the_client_counts_the_bytes_object_arrays_hold(cluster, protocol):
     got = [int(e["i"]) for e in it]
     assert got == [0, 1, 2, 3]
     assert it.stats()["bytes"] >= 4 << 20
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_non_numpy_leaf_reaches_a_cross_trainer_cache_reader(make_cluster, protocol):
+    cluster = make_cluster(0)
+    cluster.add_worker(cross_trainer_cache_size_bytes=1 << 20)
+    dataset = ds.Dataset.range(10**9).map(lambda i: {"x": np.zeros(2), "s": {1}}).repeat()
+    it = iter(
+        dist(
+            dataset,
+            cluster,
+            protocol,
+            job_name="cached",
+            cross_trainer_cache=ds.CrossTrainerCache("t0"),
+        )
+    )
+    with pytest.raises(errors.InvalidArgumentError, match=r"element\['s'\] is a set"):
+        next(it)

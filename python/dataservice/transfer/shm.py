@@ -549,13 +549,13 @@ class ShmTransferServer(base.TransferServer):
     def _refuse(self, sock: socket.socket, peer: str, key: str, why: str) -> None:
         """Tells the client why (best effort, never blocking), logs it (rate-limited
         per `key`) and closes the connection."""
+        self._refusals.refused(peer, why, key)
         try:
             sock.setblocking(False)
             sock.send(json.dumps({"ok": False, "error": why}).encode())
         except OSError:
             pass
         sock.close()
-        self._refusals.refused(peer, why, key)
 
     def create_ring(self) -> tuple[Any, int]:
         """A new producer ring within the memory budget (halved down to 8 MiB).

@@ -175,24 +175,33 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def bind_refusal(kind: str, host: str, token: str | None, insecure: bool) -> str | None:
+    """Why a server may not serve `host`, or None: beyond loopback it needs a
+    token, or `insecure`."""
+    if is_loopback_host(host) or token is not None or insecure:
+        return None
+    return (
+        f"refusing to serve the {kind} on {host!r} without an auth token: anyone who "
+        "can reach the port could run code as this user. Set an auth token "
+        f"(`auth_token`, `--auth-token-file PATH` or {AUTH_ENV}), bind 127.0.0.1, or "
+        "pass --insecure (`insecure=True`) to serve without one"
+    )
+
+
 def check_bind(kind: str, host: str, token: str | None, insecure: bool) -> None:
-    """Refuses to serve beyond loopback without a token, and warns of what
-    such a bind exposes. Called by each server before it binds.
+    """Refuses to serve beyond loopback without a token (`bind_refusal`), and
+    warns of what such a bind exposes. Called by each server before it binds.
 
     Raises:
         ValueError: `host` is not loopback, there is no token, and `insecure`
             is not set; the message says how to fix it.
     """
+    refusal = bind_refusal(kind, host, token, insecure)
+    if refusal is not None:
+        raise ValueError(refusal)
     if is_loopback_host(host):
         return
     if token is None:
-        if not insecure:
-            raise ValueError(
-                f"refusing to serve the {kind} on {host!r} without an auth token: anyone who "
-                "can reach the port could run code as this user. Set an auth token "
-                f"(`auth_token`, `--auth-token-file PATH` or {AUTH_ENV}), bind 127.0.0.1, or "
-                "pass --insecure (`insecure=True`) to serve without one"
-            )
         log.warning(
             "INSECURE: the %s serves %s with no auth token (--insecure): anyone who can reach "
             "the port can register datasets and run code as this user",

@@ -350,15 +350,20 @@ def _wait_for_dispatcher(address: str, timeout_ms: int) -> None:
 
 
 def _check_auth_at_start(kind: str, args: argparse.Namespace, config: Any) -> None:
-    """Start-up warnings about the token: none at all (anyone who can reach
-    the port runs code), or one given on the command line (visible in `ps`).
+    """Start-up checks of the token: a bind beyond loopback without one is
+    refused (unless --insecure); no token at all, or one given on the command
+    line (visible in `ps`), is warned of.
 
     Raises:
-        ValueError: The token file cannot be read or the token is unusable.
+        ValueError: The token file cannot be read, the token is unusable, or
+            the bind is refused (argparse then exits 2 with the message).
     """
     from dataservice import auth
 
     token = auth.resolve_token(config.auth_token, config.auth_token_file)
+    refusal = auth.bind_refusal(kind, config.host, token, config.insecure)
+    if refusal is not None:  # before a worker waits for its dispatcher
+        raise ValueError(refusal)
     if token is None:
         auth.warn_no_token(kind, config.host)
     elif getattr(args, "auth_token", None):

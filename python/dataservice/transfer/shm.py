@@ -8,9 +8,10 @@ an abstract name, so the worker's accept thread first checks the peer's uid
 random challenge; the client (having checked the worker's uid the same way)
 answers with HELLO {task_id, pid, auth: HMAC-SHA256(token, challenge)}, within
 `AUTH_DEADLINE_S`, and only then does the connection get a serving thread
-(see `ShmTransferServer._accept_loop` and SECURITY.md). The worker creates a ring (a sealed memfd, see `_core.ShmRingProducer`), replies
-{capacity, nonce} with the memfd attached (SCM_RIGHTS), and runs a producer
-thread that moves the task's elements into the ring. The socket stays open for
+(see `ShmTransferServer._accept_loop` and SECURITY.md). The worker creates
+a ring (a sealed memfd, see `_core.ShmRingProducer`), replies {capacity,
+nonce} with the memfd attached (SCM_RIGHTS), and runs a producer thread that
+moves the task's elements into the ring. The socket stays open for
 the ring's life: it carries the client's credit grants (how many elements it
 wants; the worker never runs further ahead) and is the liveness channel (HUP).
 

@@ -1,8 +1,9 @@
 """The `dataservice` command: `dispatcher`, `worker` and `demo`.
 
 ```
-dataservice dispatcher --port 5050 [--work-dir DIR --fault-tolerant]
+dataservice dispatcher --port 5050 [--work-dir DIR --fault-tolerant] [--auth-token-file PATH]
 dataservice worker --dispatcher HOST:5050 [--port 0] [--worker-address HOST:PORT]
+    [--auth-token-file PATH] [--host HOST [--insecure]] [--shm-allowed-uids UID,...]
 dataservice demo [--workers 2 --epochs 2 --json]
 ```
 
@@ -21,8 +22,15 @@ SIGINT stops the server (in-flight RPCs finish) and exits 0; a second signal
 exits at once. With the hidden `--parent-pid PID` the server also stops when
 that process dies.
 
+Auth (SECURITY.md): a server's token comes from `--auth-token-file PATH`,
+`--auth-token TOKEN` (shows in `ps`: warned of) or DATASERVICE_AUTH_TOKEN.
+Without one the server warns at start-up that anyone who can reach its port
+can run code, and refuses a `--host` beyond loopback unless `--insecure`.
+
 Exit codes: 0 stopped by a signal, 1 a server error (e.g. the dispatcher was
-unreachable for `--dispatcher-timeout-ms`), 2 bad flags (argparse's message).
+unreachable for `--dispatcher-timeout-ms`, or refused the worker's token: no
+ready line then), 2 bad flags (argparse's message; also a bind beyond
+loopback without a token or `--insecure`).
 """
 
 from __future__ import annotations

@@ -162,3 +162,21 @@ def test_new_token_is_random_and_long():
     assert a != b and len(a) >= 40
     assert auth.check_token(a, "test") == a
     assert os.environ.get(auth.AUTH_ENV) != a
+
+
+def test_cli_auth_flags_parse():
+    from dataservice import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(
+        ["worker", "--dispatcher", "h:1", "--shm-allowed-uids", "5,6", "--insecure"]
+        + ["--auth-token-file", "/run/token"]
+    )
+    assert (args.shm_allowed_uids, args.insecure, args.auth_token_file) == (
+        [5, 6],
+        True,
+        "/run/token",
+    )
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["worker", "--dispatcher", "h:1", "--shm-allowed-uids", "nobody"])
+    assert info.value.code == 2

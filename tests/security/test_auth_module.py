@@ -180,3 +180,14 @@ def test_cli_auth_flags_parse():
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["worker", "--dispatcher", "h:1", "--shm-allowed-uids", "nobody"])
     assert info.value.code == 2
+
+
+def test_a_token_sent_beyond_loopback_is_warned_of_once_per_address(caplog):
+    with caplog.at_level(logging.WARNING, logger="dataservice.auth"):
+        auth.warn_if_sent_in_clear("127.0.0.1:5050", "tok")  # loopback: fine
+        auth.warn_if_sent_in_clear("10.7.7.7:5050", None)  # nothing sent
+        assert caplog.records == []
+        for _ in range(3):
+            auth.warn_if_sent_in_clear("10.7.7.8:5050", "tok")
+    assert len(caplog.records) == 1
+    assert "10.7.7.8:5050 without TLS" in caplog.text

@@ -158,8 +158,9 @@ class LocalCluster:
     its dispatcher address (`dataservice.auth.register_token`), which a
     client consults before DATASERVICE_AUTH_TOKEN. (Setting the environment
     variable instead would hand the token to every process this one starts,
-    and two clusters would overwrite each other's.) Clients in other
-    processes need `DATASERVICE_AUTH_TOKEN=<cluster.auth_token>`.
+    and two clusters would overwrite each other's.) Processes forked from
+    this one (e.g. DataLoader workers) inherit the registration; clients in
+    other processes need `DATASERVICE_AUTH_TOKEN=<cluster.auth_token>`.
 
     Thread-safe: properties and `stop()` may be called from any thread.
 

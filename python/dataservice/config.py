@@ -157,7 +157,10 @@ class WorkerConfig:
             otherwise refused (anyone who can reach the port can run code).
         shm_allowed_uids: User ids besides the worker's own (and root) whose
             processes may connect to its shared-memory socket; other users
-            are refused before the handshake (they fall back to gRPC).
+            are refused before the handshake (they fall back to gRPC). A
+            client, for its part, maps memory only from a worker of its own
+            uid or root, so this lets other users in when the worker runs as
+            root; otherwise they read over gRPC.
 
     Raises:
         ValueError: On a bad field; the message names it.

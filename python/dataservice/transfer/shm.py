@@ -453,10 +453,17 @@ class ShmTransferServer(base.TransferServer):
                     first = min(p.deadline for p in pending.values())
                     timeout = max(0.0, min(timeout, first - time.monotonic()))
                 for key, _ in sel.select(timeout):
-                    if key.data is None:
-                        self._accept_ready(sel, pending)
-                    else:
-                        self._hello_ready(sel, pending, key.data)
+                    try:
+                        if key.data is None:
+                            self._accept_ready(sel, pending)
+                        else:
+                            self._hello_ready(sel, pending, key.data)
+                    except Exception:  # one bad connection must not end the accept loop
+                        log.exception("shm: handshake failed")
+                        if key.data is not None and key.data.sock.fileno() in pending:
+                            sel.unregister(key.data.sock)
+                            del pending[key.data.sock.fileno()]
+                            key.data.sock.close()
                 now = time.monotonic()
                 for p in [p for p in pending.values() if p.deadline <= now]:
                     self._drop(sel, pending, p, f"no HELLO within {AUTH_DEADLINE_S:.0f} s")

@@ -538,6 +538,10 @@ class ShmTransferServer(base.TransferServer):
         if token is not None and not auth.challenge_ok(token, p.challenge, hello.get("auth")):
             self._drop(sel, pending, p, "missing or wrong auth token; " + auth.HOW_TO_SET)
             return
+        task_id = hello.get("task_id")
+        if not isinstance(task_id, int) or isinstance(task_id, bool):
+            self._drop(sel, pending, p, f"a HELLO whose task_id is not an int: {task_id!r:.40}")
+            return
         sel.unregister(p.sock)
         del pending[p.sock.fileno()]
         p.sock.setblocking(True)

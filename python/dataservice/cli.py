@@ -1,8 +1,9 @@
 """The `dataservice` command: `dispatcher`, `worker` and `demo`.
 
 ```
-dataservice dispatcher --port 5050 [--work-dir DIR --fault-tolerant]
+dataservice dispatcher --port 5050 [--work-dir DIR --fault-tolerant] [--auth-token-file PATH]
 dataservice worker --dispatcher HOST:5050 [--port 0] [--worker-address HOST:PORT]
+    [--auth-token-file PATH] [--host HOST [--insecure]] [--shm-allowed-uids UID,...]
 dataservice demo [--workers 2 --epochs 2 --json]
 ```
 
@@ -21,8 +22,15 @@ SIGINT stops the server (in-flight RPCs finish) and exits 0; a second signal
 exits at once. With the hidden `--parent-pid PID` the server also stops when
 that process dies.
 
+Auth (SECURITY.md): a server's token comes from `--auth-token-file PATH`,
+`--auth-token TOKEN` (shows in `ps`: warned of) or DATASERVICE_AUTH_TOKEN.
+Without one the server warns at start-up that anyone who can reach its port
+can run code, and refuses a `--host` beyond loopback unless `--insecure`.
+
 Exit codes: 0 stopped by a signal, 1 a server error (e.g. the dispatcher was
-unreachable for `--dispatcher-timeout-ms`), 2 bad flags (argparse's message).
+unreachable for `--dispatcher-timeout-ms`, or refused the worker's token: no
+ready line then), 2 bad flags (argparse's message; also a bind beyond
+loopback without a token or `--insecure`).
 """
 
 from __future__ import annotations
@@ -67,7 +75,13 @@ _FLAG_ALIASES: dict[str, list[str]] = {
     "dispatcher_address": ["--dispatcher"],
 }
 
-_METAVARS = {"port": "PORT", "work_dir": "DIR", "host": "HOST", "auth_token": "TOKEN"}
+_METAVARS = {
+    "port": "PORT",
+    "work_dir": "DIR",
+    "host": "HOST",
+    "auth_token": "TOKEN",
+    "auth_token_file": "PATH",
+}
 
 
 class _Server(Protocol):
@@ -118,6 +132,16 @@ def _comma_list(value: str) -> list[str]:
     return items
 
 
+def _int_list(value: str) -> list[int]:
+    """A comma-separated list of ints ('' for the empty list)."""
+    try:
+        return [int(v) for v in _comma_list(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers, got {value!r}"
+        ) from None
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds a flag per field of config class `cls`; the dest is the field name,
     absent unless given (default SUPPRESS), so the config's default applies."""
@@ -143,6 +167,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                 name,
                 "MS" if name.endswith("_ms") else "BYTES" if name.endswith("_bytes") else "N",
             )
+        elif base == "list[int]":
+            kwargs["type"] = _int_list
+            kwargs["metavar"] = "N,M,..."
         elif base in ("list[str]", "Sequence[str]", "tuple[str,...]"):
             kwargs["type"] = _comma_list
             kwargs["metavar"] = "A,B,..."
@@ -330,9 +357,35 @@ def _wait_for_dispatcher(address: str, timeout_ms: int) -> None:
         channel.close()
 
 
+def _check_auth_at_start(kind: str, args: argparse.Namespace, config: Any) -> None:
+    """Start-up checks of the token: a bind beyond loopback without one is
+    refused (unless --insecure); no token at all, or one given on the command
+    line (visible in `ps`), is warned of.
+
+    Raises:
+        ValueError: The token file cannot be read, the token is unusable, or
+            the bind is refused (argparse then exits 2 with the message).
+    """
+    from dataservice import auth
+
+    token = auth.resolve_token(config.auth_token, config.auth_token_file)
+    refusal = auth.bind_refusal(kind, config.host, token, config.insecure)
+    if refusal is not None:  # before a worker waits for its dispatcher
+        raise ValueError(refusal)
+    if token is None:
+        auth.warn_no_token(kind, config.host)
+    elif getattr(args, "auth_token", None):
+        logger.warning(
+            "--auth-token puts the token on the command line, where every local user can read "
+            "it (ps, /proc/PID/cmdline); use --auth-token-file PATH or %s instead",
+            auth.AUTH_ENV,
+        )
+
+
 def _run_dispatcher(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         config = DispatcherConfig(**_config_kwargs(args, DispatcherConfig))
+        _check_auth_at_start("dispatcher", args, config)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
 
@@ -355,6 +408,7 @@ def _announce_first_element() -> None:
 def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         config = WorkerConfig(**_config_kwargs(args, WorkerConfig))
+        _check_auth_at_start("worker", args, config)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
 
@@ -370,9 +424,15 @@ def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         )
         # Ready means registered, where the server can tell us (else the first
         # heartbeat registers it right after start).
+        # A worker the dispatcher refused (e.g. a wrong auth token) is not ready:
+        # no ready line, exit 1 with the reason.
         wait_registered = getattr(server, "wait_registered", None)
         if callable(wait_registered):
-            wait_registered(config.dispatcher_timeout_ms_or_default / 1000)
+            if not wait_registered(config.dispatcher_timeout_ms_or_default / 1000):
+                refused = getattr(server, "registration_error", None)
+                if refused is not None:
+                    server.stop()
+                    raise refused
         return server, server.address
 
     return _serve("worker", make, args.parent_pid)

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from dataservice import _proc, errors
+from dataservice import _proc, auth, errors
 from dataservice.cli import FIRST_ELEMENT_RE, READY_RE
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 from dataservice.dispatcher import buffer_store
@@ -97,11 +97,16 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+_NEVER_ON_COMMAND_LINE = ("auth_token", "auth_token_file")
+"""Every local user can read a command line (`ps`): the token goes by environment."""
+
+
 def _config_flags(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
-    """CLI flags for the fields of `config` that differ from their defaults."""
+    """CLI flags for the fields of `config` that differ from their defaults
+    (never the auth token's: see `_NEVER_ON_COMMAND_LINE`)."""
     flags: list[str] = []
     for field in config_fields(type(config)):
-        if field.name in skip:
+        if field.name in skip or field.name in _NEVER_ON_COMMAND_LINE:
             continue
         value = getattr(config, field.name)
         if field.default is not dataclasses.MISSING and value == field.default:
@@ -144,6 +149,19 @@ class LocalCluster:
         with ds.LocalCluster(num_workers=2) as cluster:
             dataset = ds.Dataset.range(10).apply(ds.distribute("off", cluster.target))
 
+    Auth (SECURITY.md): the servers always require a token, `auth_token`:
+    the `dispatcher_config`'s, else one made here (`secrets.token_urlsafe`),
+    so no other local user can connect to them. The servers get it through
+    their environment (DATASERVICE_AUTH_TOKEN), never their command line
+    (which every user can read in `ps`). Clients in this process that read
+    from `target` send it without being told: the cluster registers it for
+    its dispatcher address (`dataservice.auth.register_token`), which a
+    client consults before DATASERVICE_AUTH_TOKEN. (Setting the environment
+    variable instead would hand the token to every process this one starts,
+    and two clusters would overwrite each other's.) Processes forked from
+    this one (e.g. DataLoader workers) inherit the registration; clients in
+    other processes need `DATASERVICE_AUTH_TOKEN=<cluster.auth_token>`.
+
     Thread-safe: properties and `stop()` may be called from any thread.
 
     Args:
@@ -180,7 +198,8 @@ class LocalCluster:
         start: Start at once (else on `start()` or `__enter__`).
 
     Raises:
-        ValueError: A bad argument (unknown worker option, invalid config).
+        ValueError: A bad argument (unknown worker option, invalid config, a
+            `worker_options` token that differs from the dispatcher's).
         RuntimeError: A server exited before it was ready; the message has the
             end of its stderr.
         TimeoutError: A server did not print its ready line within
@@ -242,6 +261,19 @@ class LocalCluster:
                 f"`max_worker_restarts` must be an int >= 0 or None, got {max_worker_restarts!r}"
             )
 
+        # The dispatcher's token (auth_token, auth_token_file or the environment),
+        # else the workers', else a fresh one: a cluster never serves without one.
+        token = auth.resolve_token(dispatcher_config.auth_token, dispatcher_config.auth_token_file)
+        worker_token = auth.resolve_token(
+            options.get("auth_token"), options.get("auth_token_file"), environ={}
+        )
+        if token and worker_token and not auth.tokens_equal(token, worker_token):
+            raise ValueError(
+                "the auth token of `worker_options` differs from the `dispatcher_config`'s; "
+                "set it once, in `dispatcher_config`"
+            )
+        self._auth_token: str = token or worker_token or auth.new_token()
+
         self._num_workers = num_workers
         self._dispatcher_config = dispatcher_config
         self._restart_workers = restart_workers
@@ -282,7 +314,7 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=_child_env(),
+            env={**_child_env(), auth.AUTH_ENV: self._auth_token},
             start_new_session=True,  # Ctrl-C reaches us, not them; killpg reaches their children
             close_fds=True,
         )
@@ -367,6 +399,7 @@ class LocalCluster:
             with self._lock:
                 self._dispatcher = dispatcher
             self._wait_ready(dispatcher, time.monotonic() + self._start_timeout_s)
+            auth.register_token(dispatcher.address, self._auth_token)
             workers = [
                 self._spawn("worker", f"worker-{i}", self._worker_flags())
                 for i in range(self._num_workers)
@@ -539,9 +572,7 @@ class LocalCluster:
         from dataservice.rpc import util as rpc_util
 
         target = self.dispatcher_address
-        metadata = rpc_util.call_metadata(
-            rpc_util.token_from_env(self._dispatcher_config.auth_token)
-        )
+        metadata = rpc_util.call_metadata(self._auth_token)
         channel = rpc_util.make_channel(target)
         try:
             stub = service_pb2_grpc.DispatcherServiceStub(channel)
@@ -585,6 +616,8 @@ class LocalCluster:
                 if stream is not None and pump.done():  # else a reader blocks in it
                     stream.close()
         dispatcher = self._dispatcher
+        if dispatcher is not None and dispatcher.address:
+            auth.unregister_token(dispatcher.address)
         if dispatcher is not None and dispatcher.popen.returncode is not None:
             # One that died without stopping (SIGKILL) left its dataset buffer files.
             buffer_store.remove_private_dirs(dispatcher.popen.pid)
@@ -604,6 +637,16 @@ class LocalCluster:
             if self._dispatcher is None or not self._dispatcher.address:
                 raise RuntimeError("the LocalCluster is not started")
             return self._dispatcher.address
+
+    @property
+    def auth_token(self) -> str:
+        """The token every server of this cluster requires: the
+        `dispatcher_config`'s (`auth_token`, `auth_token_file` or
+        DATASERVICE_AUTH_TOKEN when the cluster was made), else a random one
+        made by the cluster. This process's clients of `target` send it
+        without being told; give it (DATASERVICE_AUTH_TOKEN) to clients in
+        other processes."""
+        return self._auth_token
 
     @property
     def dispatcher_pid(self) -> int:

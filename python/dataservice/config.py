@@ -36,6 +36,15 @@ def _check_protocol(protocol: str) -> None:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {protocol!r}")
 
 
+def _check_auth(auth_token: str | None, auth_token_file: str | None) -> None:
+    if auth_token is not None and not isinstance(auth_token, str):
+        raise ValueError(f"`auth_token` must be a string, got {type(auth_token)}")
+    if auth_token_file is not None and not isinstance(auth_token_file, str):
+        raise ValueError(f"`auth_token_file` must be a path string, got {auth_token_file!r}")
+    if auth_token and auth_token_file:
+        raise ValueError("set one of `auth_token` and `auth_token_file`, not both")
+
+
 @dataclass(frozen=True)
 class DispatcherConfig:
     """Configuration of a `DispatchServer`, as tf.data service's DispatcherConfig.
@@ -59,6 +68,12 @@ class DispatcherConfig:
             serves every interface.
         auth_token: When set, every RPC must carry it (metadata
             "authorization: Bearer <token>") or is refused UNAUTHENTICATED.
+            Given as a CLI flag it is visible to every local user in `ps`:
+            prefer `auth_token_file` or DATASERVICE_AUTH_TOKEN, which the
+            server also reads (a token from any of the three is required).
+        auth_token_file: A file holding the token (mode 0600), read at start.
+        insecure: Serve a `host` beyond loopback without a token, which is
+            otherwise refused (anyone who can reach the port can run code).
 
     Raises:
         ValueError: On a bad field (message names it), or `fault_tolerant_mode`
@@ -76,10 +91,13 @@ class DispatcherConfig:
     worker_timeout_ms: int | None = None
     host: str = DEFAULT_HOST
     auth_token: str | None = None
+    auth_token_file: str | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         _check_port(self.port)
         _check_protocol(self.protocol)
+        _check_auth(self.auth_token, self.auth_token_file)
         if self.fault_tolerant_mode and not self.work_dir:
             raise ValueError(
                 "`fault_tolerant_mode=True` needs a `work_dir` to journal the dispatcher's state in"
@@ -130,7 +148,19 @@ class WorkerConfig:
         shm_ring_bytes: Size of each shared-memory ring (bytes).
         cross_trainer_cache_size_bytes: Bound of the cross-trainer cache (bytes).
         host: Interface to bind, "127.0.0.1" unless told otherwise.
-        auth_token: Token this worker requires of every RPC and sends to the dispatcher.
+        auth_token: Token this worker requires of every RPC and of every
+            shared-memory handshake, and sends to the dispatcher. Also read
+            from `auth_token_file` or DATASERVICE_AUTH_TOKEN (a token from
+            any of the three is required); as a CLI flag it shows in `ps`.
+        auth_token_file: A file holding the token (mode 0600), read at start.
+        insecure: Serve a `host` beyond loopback without a token, which is
+            otherwise refused (anyone who can reach the port can run code).
+        shm_allowed_uids: User ids besides the worker's own (and root) whose
+            processes may connect to its shared-memory socket; other users
+            are refused before the handshake (they fall back to gRPC). A
+            client, for its part, maps memory only from a worker of its own
+            uid or root, so this lets other users in when the worker runs as
+            root; otherwise they read over gRPC.
 
     Raises:
         ValueError: On a bad field; the message names it.
@@ -147,8 +177,19 @@ class WorkerConfig:
     cross_trainer_cache_size_bytes: int | None = None
     host: str = DEFAULT_HOST
     auth_token: str | None = None
+    auth_token_file: str | None = None
+    insecure: bool = False
+    shm_allowed_uids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        _check_auth(self.auth_token, self.auth_token_file)
+        if self.shm_allowed_uids is not None:
+            uids = list(self.shm_allowed_uids)
+            if any(not isinstance(u, int) or isinstance(u, bool) or u < 0 for u in uids):
+                raise ValueError(
+                    f"`shm_allowed_uids` must be a list of user ids (ints >= 0), got {uids!r}"
+                )
+            object.__setattr__(self, "shm_allowed_uids", uids)
         if not isinstance(self.dispatcher_address, str) or not self.dispatcher_address:
             raise ValueError(
                 f"`dispatcher_address` must be a non-empty string, got {self.dispatcher_address!r}"

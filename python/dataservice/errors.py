@@ -56,6 +56,13 @@ class DispatcherRestartedError(FailedPreconditionError):
     (datasets, jobs, iterations) was lost; the caller's ids no longer exist."""
 
 
+class UnauthenticatedError(FailedPreconditionError):
+    """A server refused the call: the auth token is missing or wrong. The
+    message names the server's address and what to set (DATASERVICE_AUTH_TOKEN).
+    As tf.errors.UnauthenticatedError; a FailedPreconditionError so that code
+    written against earlier versions still catches it."""
+
+
 class OutOfRangeError(DataServiceError):
     """Iteration past the end of a sequence."""
 
@@ -193,6 +200,7 @@ _BY_NAME: dict[str, type[DataServiceError]] = {
         AlreadyExistsError,
         FailedPreconditionError,
         DispatcherRestartedError,
+        UnauthenticatedError,
         OutOfRangeError,
         UnavailableError,
         DeadlineExceededError,

@@ -215,7 +215,11 @@ def test_c16_sigkill_clients_and_workers_of_a_local_cluster(request):
         worker_fds = {pid: _worker_fds(pid) for pid in cluster.worker_pids}
         for r in range(rounds):
             client = subprocess.Popen(
-                [sys.executable, "-c", _CLIENT, cluster.target], stdout=subprocess.PIPE, text=True
+                [sys.executable, "-c", _CLIENT, cluster.target],
+                stdout=subprocess.PIPE,
+                text=True,
+                # A process the cluster did not start needs its token (SECURITY.md).
+                env={**os.environ, "DATASERVICE_AUTH_TOKEN": cluster.auth_token},
             )
             assert client.stdout.readline().startswith("streaming")
             if r != 1:

@@ -463,6 +463,8 @@ def test_local_cluster_and_worker_processes_on_two_hosts_read_their_own_shards(m
     )
     monkeypatch.setenv("DATASERVICE_HOST_ID", HOST_A)
     with ds.LocalCluster(2, dispatcher_config=config) as cluster:
+        # Processes the cluster did not start need its token (SECURITY.md).
+        monkeypatch.setenv("DATASERVICE_AUTH_TOKEN", cluster.auth_token)
         workers_b = start_workers(cluster.dispatcher_address, ports, [HOST_B, HOST_B])
         try:
             # (A worker process prints its ready line once it is registered.)
@@ -642,7 +644,11 @@ def test_c27_killed_consumer_process_fails_the_other_within_client_timeout(share
         sys.stdin.read()
         """
     )
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.path.join(REPO, "python"),
+        DATASERVICE_AUTH_TOKEN=shared.auth_token,  # a process the cluster did not start
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", script],
         stdin=subprocess.PIPE,

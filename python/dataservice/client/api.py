@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dataservice import auth
 from dataservice.client.reader import DataServiceIterator, ReadOptions
 from dataservice.data.dataset import (
     INFINITE_CARDINALITY,
@@ -160,7 +161,9 @@ def _dispatcher_call(
     channel = rpc_util.make_channel(address)
     try:
         stub = service_pb2_grpc.DispatcherServiceStub(channel)
-        metadata = rpc_util.call_metadata(rpc_util.token_from_env(auth_token))
+        token = auth.client_token(address, auth_token)
+        auth.warn_if_sent_in_clear(address, token)
+        metadata = rpc_util.call_metadata(token)
         return rpc_util.call_dispatcher(
             stub, method, request, address=address, metadata=metadata, timeout_ms=timeout_ms
         )

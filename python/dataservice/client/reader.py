@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import errors
+from dataservice import auth, errors
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
@@ -139,7 +139,11 @@ class _Reader:
         self._wake_heartbeat = threading.Event()
         self._channel = rpc_util.make_channel(options.dispatcher_address)
         self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
-        self._metadata = rpc_util.call_metadata(rpc_util.token_from_env(options.auth_token))
+        # Sent to the dispatcher and to every worker (gRPC metadata, or proof of
+        # it in the shared-memory handshake); see auth.client_token.
+        self._token = auth.client_token(options.dispatcher_address, options.auth_token)
+        auth.warn_if_sent_in_clear(options.dispatcher_address, self._token)
+        self._metadata = rpc_util.call_metadata(self._token)
         limit = options.max_outstanding_requests
         self._outstanding = _FairSemaphore(limit) if limit else None
         self.incarnation = ""
@@ -337,7 +341,7 @@ class _Reader:
                 client = transfer.make_client(
                     protocol,
                     endpoint,
-                    self.options.auth_token,
+                    self._token,
                     zero_copy=self.options.zero_copy,
                     trainer_id=self.options.trainer_id,
                 )
@@ -572,7 +576,7 @@ class _Reader:
         client = self._round_clients.get(task_id)
         if client is None:
             endpoint = self._endpoints[task_id]
-            client = transfer.make_client("grpc", endpoint, self.options.auth_token)
+            client = transfer.make_client("grpc", endpoint, self._token)
             self._round_clients[task_id] = client
         return client
 

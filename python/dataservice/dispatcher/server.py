@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import errors
+from dataservice import auth, errors
 from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
@@ -181,20 +181,20 @@ class DispatchServer:
 
         Raises:
             UnavailableError: The port cannot be bound.
+            ValueError: The token file cannot be read, or `host` is beyond
+                loopback with no token and not `insecure` (see SECURITY.md).
         """
         if self._server is not None:
             return
         self._stop_event.clear()
         self._stopped.clear()
+        token = auth.resolve_token(self._config.auth_token, self._config.auth_token_file)
+        auth.check_bind("dispatcher", self._config.host, token, self._config.insecure)
         self._recover()
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="ds-dispatcher"),
             options=rpc_util.SERVER_OPTIONS,
-            interceptors=(
-                [rpc_util.AuthInterceptor(self._config.auth_token)]
-                if self._config.auth_token
-                else []
-            ),
+            interceptors=rpc_util.server_interceptors(token, "dispatcher"),
         )
         service_pb2_grpc.add_DispatcherServiceServicer_to_server(_Servicer(self), server)
         try:

@@ -7,7 +7,6 @@ bigger than gRPC's 4 MiB default arrive in one message.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -16,10 +15,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from dataservice import errors
+from dataservice import auth, errors
 
 MAX_MESSAGE_BYTES = 2**31 - 1
-AUTH_ENV = "DATASERVICE_AUTH_TOKEN"
+AUTH_ENV = auth.AUTH_ENV
 ERROR_TYPE_KEY = "ds-error-type"
 
 CHANNEL_OPTIONS = [
@@ -92,30 +91,47 @@ def parse_address(service: str) -> str:
 
 
 def token_from_env(token: str | None = None) -> str | None:
-    """The auth token to send: the one given, else $DATASERVICE_AUTH_TOKEN."""
-    return token if token else os.environ.get(AUTH_ENV) or None
+    """The auth token to send: the one given, else $DATASERVICE_AUTH_TOKEN
+    (clients of a known dispatcher use `auth.client_token`, which also
+    consults the tokens of this process's `LocalCluster`s)."""
+    return auth.client_token(None, token)
 
 
 def call_metadata(token: str | None) -> list[tuple[str, str]] | None:
-    return [("authorization", f"Bearer {token}")] if token else None
+    return [("authorization", auth.bearer(token))] if token else None
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses, UNAUTHENTICATED, every RPC that lacks the configured token."""
+    """Refuses, UNAUTHENTICATED, every RPC that lacks the configured token
+    (compared in constant time by `auth.bearer_ok`), and logs the refused
+    peer at WARNING (once per peer host per minute).
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+    Args:
+        token: The token every call must carry.
+        kind: "dispatcher" or "worker", for the log line.
+    """
+
+    def __init__(self, token: str, kind: str = "server") -> None:
+        self._token = token
+        self._refusals = auth.RefusalLog(kind)
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            peer = context.peer() or "unknown peer"
+            self._refusals.refused(peer, "missing or wrong auth token", auth.grpc_peer_host(peer))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization" and value == self._expected:
+            if key == "authorization" and auth.bearer_ok(value, self._token):
                 return continuation(handler_call_details)
         return self._deny
+
+
+def server_interceptors(token: str | None, kind: str) -> list[grpc.ServerInterceptor]:
+    """The interceptors of a server that requires `token` (none without one)."""
+    return [AuthInterceptor(token, kind)] if token else []
 
 
 def make_channel(address: str) -> grpc.Channel:
@@ -150,7 +166,7 @@ def to_error(err: grpc.RpcError, address: str, what: str) -> errors.DataServiceE
                 cls = known
                 break
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        cls = errors.FailedPreconditionError
+        return errors.UnauthenticatedError(auth.refused_message(address, what))
     if code in RETRYABLE:
         return cls(f"{what} at {address} failed: {details}")
     return cls(details)

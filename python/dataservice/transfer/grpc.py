@@ -6,7 +6,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import errors
+from dataservice import auth, errors
 from dataservice.rpc import service_pb2, service_pb2_grpc
 from dataservice.rpc import util as rpc_util
 from dataservice.transfer import base, codec
@@ -29,7 +29,9 @@ class GrpcTransferClient(base.TransferClient):
         self._compression = compression  # "" or "zstd", chosen by the reader
         self._channel = rpc_util.make_channel(endpoint.transfer_address)
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
-        self._metadata = rpc_util.call_metadata(rpc_util.token_from_env(auth_token))
+        token = rpc_util.token_from_env(auth_token)
+        auth.warn_if_sent_in_clear(endpoint.transfer_address, token)
+        self._metadata = rpc_util.call_metadata(token)
         self._error: errors.WorkerError | None = None  # the pipeline's, once reported
 
     def get_elements(

@@ -2,10 +2,16 @@
 
 A worker serves a Unix SOCK_SEQPACKET socket at the abstract name
 `shm_socket_name(worker.address)`. A client connects once per task (one
-connection per consumer iterator and task), sends HELLO {task_id, pid}; the
-worker creates a ring (a sealed memfd, see `_core.ShmRingProducer`), replies
-{capacity, nonce} with the memfd attached (SCM_RIGHTS), and runs a producer
-thread that moves the task's elements into the ring. The socket stays open for
+connection per consumer iterator and task). Any local process can connect to
+an abstract name, so the worker's accept thread first checks the peer's uid
+(SO_PEERCRED: the worker's own, root, or `shm_allowed_uids`) and sends a
+random challenge; the client (having checked the worker's uid the same way)
+answers with HELLO {task_id, pid, auth: HMAC-SHA256(token, challenge)}, within
+`AUTH_DEADLINE_S`, and only then does the connection get a serving thread
+(see `ShmTransferServer._accept_loop` and SECURITY.md). The worker creates
+a ring (a sealed memfd, see `_core.ShmRingProducer`), replies {capacity,
+nonce} with the memfd attached (SCM_RIGHTS), and runs a producer thread that
+moves the task's elements into the ring. The socket stays open for
 the ring's life: it carries the client's credit grants (how many elements it
 wants; the worker never runs further ahead) and is the liveness channel (HUP).
 
@@ -36,10 +42,12 @@ every leaf out of the ring instead.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
@@ -47,7 +55,7 @@ import time
 import weakref
 from typing import Any
 
-from dataservice import _core, errors
+from dataservice import _core, auth, errors
 from dataservice.locality import host_id
 from dataservice.transfer import base
 
@@ -59,6 +67,15 @@ DEFAULT_RING_BYTES = 64 << 20
 MIN_RING_BYTES = 8 << 20
 ZERO_COPY_ENV = "DATASERVICE_SHM_ZERO_COPY"
 _HANDSHAKE_TIMEOUT_S = 10.0
+AUTH_DEADLINE_S = 5.0
+"""A connection that has not sent a valid HELLO this long after it was accepted is closed."""
+MAX_PENDING_HANDSHAKES = 256
+"""Connections accepted but not yet authenticated, at most, per worker."""
+MAX_PENDING_PER_PEER = 64
+"""... of which from one client process (peer pid)."""
+MAX_CONNECTIONS = 1024
+"""Authenticated connections (each with a serving thread), at most, per worker."""
+_HELLO_MAX_BYTES = 4096
 _TASK_WAIT_S = 4.0  # a worker learns of a new task by its next heartbeat
 _CONNECT_RETRY_S = 3.0
 _REQUEST = struct.Struct("<cQQI")  # b"G", max elements, max bytes, timeout (ms)
@@ -145,11 +162,15 @@ def ring_budget_bytes() -> int:
 
 
 class _Connection:
-    """One client's ring and the producer thread feeding it."""
+    """One authenticated client's ring and the producer thread feeding it."""
 
-    def __init__(self, server: ShmTransferServer, sock: socket.socket) -> None:
+    def __init__(
+        self, server: ShmTransferServer, sock: socket.socket, hello: dict[str, Any], peer_pid: int
+    ) -> None:
         self._server = server
         self._sock = sock
+        self._hello = hello
+        self._peer_pid = peer_pid
         self.ring: Any = None
         self.ring_bytes = 0
         self.thread = threading.Thread(target=self._run, name="ds-shm-producer", daemon=True)
@@ -189,15 +210,7 @@ class _Connection:
     def _serve(self) -> None:
         server = self._server
         self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-        creds = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        peer_pid, peer_uid, _ = struct.unpack("3i", creds)
-        hello = json.loads(self._sock.recv(4096) or b"{}")
-        if hello.get("v") != LAYOUT_VERSION:
-            self._reply({"ok": False, "error": f"layout version {hello.get('v')!r} unsupported"})
-            return
-        if peer_uid not in (os.getuid(), 0):
-            self._reply({"ok": False, "error": "the client runs as another user"})
-            return
+        hello, peer_pid = self._hello, self._peer_pid
         task_id = int(hello["task_id"])
         trainer_id = str(hello.get("trainer_id") or "")
         runner = server.worker.task_runner(task_id)
@@ -370,6 +383,17 @@ class _Connection:
         self._server.forget(self)
 
 
+@dataclasses.dataclass
+class _Pending:
+    """An accepted connection waiting for its HELLO (accept thread only)."""
+
+    sock: socket.socket
+    pid: int
+    uid: int
+    challenge: bytes
+    deadline: float  # time.monotonic()
+
+
 _live_servers: weakref.WeakSet[ShmTransferServer] = weakref.WeakSet()
 
 
@@ -399,26 +423,151 @@ class ShmTransferServer(base.TransferServer):
             self._listener.close()
             raise
         self._listener.listen(64)
-        self._listener.settimeout(0.2)
+        self._listener.setblocking(False)
+        self._token: str | None = worker.auth_token  # required of every HELLO when set
+        self._allowed_uids = frozenset(getattr(config, "shm_allowed_uids", None) or ())
+        self._refusals = auth.RefusalLog(f"worker {worker.address} (shared memory)")
         self._thread = threading.Thread(target=self._accept_loop, name="ds-shm-accept", daemon=True)
         self._thread.start()
         _live_servers.add(self)
 
+    def _allowed_uid(self, uid: int) -> bool:
+        return uid in (os.getuid(), 0) or uid in self._allowed_uids
+
     def _accept_loop(self) -> None:
-        while not self.stopping:
+        """Accepts connections and authenticates them on this one thread, with
+        no thread per connection until then: a peer of another user (not in
+        `shm_allowed_uids`) is refused at once (SO_PEERCRED); the others get
+        a challenge and have `AUTH_DEADLINE_S` to answer with a HELLO that
+        proves they hold the token (`auth.challenge_ok`), within
+        `MAX_PENDING_HANDSHAKES` (`MAX_PENDING_PER_PEER` per client process)
+        pending at once. Only an authenticated connection gets a `_Connection`
+        and its serving thread (at most `MAX_CONNECTIONS`)."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, None)
+        pending: dict[int, _Pending] = {}  # by fileno
+        try:
+            while not self.stopping:
+                timeout = 0.2
+                if pending:
+                    first = min(p.deadline for p in pending.values())
+                    timeout = max(0.0, min(timeout, first - time.monotonic()))
+                for key, _ in sel.select(timeout):
+                    try:
+                        if key.data is None:
+                            self._accept_ready(sel, pending)
+                        else:
+                            self._hello_ready(sel, pending, key.data)
+                    except Exception:  # one bad connection must not end the accept loop
+                        log.exception("shm: handshake failed")
+                        if key.data is not None and key.data.sock.fileno() in pending:
+                            sel.unregister(key.data.sock)
+                            del pending[key.data.sock.fileno()]
+                            key.data.sock.close()
+                now = time.monotonic()
+                for p in [p for p in pending.values() if p.deadline <= now]:
+                    self._drop(sel, pending, p, f"no HELLO within {AUTH_DEADLINE_S:.0f} s")
+        finally:
+            for p in list(pending.values()):
+                p.sock.close()
+            sel.close()
+
+    def _accept_ready(self, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> None:
+        while True:  # everything queued: a burst must not wait for the next select
             try:
                 sock, _ = self._listener.accept()
-            except (TimeoutError, InterruptedError):
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # e.g. EMFILE: leave the rest queued for now
+                if not self.stopping:
+                    log.warning("shm: accept failed: %s", err)
+                    time.sleep(0.05)
+                return
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _ = struct.unpack("3i", creds)
+            peer = f"uid {uid} pid {pid}"
+            if not self._allowed_uid(uid):
+                self._refuse(sock, peer, f"uid {uid}", "the client runs as another user")
                 continue
-            except OSError:
-                if self.stopping:
-                    return
-                time.sleep(0.05)
+            per_peer = sum(1 for p in pending.values() if p.pid == pid)
+            if len(pending) >= MAX_PENDING_HANDSHAKES or per_peer >= MAX_PENDING_PER_PEER:
+                self._refuse(sock, peer, peer, "too many connections waiting for a handshake")
                 continue
-            conn = _Connection(self, sock)
             with self._mu:
-                self._connections.add(conn)
-            conn.thread.start()
+                serving = len(self._connections)
+            if serving >= MAX_CONNECTIONS:
+                self._refuse(sock, peer, peer, f"{serving} connections served already")
+                continue
+            challenge = auth.new_challenge()
+            try:
+                sock.setblocking(False)
+                # A fresh SEQPACKET socket's send buffer is empty: this never blocks.
+                sock.send(json.dumps({"v": LAYOUT_VERSION, "challenge": challenge.hex()}).encode())
+            except OSError:
+                sock.close()
+                continue
+            p = _Pending(sock, pid, uid, challenge, time.monotonic() + AUTH_DEADLINE_S)
+            pending[sock.fileno()] = p
+            sel.register(sock, selectors.EVENT_READ, p)
+
+    def _hello_ready(
+        self, sel: selectors.BaseSelector, pending: dict[int, _Pending], p: _Pending
+    ) -> None:
+        try:
+            data = p.sock.recv(_HELLO_MAX_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client hung up
+            sel.unregister(p.sock)
+            del pending[p.sock.fileno()]
+            p.sock.close()
+            return
+        try:
+            hello = json.loads(data)
+            if not isinstance(hello, dict):
+                raise ValueError("not a JSON object")
+        except ValueError:
+            self._drop(sel, pending, p, "a malformed HELLO")
+            return
+        if hello.get("v") != LAYOUT_VERSION:
+            self._drop(sel, pending, p, f"layout version {hello.get('v')!r} unsupported")
+            return
+        token = self._token
+        if token is not None and not auth.challenge_ok(token, p.challenge, hello.get("auth")):
+            self._drop(sel, pending, p, "missing or wrong auth token; " + auth.HOW_TO_SET)
+            return
+        task_id = hello.get("task_id")
+        if not isinstance(task_id, int) or isinstance(task_id, bool):
+            self._drop(sel, pending, p, f"a HELLO whose task_id is not an int: {task_id!r:.40}")
+            return
+        sel.unregister(p.sock)
+        del pending[p.sock.fileno()]
+        p.sock.setblocking(True)
+        conn = _Connection(self, p.sock, hello, p.pid)
+        with self._mu:
+            self._connections.add(conn)
+        conn.thread.start()
+
+    def _drop(
+        self, sel: selectors.BaseSelector, pending: dict[int, _Pending], p: _Pending, why: str
+    ) -> None:
+        sel.unregister(p.sock)
+        del pending[p.sock.fileno()]
+        peer = f"uid {p.uid} pid {p.pid}"
+        self._refuse(p.sock, peer, peer, why)
+
+    def _refuse(self, sock: socket.socket, peer: str, key: str, why: str) -> None:
+        """Tells the client why (best effort, never blocking), logs it (rate-limited
+        per `key`) and closes the connection."""
+        self._refusals.refused(peer, why, key)
+        try:
+            sock.setblocking(False)
+            sock.send(json.dumps({"ok": False, "error": why}).encode())
+        except OSError:
+            pass
+        sock.close()
 
     def create_ring(self) -> tuple[Any, int]:
         """A new producer ring within the memory budget (halved down to 8 MiB).
@@ -469,11 +618,11 @@ class ShmTransferServer(base.TransferServer):
     def stop(self) -> None:
         self.stopping = True
         _live_servers.discard(self)
+        self._thread.join(timeout=2)  # the accept loop checks `stopping` every 0.2 s
         try:
             self._listener.close()
         except OSError:
             pass
-        self._thread.join(timeout=2)
         with self._mu:
             conns = list(self._connections)
         for conn in conns:
@@ -513,12 +662,18 @@ class ShmTransferClient(base.TransferClient):
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             peer_pid, peer_uid, _ = struct.unpack("3i", creds)
             if peer_uid not in (os.getuid(), 0):
+                # Checked before anything is sent: a process of another user that
+                # took the worker's socket name learns nothing of the token.
                 raise base.TransferUnavailable("the worker runs as another user")
+            challenge = self._challenge(sock, endpoint.worker_address)
             hello: dict[str, Any] = {
                 "v": LAYOUT_VERSION,
                 "task_id": endpoint.task_id,
                 "pid": os.getpid(),
             }
+            token = auth.client_token(None, auth_token)
+            if token is not None:  # proof of the token, not the token
+                hello["auth"] = auth.challenge_response(token, challenge)
             if trainer_id:  # every request reads through the cross-trainer cache
                 hello["trainer_id"] = trainer_id
                 hello["window"] = True  # ... from its shared window, if the worker has one
@@ -572,6 +727,33 @@ class ShmTransferClient(base.TransferClient):
         # (A window's frames are the cache's: a reply is bounded as a ring's.)
         self.max_unconsumed_bytes = max(1, int(reply.get("capacity_bytes", 64 << 20)) // 4)
         self.worker_uid = str(reply.get("worker_uid", ""))
+
+    @staticmethod
+    def _challenge(sock: socket.socket, worker_address: str) -> bytes:
+        """The worker's first message: the challenge to answer with the token.
+
+        Raises:
+            TransferUnavailable: The worker refused the connection (its reason)
+                or sent no challenge.
+        """
+        try:
+            data = sock.recv(_HELLO_MAX_BYTES)
+        except OSError as err:
+            raise base.TransferUnavailable(f"shared-memory handshake failed: {err}") from err
+        try:
+            message = json.loads(data or b"{}")
+            if message.get("ok") is False:
+                raise base.TransferUnavailable(
+                    f"worker {worker_address} refused a shared-memory connection: "
+                    f"{message.get('error')}"
+                )
+            if message.get("v") != LAYOUT_VERSION:
+                raise ValueError(f"layout version {message.get('v')!r}")
+            return bytes.fromhex(message["challenge"])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise base.TransferUnavailable(
+                f"worker {worker_address} sent no shared-memory challenge: {err}"
+            ) from err
 
     @staticmethod
     def _connect(sock: socket.socket, worker_address: str) -> None:

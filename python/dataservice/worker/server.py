@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import _proc, errors
+from dataservice import _proc, auth, errors
 from dataservice.config import WorkerConfig
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
@@ -239,6 +239,8 @@ class WorkerServer:
 
     Raises:
         UnavailableError: The port cannot be bound.
+        ValueError: The token file cannot be read, or `host` is beyond
+            loopback with no token and not `insecure` (see SECURITY.md).
     """
 
     def __init__(
@@ -255,7 +257,9 @@ class WorkerServer:
         self._handed_out = False
         self._handout_mu = threading.Lock()
         self._dispatcher_address = rpc_util.parse_address(config.dispatcher_address)
-        self._token = rpc_util.token_from_env(config.auth_token)
+        # One token for both directions: required of every caller (gRPC and the
+        # shared-memory handshake) and sent to the dispatcher.
+        self._token = auth.resolve_token(config.auth_token, config.auth_token_file)
         self._metadata = rpc_util.call_metadata(self._token)
         self._mu = threading.Lock()
         self._wake = threading.Event()
@@ -315,6 +319,17 @@ class WorkerServer:
             except Exception:  # a progress signal must never fail a read
                 log.exception("worker %s: on_first_element failed", self._address)
 
+    @property
+    def auth_token(self) -> str | None:
+        """The token this worker requires and sends (config, file or environment)."""
+        return self._token
+
+    @property
+    def registration_error(self) -> BaseException | None:
+        """Why the dispatcher refused this worker (e.g. `UnauthenticatedError`),
+        or None; the worker has stopped when it is set."""
+        return self._registration_error
+
     def wait_registered(self, timeout_s: float) -> bool:
         """Waits until the dispatcher has answered a first heartbeat.
 
@@ -339,14 +354,12 @@ class WorkerServer:
         self._stopped.clear()
         self._registered.clear()
         self._registration_error = None
+        auth.check_bind("worker", self._config.host, self._token, self._config.insecure)
+        auth.warn_if_sent_in_clear(self._dispatcher_address, self._token)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ds-worker"),
             options=rpc_util.SERVER_OPTIONS,
-            interceptors=(
-                [rpc_util.AuthInterceptor(self._config.auth_token)]
-                if self._config.auth_token
-                else []
-            ),
+            interceptors=rpc_util.server_interceptors(self._token, "worker"),
         )
         service_pb2_grpc.add_WorkerServiceServicer_to_server(_Servicer(self), server)
         bind = f"{self._config.host}:{self._config.port}"
@@ -441,6 +454,7 @@ class WorkerServer:
         interval_s = self._config.heartbeat_interval_ms_or_default / 1000
         registered = False
         first_try = time.monotonic()
+        last_refusal_log = -auth.REFUSAL_LOG_INTERVAL_S
         backoff = rpc_util.Backoff(0.05, interval_s)
         while not self._stop_event.is_set():
             try:
@@ -472,7 +486,17 @@ class WorkerServer:
                     log.error("%s", self._registration_error)
                     threading.Thread(target=self.stop, daemon=True).start()
                     return
-                if registered:
+                if registered and err.code() == grpc.StatusCode.UNAUTHENTICATED:  # type: ignore[attr-defined]
+                    # E.g. the dispatcher restarted with another token.
+                    now = time.monotonic()
+                    if now - last_refusal_log > auth.REFUSAL_LOG_INTERVAL_S:
+                        last_refusal_log = now
+                        log.warning(
+                            "worker %s: %s",
+                            self._address,
+                            auth.refused_message(self._dispatcher_address, "heartbeat"),
+                        )
+                elif registered:
                     log.debug("heartbeat to %s failed: %s", self._dispatcher_address, err)
                 backoff.sleep(time.monotonic() + interval_s, self._stop_event)
             except Exception:

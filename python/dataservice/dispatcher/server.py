@@ -29,7 +29,7 @@ from dataservice.dispatcher.buffer_store import BufferStore, check_inline
 from dataservice.dispatcher.journal import Journal
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
-from dataservice.rpc import service_pb2_grpc
+from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, worker_index_in
 
@@ -58,7 +58,11 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
         self._d = dispatcher
 
     def _call(self, fn: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        """Runs one RPC's handler on a request checked at the edge
+        (rpc/validate.py); every error becomes the status of its class
+        (rpc/util.py), a bug INTERNAL, never a dead handler thread."""
         try:
+            validate.check_request(request)
             return fn(request)
         except (errors.DataServiceError, ValueError) as err:
             rpc_util.abort_with(context, err)

@@ -26,7 +26,7 @@ from dataservice import _proc, auth, errors
 from dataservice.config import WorkerConfig
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
-from dataservice.rpc import service_pb2_grpc
+from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, apply_static_sharding
 from dataservice.transfer import base as transfer
@@ -214,6 +214,7 @@ class _Servicer(service_pb2_grpc.WorkerServiceServicer):
 
     def GetElements(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            validate.check_request(request)  # rpc/validate.py: every field at the edge
             return self._w._get_elements(request)
         except (errors.DataServiceError, ValueError) as err:
             rpc_util.abort_with(context, err)
@@ -665,6 +666,9 @@ class WorkerServer:
                 f"worker {self._address} no longer runs task {request.task_id} "
                 "(the dispatcher deleted it)"
             )
+        validate.check_read_fits_task(
+            request, runner.num_consumers, runner.cross_trainer_cache is not None
+        )
         if request.trainer_id:
             cache = runner.cross_trainer_cache
             if cache is None:

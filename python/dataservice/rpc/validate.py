@@ -1,0 +1,390 @@
+"""Checks of every RPC request at the edge, before a handler sees it.
+
+Each request message of `service.proto` has its rules here, declared per field
+(`RULES`, keyed by the message's full name): enum values (processing_mode,
+target_workers, compression), ids (non-negative), sizes (non-negative and
+bounded), strings (bounded length, no control characters), repeated fields
+(bounded count, each item checked) and addresses ("host:port"). A request that
+breaks a rule is refused with `InvalidArgumentError` naming the RPC, the field
+and the bad value, so the caller gets INVALID_ARGUMENT, never INTERNAL from a
+handler or a failure later on a worker.
+
+What needs the server's state (an id that does not exist: NOT_FOUND; a request
+that does not fit the state of what it names: FAILED_PRECONDITION) is checked
+by the handler that holds that state; the worker's one such check, whether a
+read fits its task's kind, is `check_read_fits_task` here.
+
+`check_request` is called from each servicer's common entry point
+(`dispatcher.server._Servicer._call`, `worker.server._Servicer.GetElements`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dataservice import errors
+from dataservice.sharding import ShardingPolicy
+
+# Bounds. Generous for real use, small enough that no field sizes a big allocation
+# or makes the dispatcher's state (and its journal) grow without limit.
+MAX_ID = 2**62  # ids are handed out counting from 0/1; nothing real gets near
+MAX_NAME_CHARS = 1024  # dataset ids, job names, host ids, trainer ids
+MAX_ADDRESS_CHARS = 1024
+MAX_TOKEN_CHARS = 128  # incarnation ids (uuid4 hex, 32), worker uids
+MAX_REASON_CHARS = 64 * 1024  # ReportWorkerFailure.reason: goes into consumers' errors
+MAX_PROTOCOL_CHARS = 64
+MAX_PROTOCOLS = 64
+MAX_REPEATED_IDS = 1_000_000  # task ids in one heartbeat
+MAX_ELEMENT_SPEC_BYTES = 64 << 20
+MAX_CONSUMERS = 1 << 16
+MAX_REPETITION = 2**31 - 1
+MAX_ROUND = 2**62
+MAX_SPLIT_PROVIDERS = 1 << 16
+MAX_HEARTBEAT_INTERVAL_MS = 24 * 3600 * 1000
+MAX_ELEMENTS_PER_READ = 1 << 20
+MAX_BYTES_PER_READ = 2**31 - 1  # gRPC's message limit (rpc/util.py MAX_MESSAGE_BYTES)
+# data/dataset.py: INFINITE_CARDINALITY = -1, UNKNOWN_CARDINALITY = -2.
+MIN_CARDINALITY = -2
+
+TARGET_WORKERS = ("AUTO", "ANY", "LOCAL")  # client/api.py sends them upper-cased
+REGISTER_COMPRESSIONS = ("AUTO", "NONE", "ZSTD")  # distribute's `compression`, any case
+ELEMENT_COMPRESSIONS = ("zstd",)  # transfer/codec.py COMPRESSIONS
+
+Check = Callable[[str, Any], "str | None"]
+"""A field check: (field name, value) -> why the value is refused, or None."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field's rule: `name` of the field, `check` of its value."""
+
+    name: str
+    check: Check
+
+
+@dataclass(frozen=True)
+class Across:
+    """A rule over several fields of one message: `check(request)` says why
+    the request is refused, or None; `fields` are named in the error."""
+
+    fields: tuple[str, ...]
+    check: Callable[[Any], str | None]
+
+
+Rule = Field | Across
+
+
+# ---------------------------------------------------------------- field checks
+def int_range(lo: int, hi: int, what: str = "") -> Check:
+    """An integer in [lo, hi]."""
+
+    def check(name: str, value: Any) -> str | None:
+        if lo <= value <= hi:
+            return None
+        return what or f"must be in [{lo}, {hi}]"
+
+    return check
+
+
+def an_id(name: str, value: Any) -> str | None:
+    """An id: non-negative, below `MAX_ID`."""
+    return None if 0 <= value <= MAX_ID else f"must be an id in [0, {MAX_ID}]"
+
+
+def index_or_unset(hi: int) -> Check:
+    """-1 (not set: not a coordinated read) or an index in [0, hi]."""
+    return int_range(-1, hi, f"must be -1 (not set) or in [0, {hi}]")
+
+
+def text(max_chars: int, *, required: bool = False) -> Check:
+    """A string of at most `max_chars` characters and no control characters
+    (they would garble logs and error messages, and no real name has them)."""
+
+    def check(name: str, value: Any) -> str | None:
+        if required and not value:
+            return "must not be empty"
+        if len(value) > max_chars:
+            return f"is {len(value)} characters long, at most {max_chars} are allowed"
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            return "must not contain control characters"
+        return None
+
+    return check
+
+
+def one_of(values: Sequence[str], *, allow_empty: bool, ignore_case: bool = False) -> Check:
+    """A string among `values` (or empty, where that means the default)."""
+
+    def check(name: str, value: Any) -> str | None:
+        if allow_empty and value == "":
+            return None
+        if (value.upper() if ignore_case else value) in values:
+            return None
+        empty = ' or "" (the default)' if allow_empty else ""
+        case = " (any case)" if ignore_case else ""
+        return f"must be one of {list(values)}{case}{empty}"
+
+    return check
+
+
+def sharding_policy(name: str, value: Any) -> str | None:
+    """A `ShardingPolicy` value."""
+    try:
+        ShardingPolicy(value)
+    except ValueError:
+        known = ", ".join(f"{p.value} ({p.name})" for p in ShardingPolicy)
+        return f"is not a ShardingPolicy; known: {known}"
+    return None
+
+
+def host_port(*, required: bool) -> Check:
+    """ "host:port" as workers advertise it: a host (a name, an IPv4 address or
+    a bracketed IPv6 address) and a port in 1..65535."""
+    base = text(MAX_ADDRESS_CHARS, required=required)
+
+    def check(name: str, value: Any) -> str | None:
+        why = base(name, value)
+        if why is not None or not value:
+            return why
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return "must be 'host:port' with a port in 1..65535"
+        if any(c.isspace() for c in host) or "/" in host:
+            return "must be 'host:port': the host has whitespace or '/'"
+        if host.startswith("[") != host.endswith("]"):
+            return "must be 'host:port': unbalanced brackets around an IPv6 host"
+        return None
+
+    return check
+
+
+def repeated(item: Check, max_items: int) -> Check:
+    """A repeated field: at most `max_items` items, each passing `item`."""
+
+    def check(name: str, values: Any) -> str | None:
+        if len(values) > max_items:
+            return f"has {len(values)} items, at most {max_items} are allowed"
+        for i, value in enumerate(values):
+            why = item(f"{name}[{i}]", value)
+            if why is not None:
+                return f"item {i} ({value!r}) {why}"
+        return None
+
+    return check
+
+
+def max_bytes(limit: int) -> Check:
+    """A bytes field of at most `limit` bytes."""
+
+    def check(name: str, value: Any) -> str | None:
+        return None if len(value) <= limit else f"is {len(value)} bytes, at most {limit}"
+
+    return check
+
+
+def nonempty_bytes(name: str, value: Any) -> str | None:
+    return None if value else "must not be empty"
+
+
+def _reason(name: str, value: Any) -> str | None:
+    """Free text for an error message: bounded, newlines and tabs allowed."""
+    if len(value) > MAX_REASON_CHARS:
+        return f"is {len(value)} characters long, at most {MAX_REASON_CHARS} are allowed"
+    return None
+
+
+# ---------------------------------------------------------------- cross-field checks
+def _fingerprint_matches(request: Any) -> str | None:
+    """RegisterDataset's dataset id dedup trusts the fingerprint: one that is
+    not the sha256 of `dataset` would map another client's dataset to this one."""
+    expected = hashlib.sha256(request.dataset).hexdigest()
+    if request.fingerprint != expected:
+        return (
+            f"fingerprint={_show(request.fingerprint)} is not the sha256 of the "
+            f"{len(request.dataset)}-byte dataset ({expected})"
+        )
+    return None
+
+
+def _round_read_fields(request: Any) -> str | None:
+    """A coordinated read sets both consumer_index and round_index, a plain
+    read neither; a cross-trainer cache read is not a coordinated read."""
+    coordinated = request.round_index >= 0
+    if coordinated != (request.consumer_index >= 0):
+        return (
+            f"consumer_index={request.consumer_index} and round_index={request.round_index}: "
+            "a coordinated read sets both (>= 0), any other read sets both to -1"
+        )
+    if coordinated and request.trainer_id:
+        return (
+            f"trainer_id={_show(request.trainer_id)} with round_index={request.round_index}: "
+            "a cross-trainer cache read is not a coordinated read (round_index must be -1)"
+        )
+    return None
+
+
+_INCARNATION = Field("incarnation_id", text(MAX_TOKEN_CHARS))
+_DATASET_ID = Field("dataset_id", text(MAX_NAME_CHARS, required=True))
+_HOST_ID = text(MAX_NAME_CHARS)
+
+RULES: dict[str, tuple[Rule, ...]] = {
+    "dataservice.rpc.DispatcherInfoRequest": (),
+    "dataservice.rpc.WorkerHeartbeatRequest": (
+        Field("worker_address", host_port(required=True)),
+        Field("transfer_address", host_port(required=False)),
+        Field("host_id", _HOST_ID),
+        Field("worker_uid", text(MAX_TOKEN_CHARS, required=True)),
+        Field("current_tasks", repeated(an_id, MAX_REPEATED_IDS)),
+        Field("finished_tasks", repeated(an_id, MAX_REPEATED_IDS)),
+        Field("transfer_protocols", repeated(text(MAX_PROTOCOL_CHARS), MAX_PROTOCOLS)),
+        Field("heartbeat_interval_ms", int_range(0, MAX_HEARTBEAT_INTERVAL_MS)),
+    ),
+    "dataservice.rpc.RegisterDatasetRequest": (
+        Field("dataset", nonempty_bytes),
+        Field("element_spec", max_bytes(MAX_ELEMENT_SPEC_BYTES)),
+        Field("dataset_id", text(MAX_NAME_CHARS)),
+        Field("compression", one_of(REGISTER_COMPRESSIONS, allow_empty=True, ignore_case=True)),
+        Field("cardinality", int_range(MIN_CARDINALITY, 2**63 - 1)),
+        Across(("fingerprint", "dataset"), _fingerprint_matches),
+    ),
+    "dataservice.rpc.GetDatasetDefRequest": (_DATASET_ID, Field("host_id", _HOST_ID)),
+    "dataservice.rpc.GetElementSpecRequest": (_DATASET_ID,),
+    "dataservice.rpc.GetOrCreateJobRequest": (
+        _DATASET_ID,
+        Field("job_name", text(MAX_NAME_CHARS)),
+        Field("processing_mode", sharding_policy),
+        Field("num_consumers", int_range(0, MAX_CONSUMERS)),
+        Field("target_workers", one_of(TARGET_WORKERS, allow_empty=True)),
+        Field("client_host_id", _HOST_ID),
+        _INCARNATION,
+    ),
+    "dataservice.rpc.GetOrCreateIterationRequest": (
+        Field("job_id", an_id),
+        Field("repetition", int_range(0, MAX_REPETITION)),
+        _INCARNATION,
+        Field("client_host_id", _HOST_ID),
+    ),
+    "dataservice.rpc.ClientHeartbeatRequest": (
+        Field("iteration_client_id", an_id),
+        _INCARNATION,
+        Field("finished_tasks", repeated(an_id, MAX_REPEATED_IDS)),
+    ),
+    "dataservice.rpc.ReleaseIterationClientRequest": (
+        Field("iteration_client_id", an_id),
+        _INCARNATION,
+    ),
+    "dataservice.rpc.GetSplitsRequest": (
+        Field("iteration_id", an_id),
+        Field("task_id", an_id),
+        # 0: the default (one split); the dispatcher grants at most 4096 a call.
+        Field("max_splits", int_range(0, 2**31 - 1)),
+        _INCARNATION,
+        Field("split_provider_index", int_range(0, MAX_SPLIT_PROVIDERS)),
+    ),
+    "dataservice.rpc.GetRoundsRequest": (
+        Field("iteration_id", an_id),
+        Field("first_round", int_range(0, MAX_ROUND)),
+        Field("dead_task_id", an_id),  # 0: none
+        _INCARNATION,
+    ),
+    "dataservice.rpc.ReportWorkerFailureRequest": (
+        Field("worker_address", host_port(required=True)),
+        Field("reason", _reason),
+    ),
+    "dataservice.rpc.GetElementsRequest": (
+        Field("task_id", an_id),
+        # 0 means the default (one element; 16 MiB): proto3 cannot tell unset from 0.
+        Field("max_elements", int_range(0, MAX_ELEMENTS_PER_READ)),
+        Field("max_bytes", int_range(0, MAX_BYTES_PER_READ)),
+        Field("consumer_index", index_or_unset(MAX_CONSUMERS - 1)),
+        Field("round_index", index_or_unset(MAX_ROUND)),
+        Field("trainer_id", text(MAX_NAME_CHARS)),
+        Field("compression", one_of(ELEMENT_COMPRESSIONS, allow_empty=True)),
+        Across(("consumer_index", "round_index", "trainer_id"), _round_read_fields),
+    ),
+}
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """`value` for an error message, cut to about `limit` characters."""
+    text_ = repr(value)
+    if len(text_) > limit:
+        size = f"{len(value)} {'bytes' if isinstance(value, bytes) else 'characters'}"
+        return f"{text_[:limit]}... ({size})"
+    return text_
+
+
+def _method(request: Any) -> str:
+    name: str = request.DESCRIPTOR.name
+    return name[: -len("Request")] if name.endswith("Request") else name
+
+
+def check_request(request: Any) -> None:
+    """Checks `request` (a request message of service.proto) against its `RULES`.
+
+    Raises:
+        InvalidArgumentError: A field breaks its rule; the message names the
+            RPC, the field and the bad value. A message type without rules is
+            refused too (a new RPC must declare its rules here).
+    """
+    full_name = request.DESCRIPTOR.full_name
+    rules = RULES.get(full_name)
+    if rules is None:
+        raise errors.InvalidArgumentError(f"no validation rules for {full_name}")
+    for rule in rules:
+        if isinstance(rule, Field):
+            value = getattr(request, rule.name)
+            why = rule.check(rule.name, value)
+            if why is not None:
+                raise errors.InvalidArgumentError(
+                    f"{_method(request)}: invalid {rule.name}={_show(_shown(value))}: {why}"
+                )
+        else:
+            why = rule.check(request)
+            if why is not None:
+                raise errors.InvalidArgumentError(f"{_method(request)}: invalid {why}")
+
+
+def _shown(value: Any) -> Any:
+    """Repeated fields as lists (their repr is then the values)."""
+    if isinstance(value, (str, bytes, int, float)):
+        return value
+    if isinstance(value, Iterable):
+        return list(value)
+    return value
+
+
+def check_read_fits_task(request: Any, task_num_consumers: int, has_cache: bool) -> None:
+    """A GetElements request against the kind of the task it reads: a
+    coordinated read (round_index >= 0) only of a task of a job with
+    num_consumers, with consumer_index below it; a plain read of a
+    coordinated task is refused too (it would take other consumers' elements).
+
+    Raises:
+        FailedPreconditionError: The read does not fit the task.
+    """
+    if request.trainer_id:
+        return  # the cache read's own check (worker/server.py) names the trainer
+    task = request.task_id
+    if request.round_index >= 0:
+        if task_num_consumers <= 0:
+            raise errors.FailedPreconditionError(
+                f"GetElements: task {task} is not a coordinated read (its job has no "
+                f"num_consumers), but round_index={request.round_index} and "
+                f"consumer_index={request.consumer_index} were given: a plain read sets "
+                "both to -1"
+            )
+        if request.consumer_index >= task_num_consumers:
+            raise errors.FailedPreconditionError(
+                f"GetElements: invalid consumer_index={request.consumer_index} for task {task}, "
+                f"whose job has num_consumers={task_num_consumers} (indices 0..."
+                f"{task_num_consumers - 1})"
+            )
+    elif task_num_consumers > 0 and not has_cache:
+        raise errors.FailedPreconditionError(
+            f"GetElements: task {task} is a coordinated read (num_consumers="
+            f"{task_num_consumers}): set consumer_index and round_index"
+        )

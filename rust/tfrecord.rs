@@ -27,6 +27,9 @@ const WRITE_BUFFER_BYTES: usize = 256 * 1024;
 /// Records longer than this are damage, not data (TensorFlow: "record size too large").
 const MAX_RECORD_BYTES: u64 = (isize::MAX as u64) - (HEADER_BYTES + FOOTER_BYTES) as u64;
 const MASK_DELTA: u32 = 0xa282_ead8;
+/// A compressed record's data is read into a buffer that starts at this size and doubles as
+/// the stream produces bytes: its declared length is not trusted to size the buffer.
+const FIRST_UNTRUSTED_PIECE_BYTES: usize = 64 * 1024;
 
 /// CRC32C (Castagnoli) of `data`.
 pub fn crc32c(data: &[u8]) -> u32 {
@@ -247,6 +250,61 @@ impl RecordReader {
             let what = format!("stream ends after {got} of the {len} data bytes");
             return Err(self.truncated(what));
         }
+        self.finish_body(buf)
+    }
+
+    /// Whether the length a header declared is bounded by what the source holds: for an
+    /// uncompressed file [`RecordReader::read_header`] checked it against the file's size,
+    /// a compressed stream's length is known only once it has been decompressed.
+    pub fn declared_length_is_bounded(&self) -> bool {
+        self.file_bytes.is_some()
+    }
+
+    /// Reads the data of the record whose header [`RecordReader::read_header`] just
+    /// returned into a new `Vec`, growing it only as the stream produces bytes (pieces of
+    /// doubling from 64 KiB), and checks its CRC. So a damaged or hostile header that declares a
+    /// huge length over a short stream costs what the stream holds, not what it claims:
+    /// the stream's end is reported as [`Error::TruncatedRecord`] before more is allocated.
+    ///
+    /// Errors: as [`RecordReader::read_body`]; [`Error::Io`] (out of memory) if a piece
+    /// cannot be allocated.
+    ///
+    /// Panics if no header is pending (a bug in the caller).
+    pub fn read_body_incrementally(&mut self) -> Result<Vec<u8>, Error> {
+        if let Some(error) = &self.failed {
+            return Err(error.clone());
+        }
+        let len = self
+            .pending_len
+            .expect("read_body_incrementally called without read_header");
+        let mut data: Vec<u8> = Vec::new();
+        while data.len() < len {
+            let filled = data.len();
+            // Double what the stream has produced so far (amortised copies), never past
+            // the declared length: at most twice the bytes the stream really holds.
+            let piece = (len - filled).min(filled.max(FIRST_UNTRUSTED_PIECE_BYTES));
+            if data.try_reserve_exact(piece).is_err() {
+                self.abandon_pending_record();
+                return Err(self.failed.clone().expect("abandoned"));
+            }
+            data.resize(filled + piece, 0);
+            let got = read_full(&mut *self.input, &mut data[filled..])
+                .map_err(|e| self.stream_error(e))?;
+            if got < piece {
+                let got = filled + got;
+                let what = format!("stream ends after {got} of the {len} data bytes");
+                return Err(self.truncated(what));
+            }
+        }
+        self.pending_len = None;
+        self.finish_body(&data)?;
+        Ok(data)
+    }
+
+    /// Reads and checks the data CRC of the record whose `data` was just read; then the
+    /// record is consumed.
+    fn finish_body(&mut self, buf: &[u8]) -> Result<(), Error> {
+        let len = buf.len();
         let mut footer = [0u8; FOOTER_BYTES];
         let got = read_full(&mut *self.input, &mut footer).map_err(|e| self.stream_error(e))?;
         if got < FOOTER_BYTES {
@@ -266,6 +324,9 @@ impl RecordReader {
         let Some(len) = self.read_header()? else {
             return Ok(None);
         };
+        if !self.declared_length_is_bounded() {
+            return self.read_body_incrementally().map(Some);
+        }
         let mut data = Vec::new();
         if data.try_reserve_exact(len).is_err() {
             self.pending_len = None;
@@ -677,6 +738,91 @@ mod tests {
             std::fs::write(&path.0, &bytes).unwrap();
             let error = read_file(&path.0, compression).unwrap_err();
             assert!(error.is_data_loss(), "{compression:?} flipped: {error:?}");
+        }
+    }
+
+    /// A stream holding one header that declares `declared` bytes, then `data`.
+    fn header_claiming(declared: u64, data: &[u8]) -> Vec<u8> {
+        let mut bytes = encode_header(declared).to_vec();
+        bytes.extend_from_slice(data);
+        bytes
+    }
+
+    fn compress(compression: Compression, raw: &[u8]) -> Vec<u8> {
+        let level = flate2::Compression::default();
+        match compression {
+            Compression::Gzip => {
+                let mut e = GzEncoder::new(Vec::new(), level);
+                e.write_all(raw).unwrap();
+                e.finish().unwrap()
+            }
+            Compression::Zlib => {
+                let mut e = ZlibEncoder::new(Vec::new(), level);
+                e.write_all(raw).unwrap();
+                e.finish().unwrap()
+            }
+            Compression::None => raw.to_vec(),
+        }
+    }
+
+    #[test]
+    fn huge_declared_length_is_truncation_not_an_allocation() {
+        // A few dozen bytes whose header claims 1 GiB (and, for the last, ~isize::MAX): the
+        // reader reports truncation at offset 0, having allocated at most twice what the
+        // stream held (a 1 GiB zeroed buffer before would show in the peak RSS; the
+        // isize::MAX claim would have failed its allocation or been OOM-killed).
+        for declared in [1u64 << 30, MAX_RECORD_BYTES] {
+            for compression in [Compression::None, Compression::Gzip, Compression::Zlib] {
+                let path = TempPath::new("claims-1gib.tfrecord");
+                let bytes = compress(compression, &header_claiming(declared, b"tiny"));
+                assert!(bytes.len() < 64, "{compression:?}: {} bytes", bytes.len());
+                std::fs::write(&path.0, &bytes).unwrap();
+                let mut reader = RecordReader::open(&path.0, compression, 0).unwrap();
+                let error = reader.next_record().unwrap_err();
+                match &error {
+                    Error::TruncatedRecord { offset, what, .. } => {
+                        assert_eq!(*offset, 0, "{compression:?}");
+                        assert!(what.contains(&declared.to_string()), "{what}");
+                    }
+                    other => panic!("{compression:?}: unexpected {other:?}"),
+                }
+                assert!(error.to_string().contains(&path.0.display().to_string()));
+                assert!(error.is_data_loss());
+            }
+        }
+    }
+
+    #[test]
+    fn incremental_body_reads_big_records_exactly() {
+        // Records around the doubling steps (64 KiB, 128 KiB ...) read back intact through
+        // the incremental path, and a stream cut inside one is truncation at its offset.
+        let records: Vec<Vec<u8>> = [0usize, 1, 65_535, 65_536, 65_537, 300_000]
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 31 % 253) as u8).collect())
+            .collect();
+        for compression in [Compression::Gzip, Compression::Zlib] {
+            let path = TempPath::new("incremental.tfrecord.z");
+            write_records(&path.0, compression, &records);
+            assert_eq!(read_file(&path.0, compression).unwrap(), records);
+            let reader = RecordReader::open(&path.0, compression, 0).unwrap();
+            assert!(!reader.declared_length_is_bounded());
+            drop(reader);
+            let mut raw = Vec::new();
+            for record in &records {
+                raw.extend_from_slice(&encode_header(record.len() as u64));
+                raw.extend_from_slice(record);
+                raw.extend_from_slice(&masked_crc32c(record).to_le_bytes());
+            }
+            let start_of_last = raw.len() - (HEADER_BYTES + 300_000 + FOOTER_BYTES);
+            let cut = compress(compression, &raw[..start_of_last + HEADER_BYTES + 200_000]);
+            std::fs::write(&path.0, cut).unwrap();
+            match read_file(&path.0, compression) {
+                Err(Error::TruncatedRecord { offset, what, .. }) => {
+                    assert_eq!(offset, start_of_last as u64);
+                    assert!(what.contains("after 200000 of the 300000"), "{what}");
+                }
+                other => panic!("{compression:?}: unexpected {other:?}"),
+            }
         }
     }
 

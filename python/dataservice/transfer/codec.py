@@ -74,6 +74,12 @@ def decode(data: bytes) -> Any:
         raise errors.DataLossError("received an element that is not in the dataservice format")
     _, n_buffers, header_bytes = _PREFIX.unpack_from(view)
     pos = _PREFIX.size
+    # The counts are checked against what `data` holds before they size anything.
+    if 8 * n_buffers + header_bytes > len(view) - pos:
+        raise errors.DataLossError(
+            f"element of {len(view)} bytes declares {n_buffers} buffers and a "
+            f"{header_bytes}-byte header, more than it holds"
+        )
     sizes = struct.unpack_from(f"<{n_buffers}Q", view, pos)
     pos += 8 * n_buffers
     header = view[pos : pos + header_bytes]

@@ -1,0 +1,114 @@
+"""Lengths read from a file or the wire never size an allocation beyond what
+their source holds: a TFRecord header declaring 1 GiB over a 47-byte stream is
+truncation (DataLossError naming the file and offset), found before a 1 GiB
+buffer is allocated; an encoded element's counts are checked against its size."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import pytest
+
+from dataservice import _core, errors
+from dataservice.transfer import codec
+
+pytestmark = pytest.mark.timeout(120)
+
+GIB = 1 << 30
+
+
+def _claiming(declared: int, data: bytes = b"tiny") -> bytes:
+    """One TFRecord header declaring `declared` bytes (its CRC right), then `data`."""
+    length = struct.pack("<Q", declared)
+    return length + struct.pack("<I", _core.masked_crc32c(length)) + data
+
+
+def _write(path: str, compression: str, raw: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(
+            gzip.compress(raw)
+            if compression == "GZIP"
+            else zlib.compress(raw)
+            if compression == "ZLIB"
+            else raw
+        )
+
+
+@pytest.mark.parametrize("compression", ["", "GZIP", "ZLIB"])
+def test_declared_length_past_the_stream_is_data_loss_naming_file_and_offset(tmp_path, compression):
+    path = str(tmp_path / "claims-1gib.tfrecord")
+    good = _claiming(3, b"abc") + struct.pack("<I", _core.masked_crc32c(b"abc"))
+    _write(path, compression, good + _claiming(GIB))
+    assert os.path.getsize(path) < 80
+    reader = _core.TFRecordReader(path, compression)
+    assert next(reader) == b"abc"
+    with pytest.raises(errors.DataLossError) as info:
+        next(reader)
+    message = str(info.value)
+    assert path in message and "offset 19" in message and str(GIB) in message, message
+    with pytest.raises(errors.DataLossError):
+        _core.read_tfrecord_file(path, compression)
+
+
+def test_a_1gib_claim_costs_no_1gib_allocation(tmp_path):
+    """Peak RSS of a fresh process reading 47-byte GZIP/ZLIB files that each
+    claim 1 GiB stays far below 1 GiB (before: a zeroed 1 GiB `bytes` each)."""
+    paths = []
+    for compression in ("GZIP", "ZLIB", ""):
+        path = str(tmp_path / f"claim-{compression or 'none'}.tfrecord")
+        _write(path, compression, _claiming(GIB))
+        paths.append((path, compression))
+    assert os.path.getsize(paths[0][0]) < 64
+    script = textwrap.dedent(
+        f"""
+        import resource
+        from dataservice import _core, errors
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        for path, compression in {paths!r}:
+            try:
+                next(_core.TFRecordReader(path, compression))
+            except errors.DataLossError:
+                pass
+            else:
+                raise SystemExit("no DataLossError for " + path)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print((after - before) * 1024)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    grown_bytes = int(out.stdout.strip())
+    assert grown_bytes < 64 << 20, f"peak RSS grew by {grown_bytes} bytes"
+
+
+def test_tfrecord_dataset_reports_the_bad_file(tmp_path):
+    from dataservice.data.sources import TFRecordDataset
+
+    path = str(tmp_path / "bad.tfrecord.gz")
+    _write(path, "GZIP", _claiming(GIB))
+    with pytest.raises(errors.DataLossError, match="bad.tfrecord.gz"):
+        list(TFRecordDataset([path], compression_type="GZIP"))
+
+
+@pytest.mark.parametrize(
+    "n_buffers, header_bytes", [(2**32 - 1, 0), (0, 2**63), (3, 10), (1 << 28, 1 << 40)]
+)
+def test_element_counts_are_checked_against_its_size(n_buffers, header_bytes):
+    data = b"DSE1" + struct.pack("<IQ", n_buffers, header_bytes) + b"\0" * 16
+    with pytest.raises(errors.DataLossError, match="more than it holds"):
+        codec.decode(data)
+
+
+def test_element_round_trip_still_decodes():
+    import numpy as np
+
+    element = {"a": np.arange(10), "b": b"xyz"}
+    back = codec.decode(codec.encode(element))
+    assert back["b"] == b"xyz" and back["a"].tolist() == list(range(10))

@@ -1,0 +1,317 @@
+"""Every RPC field is checked at the edge (rpc/validate.py): a bad value is
+INVALID_ARGUMENT naming the RPC, the field and the value; an unknown id is
+NOT_FOUND; a request that does not fit the state it names is
+FAILED_PRECONDITION. Never INTERNAL, never a failure later on a worker."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import grpc
+import pytest
+
+import dataservice as ds
+from dataservice.rpc import service_pb2 as pb
+from dataservice.rpc import service_pb2_grpc, validate
+from dataservice.sharding import ShardingPolicy
+
+pytestmark = pytest.mark.timeout(120)
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def servers():
+    dispatcher = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=5_000))
+    worker = ds.WorkerServer(ds.WorkerConfig(dispatcher.target, heartbeat_interval_ms=100))
+    assert worker.wait_registered(10)
+    dchannel = grpc.insecure_channel(dispatcher.target.split("://")[1])
+    wchannel = grpc.insecure_channel(worker.address)
+    yield (
+        dispatcher,
+        worker,
+        service_pb2_grpc.DispatcherServiceStub(dchannel),
+        service_pb2_grpc.WorkerServiceStub(wchannel),
+    )
+    dchannel.close()
+    wchannel.close()
+    worker.stop()
+    dispatcher.stop()
+
+
+def _code(call, request):
+    """(status code, details) of one RPC; (OK, response) when it succeeds."""
+    try:
+        return grpc.StatusCode.OK, call(request, timeout=10)
+    except grpc.RpcError as err:
+        return err.code(), err.details()
+
+
+def _register(stub, dataset: ds.Dataset) -> str:
+    from dataservice.data.serialize import serialize as serialize_dataset
+
+    data = serialize_dataset(dataset)
+    request = pb.RegisterDatasetRequest(
+        dataset=data,
+        fingerprint=hashlib.sha256(data).hexdigest(),
+        cardinality=dataset.cardinality(),
+    )
+    return stub.RegisterDataset(request, timeout=10).dataset_id
+
+
+# The adversarial run's findings, and one bad value per kind of rule.
+BAD_DISPATCHER_REQUESTS = [
+    (
+        "GetOrCreateJob",
+        pb.GetOrCreateJobRequest(dataset_id="0", processing_mode=99),
+        "processing_mode=99",
+    ),
+    (
+        "GetOrCreateJob",
+        pb.GetOrCreateJobRequest(dataset_id="0", processing_mode=-5),
+        "processing_mode=-5",
+    ),
+    (
+        "GetOrCreateJob",
+        pb.GetOrCreateJobRequest(dataset_id="0", target_workers="FOO"),
+        "target_workers='FOO'",
+    ),
+    (
+        "GetOrCreateJob",
+        pb.GetOrCreateJobRequest(dataset_id="0", target_workers="local"),
+        "target_workers='local'",
+    ),
+    (
+        "GetOrCreateJob",
+        pb.GetOrCreateJobRequest(dataset_id="0", num_consumers=-1),
+        "num_consumers=-1",
+    ),
+    ("GetOrCreateJob", pb.GetOrCreateJobRequest(dataset_id="0", job_name="x" * 5000), "job_name="),
+    (
+        "GetOrCreateJob",
+        pb.GetOrCreateJobRequest(dataset_id="0", job_name="a\nb"),
+        "control characters",
+    ),
+    ("GetOrCreateJob", pb.GetOrCreateJobRequest(), "dataset_id=''"),
+    ("GetOrCreateIteration", pb.GetOrCreateIterationRequest(job_id=-3), "job_id=-3"),
+    ("GetOrCreateIteration", pb.GetOrCreateIterationRequest(repetition=-1), "repetition=-1"),
+    (
+        "ClientHeartbeat",
+        pb.ClientHeartbeatRequest(iteration_client_id=-1),
+        "iteration_client_id=-1",
+    ),
+    ("ClientHeartbeat", pb.ClientHeartbeatRequest(finished_tasks=[1, -2]), "finished_tasks="),
+    (
+        "ReleaseIterationClient",
+        pb.ReleaseIterationClientRequest(iteration_client_id=-9),
+        "iteration_client_id=-9",
+    ),
+    ("GetSplits", pb.GetSplitsRequest(max_splits=-1), "max_splits=-1"),
+    ("GetSplits", pb.GetSplitsRequest(split_provider_index=-1), "split_provider_index=-1"),
+    ("GetSplits", pb.GetSplitsRequest(task_id=-1), "task_id=-1"),
+    ("GetRounds", pb.GetRoundsRequest(first_round=-64), "first_round=-64"),
+    ("GetRounds", pb.GetRoundsRequest(dead_task_id=-1), "dead_task_id=-1"),
+    ("GetDatasetDef", pb.GetDatasetDefRequest(), "dataset_id=''"),
+    ("GetElementSpec", pb.GetElementSpecRequest(dataset_id="\x00"), "control characters"),
+    ("WorkerHeartbeat", pb.WorkerHeartbeatRequest(worker_uid="u"), "worker_address=''"),
+    (
+        "WorkerHeartbeat",
+        pb.WorkerHeartbeatRequest(worker_address="nohost", worker_uid="u"),
+        "worker_address='nohost'",
+    ),
+    (
+        "WorkerHeartbeat",
+        pb.WorkerHeartbeatRequest(worker_address="h:0", worker_uid="u"),
+        "worker_address='h:0'",
+    ),
+    (
+        "WorkerHeartbeat",
+        pb.WorkerHeartbeatRequest(worker_address="h:70000", worker_uid="u"),
+        "worker_address='h:70000'",
+    ),
+    (
+        "WorkerHeartbeat",
+        pb.WorkerHeartbeatRequest(worker_address="h:1", transfer_address="a b:1", worker_uid="u"),
+        "transfer_address='a b:1'",
+    ),
+    ("WorkerHeartbeat", pb.WorkerHeartbeatRequest(worker_address="h:1"), "worker_uid=''"),
+    (
+        "WorkerHeartbeat",
+        pb.WorkerHeartbeatRequest(worker_address="h:1", worker_uid="u", current_tasks=[-1]),
+        "current_tasks=[-1]",
+    ),
+    (
+        "WorkerHeartbeat",
+        pb.WorkerHeartbeatRequest(worker_address="h:1", worker_uid="u", heartbeat_interval_ms=-5),
+        "heartbeat_interval_ms=-5",
+    ),
+    ("RegisterDataset", pb.RegisterDatasetRequest(), "dataset=b''"),
+    (
+        "RegisterDataset",
+        pb.RegisterDatasetRequest(dataset=b"x", fingerprint="f"),
+        "fingerprint='f'",
+    ),
+    (
+        "RegisterDataset",
+        pb.RegisterDatasetRequest(
+            dataset=b"x", fingerprint=hashlib.sha256(b"x").hexdigest(), compression="lz4"
+        ),
+        "compression='lz4'",
+    ),
+    (
+        "RegisterDataset",
+        pb.RegisterDatasetRequest(
+            dataset=b"x", fingerprint=hashlib.sha256(b"x").hexdigest(), cardinality=-7
+        ),
+        "cardinality=-7",
+    ),
+    ("ReportWorkerFailure", pb.ReportWorkerFailureRequest(), "worker_address=''"),
+]
+
+
+@pytest.mark.parametrize("method, request_, names", BAD_DISPATCHER_REQUESTS)
+def test_bad_dispatcher_field_is_invalid_argument_naming_it(servers, method, request_, names):
+    _, _, stub, _ = servers
+    code, details = _code(getattr(stub, method), request_)
+    assert code == INVALID, (code, details)
+    assert details.startswith(f"{method}: invalid "), details
+    assert names in details, details
+
+
+def test_every_request_message_has_rules():
+    """A new RPC must declare its rules (an unlisted message is refused at once)."""
+    names = set()
+    for service in pb.DESCRIPTOR.services_by_name.values():
+        for method in service.methods:
+            names.add(method.input_type.full_name)
+    assert names == set(validate.RULES)
+
+
+def test_unknown_ids_stay_not_found_and_stale_incarnation_restarted(servers):
+    _, _, stub, _ = servers
+    cases = [
+        (stub.GetOrCreateJob, pb.GetOrCreateJobRequest(dataset_id="nope")),
+        (stub.GetDatasetDef, pb.GetDatasetDefRequest(dataset_id="nope")),
+        (stub.GetElementSpec, pb.GetElementSpecRequest(dataset_id="nope")),
+        (stub.GetOrCreateIteration, pb.GetOrCreateIterationRequest(job_id=123456)),
+        (stub.ClientHeartbeat, pb.ClientHeartbeatRequest(iteration_client_id=123456)),
+        (stub.GetSplits, pb.GetSplitsRequest(iteration_id=123456)),
+        (stub.GetRounds, pb.GetRoundsRequest(iteration_id=123456)),
+    ]
+    for call, request in cases:
+        code, details = _code(call, request)
+        assert code == grpc.StatusCode.NOT_FOUND, (request, code, details)
+    code, details = _code(
+        stub.GetOrCreateJob, pb.GetOrCreateJobRequest(dataset_id="nope", incarnation_id="old")
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "restarted" in details
+
+
+def test_valid_job_is_still_created(servers):
+    _, _, stub, _ = servers
+    dataset_id = _register(stub, ds.Dataset.range(5))
+    for mode in (ShardingPolicy.OFF, ShardingPolicy.DYNAMIC):
+        for target in ("", "AUTO", "ANY", "LOCAL"):
+            code, response = _code(
+                stub.GetOrCreateJob,
+                pb.GetOrCreateJobRequest(
+                    dataset_id=dataset_id, processing_mode=mode, target_workers=target
+                ),
+            )
+            assert code == grpc.StatusCode.OK, response
+
+
+def _task_of(dispatcher, job_name: str, stub, dataset_id: str, num_consumers: int = 0) -> int:
+    job = stub.GetOrCreateJob(
+        pb.GetOrCreateJobRequest(
+            dataset_id=dataset_id, job_name=job_name, num_consumers=num_consumers
+        ),
+        timeout=10,
+    )
+    it = stub.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job.job_id), timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        response = stub.ClientHeartbeat(
+            pb.ClientHeartbeatRequest(iteration_client_id=it.iteration_client_id), timeout=10
+        )
+        if response.tasks:
+            return response.tasks[0].task_id
+        time.sleep(0.05)
+    raise AssertionError("no task within 10 s")
+
+
+def test_get_elements_default_round_fields_on_a_plain_task(servers):
+    """The adversarial finding: default round fields (round_index=0,
+    consumer_index=0) on a task of a job without num_consumers was INTERNAL
+    (an IndexError); now FAILED_PRECONDITION naming round_index."""
+    dispatcher, worker, stub, wstub = servers
+    dataset_id = _register(stub, ds.Dataset.range(10))
+    task_id = _task_of(dispatcher, "plain", stub, dataset_id)
+    deadline = time.monotonic() + 10
+    while worker.task_runner(task_id) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    code, details = _code(wstub.GetElements, pb.GetElementsRequest(task_id=task_id))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+    assert "round_index=0" in details and f"task {task_id}" in details
+    # A plain read of the same task works.
+    code, response = _code(
+        wstub.GetElements,
+        pb.GetElementsRequest(task_id=task_id, consumer_index=-1, round_index=-1),
+    )
+    assert code == grpc.StatusCode.OK and response.elements
+
+
+def test_get_elements_consumer_index_beyond_num_consumers(servers):
+    dispatcher, worker, stub, wstub = servers
+    dataset_id = _register(stub, ds.Dataset.range(10).repeat())
+    task_id = _task_of(dispatcher, "coordinated", stub, dataset_id, num_consumers=2)
+    deadline = time.monotonic() + 10
+    while worker.task_runner(task_id) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    code, details = _code(
+        wstub.GetElements, pb.GetElementsRequest(task_id=task_id, consumer_index=2, round_index=0)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+    assert "consumer_index=2" in details and "num_consumers=2" in details
+    code, details = _code(
+        wstub.GetElements, pb.GetElementsRequest(task_id=task_id, consumer_index=-1, round_index=-1)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "coordinated" in details
+
+
+@pytest.mark.parametrize(
+    "request_, names",
+    [
+        (pb.GetElementsRequest(task_id=-1, round_index=-1, consumer_index=-1), "task_id=-1"),
+        (
+            pb.GetElementsRequest(max_elements=-1, round_index=-1, consumer_index=-1),
+            "max_elements=-1",
+        ),
+        (pb.GetElementsRequest(max_bytes=-1, round_index=-1, consumer_index=-1), "max_bytes=-1"),
+        (pb.GetElementsRequest(max_bytes=2**40, round_index=-1, consumer_index=-1), "max_bytes="),
+        (pb.GetElementsRequest(round_index=-2, consumer_index=-1), "round_index=-2"),
+        (pb.GetElementsRequest(round_index=-1, consumer_index=3), "consumer_index=3"),
+        (pb.GetElementsRequest(round_index=4, consumer_index=-1), "round_index=4"),
+        (
+            pb.GetElementsRequest(round_index=-1, consumer_index=-1, compression="gzip"),
+            "compression='gzip'",
+        ),
+        (pb.GetElementsRequest(round_index=0, consumer_index=0, trainer_id="t"), "trainer_id='t'"),
+    ],
+)
+def test_bad_get_elements_field_is_invalid_argument(servers, request_, names):
+    _, _, _, wstub = servers
+    code, details = _code(wstub.GetElements, request_)
+    assert code == INVALID, (code, details)
+    assert details.startswith("GetElements: invalid ") and names in details, details
+
+
+def test_a_valid_worker_still_registers_and_serves(servers):
+    dispatcher, _, _, _ = servers
+    got = list(
+        ds.Dataset.range(20)
+        .apply(ds.distribute(ShardingPolicy.OFF, dispatcher.target))
+        .as_numpy_iterator()
+    )
+    assert sorted(int(x) for x in got) == list(range(20))

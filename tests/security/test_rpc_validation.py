@@ -315,3 +315,36 @@ def test_a_valid_worker_still_registers_and_serves(servers):
         .as_numpy_iterator()
     )
     assert sorted(int(x) for x in got) == list(range(20))
+
+
+def test_every_request_field_has_a_rule():
+    """A field added to a request message must declare its rule in
+    rpc/validate.py RULES (an unchecked field is how bad input reached workers)."""
+    missing = []
+    for full_name, rules in validate.RULES.items():
+        covered = set()
+        for rule in rules:
+            covered.update((rule.name,) if isinstance(rule, validate.Field) else rule.fields)
+        message = pb.DESCRIPTOR.message_types_by_name[full_name.rsplit(".", 1)[1]]
+        missing += [f"{full_name}.{f.name}" for f in message.fields if f.name not in covered]
+    assert not missing, f"add rules in rpc/validate.py RULES for: {missing}"
+
+
+@pytest.mark.parametrize(
+    "path, data",
+    [
+        ("/dataservice.rpc.DispatcherService/GetOrCreateJob", b"\x0a\xff\xff"),  # truncated
+        ("/dataservice.rpc.DispatcherService/GetOrCreateJob", b"\x0a\x02\xff\xfe"),  # not UTF-8
+        ("/dataservice.rpc.DispatcherService/WorkerHeartbeat", b"\xff" * 11),
+        ("/dataservice.rpc.WorkerService/GetElements", b"\x08"),
+    ],
+)
+def test_malformed_bytes_are_invalid_argument_not_internal(servers, path, data):
+    dispatcher, worker, _, _ = servers
+    address = worker.address if "Worker" in path.split("/")[1] else dispatcher.target[7:]
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+        code, details = _code(call, data)
+    method = path.rsplit("/", 1)[1]
+    assert code == INVALID, (code, details)
+    assert details.startswith(f"{method}: the request is not a valid {method}Request"), details

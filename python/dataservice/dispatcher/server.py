@@ -200,7 +200,7 @@ class DispatchServer:
             options=rpc_util.SERVER_OPTIONS,
             interceptors=rpc_util.server_interceptors(token, "dispatcher"),
         )
-        service_pb2_grpc.add_DispatcherServiceServicer_to_server(_Servicer(self), server)
+        validate.add_service(server, _Servicer(self), "DispatcherService")
         try:
             port = server.add_insecure_port(f"{self._config.host}:{self._config.port}")
         except RuntimeError as err:

@@ -185,6 +185,11 @@ def max_bytes(limit: int) -> Check:
     return check
 
 
+def boolean(name: str, value: Any) -> str | None:
+    """Any bool (declared so that every field has a rule)."""
+    return None
+
+
 def nonempty_bytes(name: str, value: Any) -> str | None:
     return None if value else "must not be empty"
 
@@ -260,6 +265,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("target_workers", one_of(TARGET_WORKERS, allow_empty=True)),
         Field("client_host_id", _HOST_ID),
         _INCARNATION,
+        Field("use_cross_trainer_cache", boolean),
     ),
     "dataservice.rpc.GetOrCreateIterationRequest": (
         Field("job_id", an_id),
@@ -322,14 +328,67 @@ def _method(request: Any) -> str:
     return name[: -len("Request")] if name.endswith("Request") else name
 
 
+@dataclass(frozen=True)
+class Malformed:
+    """Bytes that do not parse as `request_class` (see `tolerant_parser`)."""
+
+    request_class: Any
+    error: str
+
+
+def tolerant_parser(request_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer for a gRPC method handler that never raises: bytes
+    that do not parse (a truncated message, a string that is not UTF-8) become a
+    `Malformed`, which `check_request` refuses with INVALID_ARGUMENT (a
+    deserializer that raises makes gRPC answer INTERNAL)."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return request_class.FromString(data)
+        except Exception as err:  # DecodeError, or upb's own for bad UTF-8
+            return Malformed(request_class, f"{type(err).__name__}: {err}")
+
+    return parse
+
+
+def add_service(server: Any, servicer: Any, service_name: str) -> None:
+    """Serves `servicer` (one method per RPC of `service_name` in service.proto)
+    on `server`, as the generated `add_<service>Servicer_to_server` does, but
+    with `tolerant_parser` deserializers: malformed bytes reach the servicer's
+    entry point as a `Malformed` request instead of failing inside gRPC."""
+    import grpc
+
+    from dataservice.rpc import service_pb2
+
+    service = service_pb2.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(service_pb2, method.input_type.name)
+        response_class = getattr(service_pb2, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=tolerant_parser(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+
+
 def check_request(request: Any) -> None:
     """Checks `request` (a request message of service.proto) against its `RULES`.
 
     Raises:
         InvalidArgumentError: A field breaks its rule; the message names the
-            RPC, the field and the bad value. A message type without rules is
-            refused too (a new RPC must declare its rules here).
+            RPC, the field and the bad value. Bytes that did not parse
+            (`Malformed`) and a message type without rules are refused too (a
+            new RPC must declare its rules here).
     """
+    if isinstance(request, Malformed):
+        name = request.request_class.DESCRIPTOR.name
+        raise errors.InvalidArgumentError(
+            f"{name[: -len('Request')]}: the request is not a valid {name}: {request.error}"
+        )
     full_name = request.DESCRIPTOR.full_name
     rules = RULES.get(full_name)
     if rules is None:

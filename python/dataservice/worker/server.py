@@ -362,7 +362,7 @@ class WorkerServer:
             options=rpc_util.SERVER_OPTIONS,
             interceptors=rpc_util.server_interceptors(self._token, "worker"),
         )
-        service_pb2_grpc.add_WorkerServiceServicer_to_server(_Servicer(self), server)
+        validate.add_service(server, _Servicer(self), "WorkerService")
         bind = f"{self._config.host}:{self._config.port}"
         try:
             port = server.add_insecure_port(bind)

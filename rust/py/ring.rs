@@ -667,13 +667,21 @@ unsafe impl Send for HeapBuf {}
 unsafe impl Sync for HeapBuf {}
 
 impl HeapBuf {
+    /// `len` (> 0) zeroed bytes, or None if they cannot be allocated. Zeroed by the
+    /// allocator (`calloc`: fresh pages of a big allocation are not touched), so a chunked
+    /// element's declared size costs address space only, and memory only as its chunks
+    /// arrive: a first chunk that declares far more than ever follows does not make this
+    /// process write (and keep resident) that many zeros.
     fn new(len: usize) -> Option<Self> {
-        let mut v: Vec<u8> = Vec::new();
-        v.try_reserve_exact(len).ok()?;
-        v.resize(len, 0);
-        let mut b = v.into_boxed_slice();
-        let ptr = b.as_mut_ptr();
-        std::mem::forget(b);
+        let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return None;
+        }
         Some(HeapBuf { ptr, len })
     }
     fn slice(&self) -> &[u8] {
@@ -684,12 +692,9 @@ impl HeapBuf {
 
 impl Drop for HeapBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr/len came from a Box<[u8]> we leaked in new().
-        unsafe {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-                self.ptr, self.len,
-            )))
-        };
+        let layout = std::alloc::Layout::array::<u8>(self.len).expect("checked in new()");
+        // SAFETY: ptr came from alloc_zeroed with this layout in new().
+        unsafe { std::alloc::dealloc(self.ptr, layout) };
     }
 }
 
@@ -1374,5 +1379,37 @@ impl PyRingConsumer {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Resident bytes of this process (`/proc/self/statm`, pages).
+    fn resident_bytes() -> u64 {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+        pages * 4096
+    }
+
+    #[test]
+    fn chunk_reassembly_buffer_costs_memory_only_as_it_is_written() {
+        // A first CHUNK may declare up to 16 TiB; the buffer for a 1 GiB claim must not
+        // be written (made resident) before chunks arrive: zeroing it with a memset would
+        // add 1 GiB of RSS here.
+        let before = resident_bytes();
+        let buf = HeapBuf::new(1 << 30).expect("1 GiB of address space");
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(grown < 64 << 20, "RSS grew by {grown} bytes");
+        let s = buf.slice();
+        assert_eq!(s.len(), 1 << 30);
+        assert!([0usize, 4096, 1 << 29, (1 << 30) - 1]
+            .iter()
+            .all(|&i| s[i] == 0));
+        drop(buf);
+        assert!(HeapBuf::new(0).is_none());
+        // More than any address space: refused, not a crash.
+        assert!(HeapBuf::new(usize::MAX / 2).is_none());
     }
 }

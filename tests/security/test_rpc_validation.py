@@ -348,3 +348,57 @@ def test_malformed_bytes_are_invalid_argument_not_internal(servers, path, data):
     method = path.rsplit("/", 1)[1]
     assert code == INVALID, (code, details)
     assert details.startswith(f"{method}: the request is not a valid {method}Request"), details
+
+
+def _iteration(stub, dataset_id: str, job_name: str, mode=ShardingPolicy.OFF, consumers=0):
+    """(iteration_id, task_id) of a new named job's first iteration, once it has a task."""
+    job = stub.GetOrCreateJob(
+        pb.GetOrCreateJobRequest(
+            dataset_id=dataset_id,
+            job_name=job_name,
+            processing_mode=mode,
+            num_consumers=consumers,
+        ),
+        timeout=10,
+    )
+    it = stub.GetOrCreateIteration(pb.GetOrCreateIterationRequest(job_id=job.job_id), timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        response = stub.ClientHeartbeat(
+            pb.ClientHeartbeatRequest(iteration_client_id=it.iteration_client_id), timeout=10
+        )
+        if response.tasks:
+            return it.iteration_id, response.tasks[0].task_id
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_name}: no task within 10 s")
+
+
+def test_splits_and_rounds_only_for_iterations_of_their_kind(servers):
+    _, _, stub, _ = servers
+    dataset_id = _register(stub, ds.Dataset.range(100).repeat())
+    off_iteration, off_task = _iteration(stub, dataset_id, "kind-off")
+    dyn_iteration, dyn_task = _iteration(stub, dataset_id, "kind-dyn", ShardingPolicy.DYNAMIC)
+    rr_iteration, rr_task = _iteration(stub, dataset_id, "kind-rr", consumers=2)
+
+    code, details = _code(
+        stub.GetSplits, pb.GetSplitsRequest(iteration_id=off_iteration, task_id=off_task)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "OFF" in details, details
+    code, details = _code(
+        stub.GetSplits, pb.GetSplitsRequest(iteration_id=dyn_iteration, task_id=off_task)
+    )
+    assert code == grpc.StatusCode.NOT_FOUND and f"task {off_task}" in details, details
+    code, response = _code(
+        stub.GetSplits,
+        pb.GetSplitsRequest(iteration_id=dyn_iteration, task_id=dyn_task, max_splits=4),
+    )
+    assert code == grpc.StatusCode.OK and len(response.int_splits) >= 1, response
+
+    code, details = _code(stub.GetRounds, pb.GetRoundsRequest(iteration_id=off_iteration))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "coordinated" in details, details
+    code, details = _code(
+        stub.GetRounds, pb.GetRoundsRequest(iteration_id=rr_iteration, dead_task_id=off_task)
+    )
+    assert code == grpc.StatusCode.NOT_FOUND and "dead_task_id" in details, details
+    code, response = _code(stub.GetRounds, pb.GetRoundsRequest(iteration_id=rr_iteration))
+    assert code == grpc.StatusCode.OK and set(response.task_ids) == {rr_task}, response

@@ -938,6 +938,17 @@ class DispatchServer:
             iteration = self._state.iterations.get(iteration_id)
             if iteration is None:
                 raise errors.NotFoundError(f"Iteration {iteration_id} not found")
+            job = self._state.jobs[iteration.job_id]
+            if job.processing_mode != ShardingPolicy.DYNAMIC:
+                raise errors.FailedPreconditionError(
+                    f"GetSplits: iteration {iteration_id} belongs to job {job.job_id}, whose "
+                    f"processing mode is {ShardingPolicy(job.processing_mode).name}: only "
+                    "DYNAMIC iterations hand out splits"
+                )
+            if st.TaskId(request.task_id) not in iteration.tasks:
+                raise errors.NotFoundError(
+                    f"GetSplits: task {request.task_id} is not a task of iteration {iteration_id}"
+                )
             index = request.split_provider_index
             response = pb.GetSplitsResponse()
             if iteration.finished or iteration.splits_ended_by_provider.get(index, False):
@@ -945,7 +956,6 @@ class DispatchServer:
                 return response
             providers = self._split_providers.get(iteration_id)
             if providers is None:
-                job = self._state.jobs[iteration.job_id]
                 dataset = self._dataset_object(job.dataset_id)
                 providers = dataset._split_providers(iteration.seed)
                 for i, provider in enumerate(providers):
@@ -990,6 +1000,17 @@ class DispatchServer:
             iteration = self._state.iterations.get(iteration_id)
             if iteration is None:
                 raise errors.NotFoundError(f"Iteration {iteration_id} not found")
+            job = self._state.jobs[iteration.job_id]
+            if not job.num_consumers:
+                raise errors.FailedPreconditionError(
+                    f"GetRounds: iteration {iteration_id} belongs to job {job.job_id}, which is "
+                    "not a coordinated read (no num_consumers): it has no rounds"
+                )
+            if request.dead_task_id and st.TaskId(request.dead_task_id) not in iteration.tasks:
+                raise errors.NotFoundError(
+                    f"GetRounds: dead_task_id {request.dead_task_id} is not a task of "
+                    f"iteration {iteration_id}"
+                )
             live = sorted(t.task_id for t in iteration.live_tasks())
             response = pb.GetRoundsResponse(first_round=first)
             if not live:

@@ -9,13 +9,20 @@ breaks a rule is refused with `InvalidArgumentError` naming the RPC, the field
 and the bad value, so the caller gets INVALID_ARGUMENT, never INTERNAL from a
 handler or a failure later on a worker.
 
+Bytes that are no valid request at all (truncated, a string that is not UTF-8)
+are INVALID_ARGUMENT too: `add_service` serves each servicer with deserializers
+that never raise (gRPC answers INTERNAL when one does).
+
 What needs the server's state (an id that does not exist: NOT_FOUND; a request
-that does not fit the state of what it names: FAILED_PRECONDITION) is checked
-by the handler that holds that state; the worker's one such check, whether a
-read fits its task's kind, is `check_read_fits_task` here.
+that does not fit the state of what it names: FAILED_PRECONDITION, e.g.
+GetSplits of an iteration that is not DYNAMIC) is checked by the handler that
+holds that state under its lock; the worker's one such check, whether a read
+fits its task's kind, is `check_read_fits_task` here.
 
 `check_request` is called from each servicer's common entry point
 (`dispatcher.server._Servicer._call`, `worker.server._Servicer.GetElements`).
+A field added to a request message needs its rule here
+(tests/security/test_rpc_validation.py checks that every field has one).
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ const WRITE_BUFFER_BYTES: usize = 256 * 1024;
 /// Records longer than this are damage, not data (TensorFlow: "record size too large").
 const MAX_RECORD_BYTES: u64 = (isize::MAX as u64) - (HEADER_BYTES + FOOTER_BYTES) as u64;
 const MASK_DELTA: u32 = 0xa282_ead8;
-/// A compressed record's data is read into a buffer that starts at this size and doubles as
-/// the stream produces bytes: its declared length is not trusted to size the buffer.
-const FIRST_UNTRUSTED_PIECE_BYTES: usize = 64 * 1024;
+/// A compressed record's declared length sizes its buffer up to this many bytes; a longer
+/// one is not trusted: its data is read into a buffer that starts at this size and doubles
+/// as the stream produces bytes (so a claim of 1 GiB over a 47-byte file costs 16 MiB).
+const UNTRUSTED_LENGTH_BYTES: usize = 16 << 20;
 
 /// CRC32C (Castagnoli) of `data`.
 pub fn crc32c(data: &[u8]) -> u32 {
@@ -253,16 +254,18 @@ impl RecordReader {
         self.finish_body(buf)
     }
 
-    /// Whether the length a header declared is bounded by what the source holds: for an
-    /// uncompressed file [`RecordReader::read_header`] checked it against the file's size,
-    /// a compressed stream's length is known only once it has been decompressed.
-    pub fn declared_length_is_bounded(&self) -> bool {
-        self.file_bytes.is_some()
+    /// Whether a buffer of `len` bytes (the length [`RecordReader::read_header`] just
+    /// returned) may be allocated before the data is read: for an uncompressed file the
+    /// header was checked against the file's size; a compressed stream's length is known
+    /// only once it has been decompressed, so only lengths up to 16 MiB are taken on trust
+    /// (else [`RecordReader::read_body_incrementally`]).
+    pub fn may_allocate_declared_length(&self, len: usize) -> bool {
+        self.file_bytes.is_some() || len <= UNTRUSTED_LENGTH_BYTES
     }
 
     /// Reads the data of the record whose header [`RecordReader::read_header`] just
-    /// returned into a new `Vec`, growing it only as the stream produces bytes (pieces of
-    /// doubling from 64 KiB), and checks its CRC. So a damaged or hostile header that declares a
+    /// returned into a new `Vec`, growing it only as the stream produces bytes (16 MiB,
+    /// then doubling), and checks its CRC. So a damaged or hostile header that declares a
     /// huge length over a short stream costs what the stream holds, not what it claims:
     /// the stream's end is reported as [`Error::TruncatedRecord`] before more is allocated.
     ///
@@ -271,6 +274,11 @@ impl RecordReader {
     ///
     /// Panics if no header is pending (a bug in the caller).
     pub fn read_body_incrementally(&mut self) -> Result<Vec<u8>, Error> {
+        self.read_body_growing(UNTRUSTED_LENGTH_BYTES)
+    }
+
+    /// [`RecordReader::read_body_incrementally`] with a first piece of `first_piece` bytes.
+    fn read_body_growing(&mut self, first_piece: usize) -> Result<Vec<u8>, Error> {
         if let Some(error) = &self.failed {
             return Err(error.clone());
         }
@@ -282,7 +290,7 @@ impl RecordReader {
             let filled = data.len();
             // Double what the stream has produced so far (amortised copies), never past
             // the declared length: at most twice the bytes the stream really holds.
-            let piece = (len - filled).min(filled.max(FIRST_UNTRUSTED_PIECE_BYTES));
+            let piece = (len - filled).min(filled.max(first_piece));
             if data.try_reserve_exact(piece).is_err() {
                 self.abandon_pending_record();
                 return Err(self.failed.clone().expect("abandoned"));
@@ -324,7 +332,7 @@ impl RecordReader {
         let Some(len) = self.read_header()? else {
             return Ok(None);
         };
-        if !self.declared_length_is_bounded() {
+        if !self.may_allocate_declared_length(len) {
             return self.read_body_incrementally().map(Some);
         }
         let mut data = Vec::new();
@@ -794,18 +802,29 @@ mod tests {
 
     #[test]
     fn incremental_body_reads_big_records_exactly() {
-        // Records around the doubling steps (64 KiB, 128 KiB ...) read back intact through
-        // the incremental path, and a stream cut inside one is truncation at its offset.
+        // Records around the doubling steps of a 64 KiB first piece (64 KiB, 128 KiB ...)
+        // read back intact through the growing path, and a stream cut inside one is
+        // truncation at its offset.
         let records: Vec<Vec<u8>> = [0usize, 1, 65_535, 65_536, 65_537, 300_000]
             .iter()
             .map(|&n| (0..n).map(|i| (i * 31 % 253) as u8).collect())
             .collect();
+        let read_growing = |path: &Path, compression| -> Result<Vec<Vec<u8>>, Error> {
+            let mut reader = RecordReader::open(path, compression, 0)?;
+            let mut out = Vec::new();
+            while reader.read_header()?.is_some() {
+                out.push(reader.read_body_growing(64 * 1024)?);
+            }
+            Ok(out)
+        };
         for compression in [Compression::Gzip, Compression::Zlib] {
             let path = TempPath::new("incremental.tfrecord.z");
             write_records(&path.0, compression, &records);
+            assert_eq!(read_growing(&path.0, compression).unwrap(), records);
             assert_eq!(read_file(&path.0, compression).unwrap(), records);
             let reader = RecordReader::open(&path.0, compression, 0).unwrap();
-            assert!(!reader.declared_length_is_bounded());
+            assert!(reader.may_allocate_declared_length(UNTRUSTED_LENGTH_BYTES));
+            assert!(!reader.may_allocate_declared_length(UNTRUSTED_LENGTH_BYTES + 1));
             drop(reader);
             let mut raw = Vec::new();
             for record in &records {
@@ -816,13 +835,29 @@ mod tests {
             let start_of_last = raw.len() - (HEADER_BYTES + 300_000 + FOOTER_BYTES);
             let cut = compress(compression, &raw[..start_of_last + HEADER_BYTES + 200_000]);
             std::fs::write(&path.0, cut).unwrap();
-            match read_file(&path.0, compression) {
+            match read_growing(&path.0, compression) {
                 Err(Error::TruncatedRecord { offset, what, .. }) => {
                     assert_eq!(offset, start_of_last as u64);
                     assert!(what.contains("after 200000 of the 300000"), "{what}");
                 }
                 other => panic!("{compression:?}: unexpected {other:?}"),
             }
+        }
+        // An uncompressed file's lengths were checked against its size: any may be allocated.
+        let path = TempPath::new("plain.tfrecord");
+        write_records(&path.0, Compression::None, &records);
+        let reader = RecordReader::open(&path.0, Compression::None, 0).unwrap();
+        assert!(reader.may_allocate_declared_length(usize::MAX));
+    }
+
+    #[test]
+    fn record_above_the_trusted_length_reads_through_the_growing_path() {
+        // 40 MiB of zeros: past 16 MiB (first piece) and 32 MiB (one doubling).
+        let records = vec![vec![0u8; 40 << 20], b"after".to_vec()];
+        for compression in [Compression::Gzip, Compression::Zlib] {
+            let path = TempPath::new("forty-mib.tfrecord.z");
+            write_records(&path.0, compression, &records);
+            assert_eq!(read_file(&path.0, compression).unwrap(), records);
         }
     }
 

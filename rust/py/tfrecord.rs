@@ -66,16 +66,16 @@ impl PyTFRecordReader {
     }
 
     /// The next record; reads the header, allocates the `bytes`, then reads the data into it,
-    /// each read without the GIL. For a compressed file the data is read first, into a
-    /// buffer that grows as the stream produces it, then copied into the `bytes`.
+    /// each read without the GIL. A record of a compressed file over 16 MiB is read first,
+    /// into a buffer that grows as the stream produces it, then copied into the `bytes`.
     fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let reader = self.reader()?;
         let Some(len) = py.detach(|| reader.read_header())? else {
             return Ok(None);
         };
-        if !reader.declared_length_is_bounded() {
-            // A compressed stream: the length is not trusted to size the `bytes` before the
-            // stream has produced the data (one more copy, only for compressed files).
+        if !reader.may_allocate_declared_length(len) {
+            // A compressed stream's record over 16 MiB: its length is not trusted to size the
+            // `bytes` before the stream has produced the data (one more copy).
             let data = py.detach(|| reader.read_body_incrementally())?;
             return Ok(Some(PyBytes::new(py, &data)));
         }

@@ -112,3 +112,15 @@ def test_element_round_trip_still_decodes():
     element = {"a": np.arange(10), "b": b"xyz"}
     back = codec.decode(codec.encode(element))
     assert back["b"] == b"xyz" and back["a"].tolist() == list(range(10))
+
+
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
+def test_a_compressed_record_over_16_mib_reads_back(tmp_path, compression):
+    """Above 16 MiB a compressed record's length is not trusted to size the
+    `bytes` up front: it is read into a growing buffer, and must come back whole."""
+    path = str(tmp_path / "big.tfrecord")
+    big = bytes(range(256)) * ((20 << 20) // 256)
+    with _core.TFRecordWriter(path, compression) as writer:
+        writer.write(big)
+        writer.write(b"after")
+    assert list(_core.TFRecordReader(path, compression)) == [big, b"after"]

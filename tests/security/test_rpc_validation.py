@@ -402,3 +402,17 @@ def test_splits_and_rounds_only_for_iterations_of_their_kind(servers):
     assert code == grpc.StatusCode.NOT_FOUND and "dead_task_id" in details, details
     code, response = _code(stub.GetRounds, pb.GetRoundsRequest(iteration_id=rr_iteration))
     assert code == grpc.StatusCode.OK and set(response.task_ids) == {rr_task}, response
+
+
+def test_a_worker_cannot_finish_another_workers_task(servers):
+    dispatcher, worker, stub, _ = servers
+    dataset_id = _register(stub, ds.Dataset.range(100).repeat())
+    iteration_id, task_id = _iteration(stub, dataset_id, "not-yours")
+    request = pb.WorkerHeartbeatRequest(
+        worker_address="localhost:1", worker_uid="intruder", finished_tasks=[task_id]
+    )
+    code, details = _code(stub.WorkerHeartbeat, request)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+    assert f"task {task_id}" in details and worker.address in details, details
+    task = dispatcher._state.tasks[task_id]
+    assert not task.finished

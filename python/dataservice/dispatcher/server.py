@@ -450,6 +450,14 @@ class DispatchServer:
         now = time.monotonic()
         with self._mu:
             address = request.worker_address
+            for task_id in request.finished_tasks:
+                task = self._state.tasks.get(st.TaskId(task_id))
+                if task is not None and task.worker_address != address:
+                    # Unknown ids are left to reconciliation; another worker's are wrong.
+                    raise errors.FailedPreconditionError(
+                        f"WorkerHeartbeat: finished_tasks has task {task_id}, which runs on "
+                        f"worker {task.worker_address}, not on {address}"
+                    )
             worker = self._workers.get(address)
             index = -1
             if self._config.worker_addresses is not None:

@@ -200,7 +200,9 @@ class _Connection:
     def _run(self) -> None:
         try:
             self._serve()
-        except errors.UnavailableError as err:
+        except (errors.UnavailableError, ConnectionError) as err:
+            # ConnectionError: the client closed its end before a reply (BrokenPipe,
+            # ConnectionReset): gone, not a failure of this worker.
             log.debug("shm consumer gone: %s", err)
         except Exception:
             log.exception("shm producer failed")

@@ -18,6 +18,8 @@ from PIL import Image  # noqa: E402
 import dataservice as ds  # noqa: E402
 from dataservice import demo  # noqa: E402
 from dataservice import io as dsio  # noqa: E402
+from dataservice.demo import data as demo_data  # noqa: E402
+from dataservice.demo import training  # noqa: E402
 
 NUM_RECORDS = 40
 
@@ -149,20 +151,20 @@ def test_features_pool_to_20x20x3() -> None:
 
 
 def test_check_epoch_reports_missing_and_duplicates() -> None:
-    assert demo._check_epoch(1, np.ones(5, np.int64)) is None
-    msg = demo._check_epoch(2, np.array([1, 0, 2, 1]))
+    assert training.check_epoch(1, np.ones(5, np.int64)) is None
+    msg = training.check_epoch(2, np.array([1, 0, 2, 1]))
     assert msg is not None and "1 records never seen" in msg and "1 seen more than once" in msg
 
 
 def test_missing_image_extra_names_the_pip_command(monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "skimage", None)  # import fails
     with pytest.raises(demo.DemoError, match=r"scikit-image.*pip install 'dataservice\[image\]'"):
-        demo._require_image_extras()
+        demo_data.require_image_extras()
 
 
 def test_progress_without_tqdm_draws_a_bar_on_stderr(monkeypatch, capsys) -> None:
     monkeypatch.setitem(__import__("sys").modules, "tqdm", None)
-    progress = demo._Progress(100, "epoch 1/1", enabled=True)
+    progress = training.Progress(100, "epoch 1/1", enabled=True)
     progress.update(50, 2.5)
     progress.update(50, 2.0)
     progress.close()

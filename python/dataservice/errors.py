@@ -308,7 +308,7 @@ def capture(err: BaseException) -> RemoteErrorInfo:
     pickles and unpickles here, its pickle (so the consumer gets its `args` and
     attributes back). Never raises, whatever the exception does.
     """
-    if isinstance(err, WorkerError) and getattr(err, "type_name", ""):
+    if isinstance(err, WorkerError) and getattr(err, "type_name", None):
         # Already a remote error (a pipeline that reads another service): keep
         # the original, not "raised on worker" twice.
         message = err.__dict__.get("_remote_message", "")

@@ -124,7 +124,7 @@ def load(definition: Any) -> Dataset:
         InvalidArgumentError: Unpickling failed (e.g. a module a function refers
             to is not importable here), or the bytes are not a Dataset.
     """
-    buffers = []
+    buffers: list[bytearray | mmap.mmap] = []
     for b in definition.buffers:
         if not b.path:
             buffers.append(bytearray(b.data))

@@ -1,21 +1,17 @@
-"""Every processing mode with in-process servers on 127.0.0.1: static sharding
-(FILE, DATA, FILE_OR_DATA, HINT), DYNAMIC over each splittable source,
-coordinated reads, the cross-trainer cache, target_workers, job garbage
-collection, element_spec / cardinality of a distributed dataset, and uneven
-data (C-05, C-27 and C-29 of shared/CASES.md). Each test asserts the exact
-elements each consumer (or each worker's shard) sees.
+"""Processing-mode scenarios run under both harnesses (`harness` is `inprocess`: servers in
+this process, or `processes`: worker processes): static sharding (FILE, DATA, FILE_OR_DATA,
+HINT), DYNAMIC over each splittable source (C-05), coordinated reads, the cross-trainer cache
+and uneven data (C-29 of shared/CASES.md). Each test asserts the exact elements each consumer
+(or each worker's shard) sees.
 
-`test_modes_processes.py` runs the same scenarios with worker processes.
+What only one harness can do lives in `test_modes_inprocess.py` (fault injection, workers
+started one by one, dispatcher internals) and `test_modes_processes.py` (memory of worker
+processes, killed processes, host ids, dispatcher restarts).
 """
 
 from __future__ import annotations
 
-import gc
-import socket
-import threading
-import time
-from collections.abc import Callable
-from concurrent import futures
+import os
 
 import numpy as np
 import pytest
@@ -23,261 +19,123 @@ import pytest
 import dataservice as ds
 from dataservice import errors
 from tests.conftest import to_py, values
-
-OFF = ds.ShardingPolicy.OFF
-DYNAMIC = ds.ShardingPolicy.DYNAMIC
-FILE = ds.ShardingPolicy.FILE
-DATA = ds.ShardingPolicy.DATA
-FILE_OR_DATA = ds.ShardingPolicy.FILE_OR_DATA
-HINT = ds.ShardingPolicy.HINT
-
-NUM_FILES = 7
-RECORDS_PER_FILE = 3
-
-
-# ---------------------------------------------------------------- helpers
-def dist(dataset, cluster, mode=OFF, **kw):
-    return dataset.apply(ds.distribute(mode, cluster.target, **kw))
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports that were free a moment ago (bound together, then closed)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Polls `cond` until it holds; returns the seconds it took, fails after `timeout_s`."""
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
-def registered(cluster):
-    for w in cluster.workers:
-        assert w.wait_registered(10), f"worker {w.address} did not register"
-    wait_until(lambda: cluster.dispatcher.num_workers() == len(cluster.workers), 10, "all workers")
-    return cluster
-
-
-def static_cluster(make_cluster, num_workers: int, live=None, **kw):
-    """A dispatcher with a fixed list of `num_workers` addresses; only the workers
-    at positions `live` (default: all) run, so a read returns exactly their shards."""
-    ports = free_ports(num_workers)
-    addresses = [f"127.0.0.1:{p}" for p in ports]
-    c = make_cluster(0, worker_addresses=addresses, **kw)
-    for i in range(num_workers) if live is None else live:
-        c.add_worker(port=ports[i], worker_address=addresses[i])
-    return registered(c)
-
-
-def record(f: int, r: int) -> bytes:
-    return b"file %d record %d" % (f, r)
+from tests.integration.modes_common import (
+    DATA,
+    DYNAMIC,
+    FILE,
+    FILE_OR_DATA,
+    HINT,
+    NUM_FILES,
+    Consumers,
+    InProcessHarness,
+    ProcessClusters,
+    ProcessHarness,
+    big_elements,
+    cached,
+    dist,
+    read_files,
+    record,
+    tagged,
+    write_tfrecords,
+)
 
 
 @pytest.fixture(scope="module")
 def tfrecords(tmp_path_factory) -> list[str]:
-    """file_0.tfrecord .. file_6.tfrecord, 3 records each (record(f, r))."""
-    d = tmp_path_factory.mktemp("modes-tfrecords")
-    names = []
-    for f in range(NUM_FILES):
-        path = str(d / f"file_{f}.tfrecord")
-        with ds.io.TFRecordWriter(path) as w:
-            for r in range(RECORDS_PER_FILE):
-                w.write(record(f, r))
-        names.append(path)
-    return names
+    return write_tfrecords(tmp_path_factory.mktemp("modes-tfrecords"))
 
 
-def read_files(names: list[str]):
-    """list_files over `names` (sorted), each file's records in order."""
-    return ds.Dataset.list_files(names, shuffle=False).flat_map(lambda f: ds.TFRecordDataset(f))
+@pytest.fixture(scope="module")
+def process_clusters():
+    clusters = ProcessClusters()
+    yield clusters
+    clusters.close()
 
 
-def worker_of_last_element(it, before: dict[str, int]) -> str:
-    """The worker whose element count in `it.stats()` grew by one since `before`."""
-    now = {a: w["elements"] for a, w in it.stats()["workers"].items()}
-    grown = [a for a in now if now[a] != before.get(a, 0)]
-    assert len(grown) == 1, (before, now)
-    before.update(now)
-    return grown[0]
+@pytest.fixture(params=["inprocess", "processes"])
+def harness(request, make_cluster, process_clusters):
+    if request.param == "inprocess":
+        return InProcessHarness(make_cluster)
+    return ProcessHarness(process_clusters, request)
 
 
-class Consumers:
-    """`n` coordinated consumers of one job, reading round by round concurrently."""
-
-    def __init__(self, dataset, target: str, n: int, job_name: str, mode=OFF, **kw):
-        self.iterators = [
-            iter(
-                dataset.apply(
-                    ds.distribute(
-                        mode, target, job_name=job_name, consumer_index=i, num_consumers=n, **kw
-                    )
-                )
-            )
-            for i in range(n)
-        ]
-        self.seen: list[dict[str, int]] = [{} for _ in range(n)]
-        self.pool = futures.ThreadPoolExecutor(max_workers=n)
-
-    def read_round(self, consumers=None) -> tuple[list, list[str]]:
-        """One round: (element per consumer, worker each element came from)."""
-        idx = range(len(self.iterators)) if consumers is None else consumers
-        fs = [self.pool.submit(next, self.iterators[i]) for i in idx]
-        row = [to_py(f.result(timeout=30)) for f in fs]
-        workers = [worker_of_last_element(self.iterators[i], self.seen[i]) for i in idx]
-        return row, workers
-
-    def close(self) -> None:
-        for it in self.iterators:
-            it.close()
-        self.pool.shutdown(wait=False)
+STATIC = 4  # workers of a static-sharding cluster
 
 
 # ================================================================ static sharding
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("index", [0, 1, 2])
-def test_data_sharding_worker_keeps_every_nth_element(make_cluster, index):
-    c = static_cluster(make_cluster, 3, live=[index])
-    assert values(dist(ds.Dataset.range(20), c, DATA)) == list(range(index, 20, 3))
+def test_data_sharding_each_worker_keeps_every_nth(harness):
+    got = harness.read_shards(ds.Dataset.range(21), DATA, STATIC)
+    assert got == {i: list(range(i, 21, STATIC)) for i in range(STATIC)}
 
 
 @pytest.mark.timeout(60)
-def test_data_sharding_all_workers_union_is_the_dataset_once(make_cluster):
-    c = static_cluster(make_cluster, 3)
-    it = iter(dist(ds.Dataset.range(20), c, DATA))
-    assert sorted(values(it)) == list(range(20))
-    counts = sorted(w["elements"] for w in it.stats()["workers"].values())
-    assert counts == [6, 7, 7]
+@pytest.mark.parametrize("mode", [FILE, FILE_OR_DATA])
+def test_file_sharding_each_worker_reads_files_i_i_plus_n(harness, tfrecords, mode):
+    got = harness.read_shards(read_files(tfrecords), mode, STATIC)
+    assert got == {
+        i: [record(f, r) for f in range(i, NUM_FILES, STATIC) for r in range(3)]
+        for i in range(STATIC)
+    }
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "mode,index", [(FILE, 0), (FILE, 1), (FILE, 2), (FILE_OR_DATA, 1)], ids=str
-)
-def test_file_sharding_worker_reads_files_i_i_plus_n(make_cluster, tfrecords, mode, index):
-    c = static_cluster(make_cluster, 3, live=[index])
-    got = list(dist(read_files(tfrecords), c, mode))
-    assert got == [record(f, r) for f in range(index, NUM_FILES, 3) for r in range(3)]
-
-
-@pytest.mark.timeout(60)
-def test_file_sharding_of_a_tfrecord_file_list(make_cluster, tfrecords):
-    c = static_cluster(make_cluster, 3, live=[2])
-    got = list(dist(ds.TFRecordDataset(tfrecords), c, FILE))
-    assert got == [record(f, r) for f in (2, 5) for r in range(3)]
-
-
-@pytest.mark.timeout(60)
-def test_file_sharding_all_workers_union_is_every_record_once(make_cluster, tfrecords):
-    c = static_cluster(make_cluster, 3)
-    got = list(dist(read_files(tfrecords), c, FILE))
-    assert sorted(got) == sorted(record(f, r) for f in range(NUM_FILES) for r in range(3))
-
-
-@pytest.mark.timeout(60)
-def test_file_or_data_without_file_source_falls_back_to_data(make_cluster):
-    c = static_cluster(make_cluster, 3, live=[1])
-    assert values(dist(ds.Dataset.range(20), c, FILE_OR_DATA)) == list(range(1, 20, 3))
-
-
-@pytest.mark.timeout(60)
-def test_file_sharding_without_file_source_is_an_error(make_cluster):
-    c = static_cluster(make_cluster, 2)
-    with pytest.raises(errors.DataServiceError, match="no file source"):
-        values(dist(ds.Dataset.range(20), c, FILE))
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("index", [0, 2])
-def test_hint_placeholder_becomes_num_workers_and_index(make_cluster, tfrecords, index):
-    c = static_cluster(make_cluster, 3, live=[index])
+def test_hint_placeholders_in_each_worker(harness, tfrecords):
     by_elements = ds.Dataset.range(20).shard(ds.SHARD_HINT, ds.SHARD_HINT)
-    assert values(dist(by_elements, c, HINT)) == list(range(index, 20, 3))
+    got = harness.read_shards(by_elements, HINT, STATIC)
+    assert got == {i: list(range(i, 20, STATIC)) for i in range(STATIC)}
     files = ds.Dataset.list_files(tfrecords, shuffle=False).shard(ds.SHARD_HINT, ds.SHARD_HINT)
     by_files = files.flat_map(lambda f: ds.TFRecordDataset(f))
-    got = list(dist(by_files, c, HINT))
-    assert got == [record(f, r) for f in range(index, NUM_FILES, 3) for r in range(3)]
+    got = harness.read_shards(by_files, HINT, STATIC)
+    assert got == {
+        i: [record(f, r) for f in range(i, NUM_FILES, STATIC) for r in range(3)]
+        for i in range(STATIC)
+    }
 
 
 @pytest.mark.timeout(60)
-def test_hint_without_placeholder_is_a_no_op(make_cluster):
-    c = static_cluster(make_cluster, 3, live=[1])
-    assert values(dist(ds.Dataset.range(6), c, HINT)) == list(range(6))
-
-
-@pytest.mark.timeout(60)
-def test_fewer_files_than_workers_names_both_counts(make_cluster, tfrecords):
-    c = static_cluster(make_cluster, 3)
-    with pytest.raises(errors.DataServiceError, match=r"not enough files.*2 files for 3 workers"):
-        values(dist(read_files(tfrecords[:2]), c, FILE))
-
-
-@pytest.mark.timeout(60)
-def test_empty_worker_list_is_an_error(make_cluster):
-    c = make_cluster(0, worker_addresses=[])
+def test_empty_worker_list_is_an_error(harness):
+    # (LocalCluster passes [] as `--worker-addresses ''`: a fixed list of zero workers.)
+    c = harness.cluster(0, dispatcher={"worker_addresses": []})
     with pytest.raises(errors.InvalidArgumentError, match=r"worker_addresses.*got \[\]"):
-        values(dist(ds.Dataset.range(5), c, DATA))
-
-
-@pytest.mark.timeout(60)
-def test_static_sharding_without_worker_list_is_an_error(cluster):
-    with pytest.raises(errors.InvalidArgumentError, match="needs a fixed worker list"):
-        values(dist(ds.Dataset.range(5), cluster, FILE_OR_DATA))
-
-
-@pytest.mark.timeout(60)
-def test_worker_not_in_the_list_is_refused_naming_it(make_cluster):
-    (port,) = free_ports(1)
-    c = make_cluster(0, worker_addresses=["127.0.0.1:1"])
-    worker = c.add_worker(port=port, worker_address=f"127.0.0.1:{port}")
-    assert not worker.wait_registered(10)
-    with pytest.raises(errors.InvalidArgumentError, match=f"127.0.0.1:{port}.*not in"):
-        worker.join()
-
-
-@pytest.mark.timeout(60)
-def test_port_placeholders_give_each_worker_its_own_index(make_cluster):
-    c = make_cluster(0, worker_addresses=["127.0.0.1:%port%", "127.0.0.1:%port%"])
-    for port in free_ports(2):
-        c.add_worker(port=port, worker_address=f"127.0.0.1:{port}")
-    registered(c)
-    assert sorted(values(dist(ds.Dataset.range(10), c, DATA))) == list(range(10))
+        values(dist(ds.Dataset.range(5), c.target, DATA))
 
 
 # ================================================================ DYNAMIC
 def _dynamic_cases(names: list[str]) -> dict[str, tuple]:
     """name -> (dataset, expected multiset as a sorted list of plain values)."""
+    every_record = sorted(record(f, r) for f in range(NUM_FILES) for r in range(3))
     return {
+        "range": (ds.Dataset.range(500), list(range(500))),
         "from_tensor_slices": (
             ds.Dataset.from_tensor_slices({"a": np.arange(40), "b": np.arange(40) * 10}),
             sorted(({"a": i, "b": 10 * i} for i in range(40)), key=lambda e: e["a"]),
         ),
-        "list_files": (ds.Dataset.list_files(names, shuffle=False), sorted(names)),
-        "tfrecord_file_list": (
-            ds.TFRecordDataset(names),
-            sorted(record(f, r) for f in range(NUM_FILES) for r in range(3)),
+        "from_tensor_slices_array": (
+            ds.Dataset.from_tensor_slices(np.arange(300) * 3),
+            list(range(0, 900, 3)),
         ),
+        "list_files": (ds.Dataset.list_files(names, shuffle=False), sorted(names)),
+        "tfrecord_file_list": (ds.TFRecordDataset(names), every_record),
         "list_files_interleave": (
             ds.Dataset.list_files(names).interleave(
                 lambda f: ds.TFRecordDataset(f), cycle_length=3
             ),
-            sorted(record(f, r) for f in range(NUM_FILES) for r in range(3)),
+            every_record,
+        ),
+        "tfrecord_files": (
+            ds.Dataset.list_files(names).interleave(
+                lambda f: ds.TFRecordDataset(f), cycle_length=2
+            ),
+            every_record,
         ),
         "concatenate": (
             ds.Dataset.range(30).concatenate(ds.Dataset.range(100, 130)),
             list(range(30)) + list(range(100, 130)),
+        ),
+        "concatenate_50": (
+            ds.Dataset.range(50).concatenate(ds.Dataset.range(1000, 1050)),
+            list(range(50)) + list(range(1000, 1050)),
         ),
         "repeat": (ds.Dataset.range(25).repeat(2), sorted(2 * list(range(25)))),
     }
@@ -287,18 +145,28 @@ def _dynamic_cases(names: list[str]) -> dict[str, tuple]:
 @pytest.mark.parametrize(
     "case",
     [
+        "range",
         "from_tensor_slices",
+        "from_tensor_slices_array",
         "list_files",
         "tfrecord_file_list",
         "list_files_interleave",
+        "tfrecord_files",
         "concatenate",
+        "concatenate_50",
         "repeat",
     ],
 )
-def test_dynamic_produces_each_element_once(make_cluster, tfrecords, case):
-    c = registered(make_cluster(2))
+def test_dynamic_produces_each_element_once(harness, tfrecords, case):
+    c = harness.cluster(harness.pick(inprocess=2, processes=4))
     dataset, expected = _dynamic_cases(tfrecords)[case]
-    got = values(dist(dataset, c, DYNAMIC))
+    it = iter(dist(tagged(dataset), c.target, DYNAMIC))
+    tagged_got = values(it)
+    got = [x for x, _ in tagged_got]
+    # Produced by the cluster's workers: their processes, or this one for in-process ones.
+    pids = {pid for _, pid in tagged_got}
+    assert pids <= set(c.worker_pids if c.worker_pids is not None else [os.getpid()])
+    assert set(it.stats()["workers"]) <= set(c.worker_addresses)
     if got and isinstance(got[0], dict):
         got = sorted(got, key=lambda e: e["a"])
     else:
@@ -307,32 +175,31 @@ def test_dynamic_produces_each_element_once(make_cluster, tfrecords, case):
 
 
 @pytest.mark.timeout(60)
-def test_dynamic_zip_produces_each_element_of_each_source_once(make_cluster):
+def test_dynamic_zip_produces_each_element_of_each_source_once(harness):
     # Each source of a zip has its own split provider (as tf.data): every element of
     # each side is produced once; the pairing across workers is not promised.
-    c = registered(make_cluster(2))
+    c = harness.cluster(2)
     dataset = ds.Dataset.zip((ds.Dataset.range(40), ds.Dataset.from_tensor_slices(np.arange(40))))
-    got = values(dist(dataset, c, DYNAMIC))
+    got = values(dist(dataset, c.target, DYNAMIC))
     assert sorted(a for a, _ in got) == list(range(40))
     assert sorted(b for _, b in got) == list(range(40))
 
 
 @pytest.mark.timeout(60)
-def test_c05_dynamic_split_rpcs_are_far_fewer_than_elements(cluster):
+def test_c05_dynamic_split_rpcs_are_far_fewer_than_elements(harness):
     n = 100_000
+    c = harness.dispatcher_with_workers(1)
     calls: list[int] = []
-    get_splits = cluster.dispatcher._get_splits
+    get_splits = c.dispatcher._get_splits
 
     def counting(request):
         response = get_splits(request)
         calls.append(len(response.int_splits) + len(response.str_splits))
         return response
 
-    cluster.dispatcher._get_splits = counting
-    dataset_id = ds.register_dataset(cluster.target, ds.Dataset.range(n))
-    got = np.fromiter(
-        (int(x) for x in ds.from_dataset_id(DYNAMIC, cluster.target, dataset_id)), int
-    )
+    c.dispatcher._get_splits = counting
+    dataset_id = ds.register_dataset(c.target, ds.Dataset.range(n))
+    got = np.fromiter((int(x) for x in ds.from_dataset_id(DYNAMIC, c.target, dataset_id)), int)
     assert np.array_equal(np.sort(got), np.arange(n))
     assert sum(calls) == n
     assert 0 < len(calls) < n // 100, f"{len(calls)} GetSplits RPCs for {n} elements"
@@ -340,12 +207,11 @@ def test_c05_dynamic_split_rpcs_are_far_fewer_than_elements(cluster):
 
 # ================================================================ coordinated reads
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers,num_consumers", [(1, 2), (2, 3)])
-def test_coordinated_round_from_one_worker_consumer_i_gets_ith(
-    make_cluster, num_workers, num_consumers
-):
-    c = registered(make_cluster(num_workers))
-    readers = Consumers(ds.Dataset.range(10**6).repeat(), c.target, num_consumers, "coord")
+@pytest.mark.parametrize("num_workers,num_consumers", [(1, 2), (2, 3), (4, 3)])
+def test_coordinated_round_from_one_worker_consumer_i_gets_ith(harness, num_workers, num_consumers):
+    c = harness.cluster(num_workers)
+    job = f"coord-{num_workers}-{num_consumers}"
+    readers = Consumers(ds.Dataset.range(10**6).repeat(), c.target, num_consumers, job)
     try:
         rows, round_workers = [], []
         for _ in range(12):
@@ -365,140 +231,83 @@ def test_coordinated_round_from_one_worker_consumer_i_gets_ith(
 
 
 @pytest.mark.timeout(60)
-def test_coordinated_dynamic_rounds_are_consecutive_groups(make_cluster):
-    c = registered(make_cluster(2))
-    # Groups [3g, 3g + 3) of consecutive elements; DYNAMIC hands out the g's.
-    groups = ds.Dataset.range(10**6).flat_map(lambda g: ds.Dataset.range(3 * g, 3 * g + 3))
-    readers = Consumers(groups.repeat(), c.target, 3, "coord-dyn", mode=DYNAMIC)
-    try:
-        for _ in range(10):
-            row, workers = readers.read_round()
-            assert len(set(workers)) == 1
-            assert row[0] % 3 == 0 and row == [row[0], row[0] + 1, row[0] + 2]
-    finally:
-        readers.close()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "how", ["stops_reading", pytest.param("closes_its_iterator", marks=pytest.mark.slow)]
-)
-def test_c27_stopped_consumer_fails_the_other_within_client_timeout(make_cluster, how):
-    timeout_ms = 3000
-    c = registered(make_cluster(1, client_timeout_ms=timeout_ms))
-    readers = Consumers(ds.Dataset.range(10**6).repeat(), c.target, 2, "c27")
-    try:
-        for r in range(10):
-            assert readers.read_round()[0] == [2 * r, 2 * r + 1]
-        if how == "closes_its_iterator":
-            readers.iterators[1].close()
-        stopped = time.monotonic()
-        more = []
-        with pytest.raises(errors.DeadlineExceededError, match=r"consumer 0 of 2") as info:
-            while True:
-                more.append(to_py(next(readers.iterators[0])))
-        elapsed = time.monotonic() - stopped
-    finally:
-        readers.close()
-    # Consumer 0 got its own element of the rounds that could still open, then failed.
-    assert more == [2 * r for r in range(10, 10 + len(more))]
-    assert len(more) <= 8
-    assert elapsed < timeout_ms / 1000 + 3.0, f"failed after {elapsed:.1f} s"
-    assert "another consumer may have stopped" in str(info.value)
-
-
-@pytest.mark.timeout(60)
-def test_coordinated_read_of_finite_dataset_is_rejected_naming_cardinality(cluster):
-    dataset = dist(ds.Dataset.range(7), cluster, job_name="fin", consumer_index=0, num_consumers=1)
-    with pytest.raises(errors.FailedPreconditionError, match=r"infinite.*cardinality 7"):
+@pytest.mark.parametrize("size,num_consumers", [(7, 1), (9, 2)])
+def test_coordinated_read_of_finite_dataset_is_rejected_naming_cardinality(
+    harness, size, num_consumers
+):
+    c = harness.cluster(1)
+    dataset = dist(
+        ds.Dataset.range(size),
+        c.target,
+        job_name=f"fin-{size}",
+        consumer_index=0,
+        num_consumers=num_consumers,
+    )
+    with pytest.raises(errors.FailedPreconditionError, match=rf"infinite.*cardinality {size}"):
         next(iter(dataset))
-
-
-@pytest.mark.timeout(60)
-def test_coordinated_read_needs_both_or_neither_and_a_job_name(cluster):
-    inf = ds.Dataset.range(5).repeat()
-    with pytest.raises(ValueError):
-        inf.apply(ds.distribute(OFF, cluster.target, job_name="j", consumer_index=0))
-    with pytest.raises(ValueError, match="job_name"):
-        inf.apply(ds.distribute(OFF, cluster.target, consumer_index=0, num_consumers=2))
-    with pytest.raises(ValueError):
-        inf.apply(
-            ds.distribute(OFF, cluster.target, job_name="j", consumer_index=2, num_consumers=2)
-        )
 
 
 # ================================================================ cross-trainer cache
 INFINITE = ds.Dataset.range(10**7).repeat()
-
-
-def cached(dataset, cluster, trainer_id, job_name="cache-job", **kw):
-    return dist(
-        dataset,
-        cluster,
-        kw.pop("mode", OFF),
-        job_name=job_name,
-        cross_trainer_cache=ds.CrossTrainerCache(trainer_id),
-        **kw,
-    )
-
-
-def cache_cluster(make_cluster, size=None):
-    c = make_cluster(0)
-    c.add_worker(**({"cross_trainer_cache_size_bytes": size} if size else {}))
-    return registered(c)
+CACHE_BYTES = 400 * 800  # 400 elements of 800 B
 
 
 @pytest.mark.timeout(60)
-def test_cache_trainers_with_different_ids_see_the_same_elements(make_cluster):
-    c = cache_cluster(make_cluster)
-    its = [iter(cached(INFINITE, c, f"trainer-{t}")) for t in range(3)]
+def test_cache_trainers_with_different_ids_see_the_same_elements(harness):
+    c = harness.cluster(1, worker={"cross_trainer_cache_size_bytes": CACHE_BYTES})
+    its = [iter(cached(INFINITE, c.target, f"trainer-{t}", job_name="same")) for t in range(3)]
     got: list[list[int]] = [[], [], []]
     for _ in range(30):  # in lockstep
         for t, it in enumerate(its):
             got[t].append(to_py(next(it)))
-    assert got == [list(range(30))] * 3
     for it in its:
         it.close()
+    assert got == [list(range(30))] * 3
 
 
 @pytest.mark.timeout(60)
-def test_cache_reads_under_one_trainer_id_split_the_elements(make_cluster):
-    c = cache_cluster(make_cluster)
-    a, b = iter(cached(INFINITE, c, "same")), iter(cached(INFINITE, c, "same"))
+def test_cache_reads_under_one_trainer_id_split_the_elements(harness):
+    c = harness.cluster(1, worker={"cross_trainer_cache_size_bytes": CACHE_BYTES})
+    a = iter(cached(INFINITE, c.target, "same", job_name="split"))
+    b = iter(cached(INFINITE, c.target, "same", job_name="split"))
     got_a = [to_py(next(a)) for _ in range(20)]
     got_b = [to_py(next(b)) for _ in range(20)]
+    a.close()
+    b.close()
     # One cursor, first come first served: each sees an increasing run, none twice.
     assert got_a == sorted(got_a) and got_b == sorted(got_b)
     assert not set(got_a) & set(got_b)
     assert 0 in got_a + got_b
-    a.close()
-    b.close()
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("cache_bytes", [None, 8000])
-def test_cache_byte_bound_evicts_old_elements(make_cluster, cache_bytes):
-    c = cache_cluster(make_cluster, cache_bytes)
-    dataset = ds.Dataset.range(10**7).map(lambda i: np.full(100, i, np.int64)).repeat()  # 800 B
-    first = iter(cached(dataset, c, "first"))
-    assert [int(next(first)[0]) for _ in range(200)] == list(range(200))
+@pytest.mark.parametrize(
+    "cache_bytes,first_reads,oldest",
+    [(None, 200, 0), (8000, 200, 190), (CACHE_BYTES, 2000, 1600)],
+    ids=["default", "8000", "320000"],
+)
+def test_cache_byte_bound_evicts_old_elements(harness, cache_bytes, first_reads, oldest):
+    options = {"cross_trainer_cache_size_bytes": cache_bytes} if cache_bytes else {}
+    c = harness.cluster(1, worker=options)
+    job = f"evict-{cache_bytes}"
+    first = iter(cached(big_elements(), c.target, "first", job_name=job))
+    assert [int(next(first)[0]) for _ in range(first_reads)] == list(range(first_reads))
     first.close()  # its read-ahead no longer moves the window
-    second = iter(cached(dataset, c, "second"))
+    second = iter(cached(big_elements(), c.target, "second", job_name=job))
     got = [int(next(second)[0]) for _ in range(20)]
     second.close()
     if cache_bytes is None:  # 1 GiB by default: the newcomer starts at the first element
         assert got == list(range(20))
-    else:  # 8000 B hold 10 elements: the newcomer starts at the oldest one still cached
-        assert got[0] >= 190 and got == list(range(got[0], got[0] + 20))
+    else:  # the newcomer starts at the oldest element still cached (cache_bytes / 800 B)
+        assert got[0] >= oldest and got == list(range(got[0], got[0] + 20))
 
 
 @pytest.mark.timeout(60)
-def test_cache_lagging_trainer_skips_to_the_oldest_cached_element(make_cluster):
-    c = cache_cluster(make_cluster, 400 * 800)  # 400 elements of 800 B
-    dataset = ds.Dataset.range(10**7).map(lambda i: np.full(100, i, np.int64)).repeat()
-    slow = iter(cached(dataset, c, "slow"))
+def test_cache_lagging_trainer_skips_to_the_oldest_cached_element(harness):
+    c = harness.cluster(1, worker={"cross_trainer_cache_size_bytes": CACHE_BYTES})
+    slow = iter(cached(big_elements(), c.target, "slow", job_name="lag"))
     assert [int(next(slow)[0]) for _ in range(5)] == list(range(5))
-    fast = iter(cached(dataset, c, "fast"))  # a new trainer: from the oldest cached, 0
+    fast = iter(cached(big_elements(), c.target, "fast", job_name="lag"))  # from 0
     assert [int(next(fast)[0]) for _ in range(2000)] == list(range(2000))
     fast.close()
     got = [int(next(slow)[0]) for _ in range(60)]
@@ -514,377 +323,19 @@ def test_cache_lagging_trainer_skips_to_the_oldest_cached_element(make_cluster):
 
 
 @pytest.mark.timeout(60)
-def test_cache_trainers_arriving_together_both_see_every_element(make_cluster, monkeypatch):
-    """Two trainers at the head of an empty window both ask the cache to fill
-    it. Only one may pull from the pipeline: were both to pull up to 64
-    elements, the window (room for 100) would overflow and evict elements
-    neither trainer has read (trainer b would start at 28, not 0)."""
-    from dataservice.worker.cross_trainer_cache import CrossTrainerCache as Cache
-
-    c = cache_cluster(make_cluster, 100 * 800)  # room for 100 elements of 800 B
-    extend = Cache._extend
-    together = threading.Barrier(2, timeout=10)
-    mu = threading.Lock()
-    held: list[int] = []  # the window end each held fill saw
-    broken: list[BaseException] = []
-
-    def extend_together(self, seen_end_index, timeout_s):
-        # Fault injection: hold the first two fills until both trainers are in
-        # `_extend` at the head, and the task has 200 elements ready (as a fast
-        # pipeline would), then let both go at once.
-        with mu:
-            hold = len(held) < 2
-            if hold:
-                held.append(seen_end_index)
-        if hold:
-            try:
-                together.wait()
-            except threading.BrokenBarrierError as err:
-                broken.append(err)
-            deadline = time.monotonic() + 5
-            while len(self._runner._buffer) < 200 and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return extend(self, seen_end_index, timeout_s)
-
-    monkeypatch.setattr(Cache, "_extend", extend_together)
-    dataset = ds.Dataset.range(10**7).map(lambda i: np.full(100, i, np.int64)).repeat()
-    a, b = iter(cached(dataset, c, "a")), iter(cached(dataset, c, "b"))
-    # Both trainers' first next() at once: a reader asks for nothing before it.
-    first: dict[str, int] = {}
-    starts = [
-        threading.Thread(target=lambda n=n, it=it: first.update({n: int(next(it)[0])}))
-        for n, it in (("a", a), ("b", b))
-    ]
-    for t in starts:
-        t.start()
-    for t in starts:
-        t.join()
-    got_a = [first["a"]] + [int(next(a)[0]) for _ in range(39)]
-    got_b = [first["b"]] + [int(next(b)[0]) for _ in range(39)]
-    a.close()
-    b.close()
-    # The race happened: both trainers were filling an empty window together.
-    assert (held, broken) == ([0, 0], [])
-    assert (got_a, got_b) == (list(range(40)), list(range(40)))
-
-
-@pytest.mark.timeout(60)
-def test_cache_of_finite_dataset_is_rejected(make_cluster):
-    c = cache_cluster(make_cluster)
-    with pytest.raises(errors.FailedPreconditionError, match=r"infinite.*cardinality 10"):
-        next(iter(cached(ds.Dataset.range(10), c, "t")))
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("protocol", [None, "grpc"])
-def test_cache_same_host_trainers_read_through_shared_memory(make_cluster, protocol):
-    # "auto": every same-host trainer reads the cached window from the one
-    # shared-memory segment it lives in (a connection and a hold slot a trainer,
-    # no ring); data_transfer_protocol="grpc" still forces gRPC.
-    from dataservice.transfer import shm
-
-    c = cache_cluster(make_cluster)
-    its = [
-        iter(cached(INFINITE, c, f"trainer-{t}", data_transfer_protocol=protocol)) for t in range(3)
-    ]
-    got: list[list[int]] = [[], [], []]
-    for _ in range(25):  # in lockstep
-        for t, it in enumerate(its):
-            got[t].append(to_py(next(it)))
-    late = iter(cached(INFINITE, c, "late", data_transfer_protocol=protocol))
-    got.append([to_py(next(late)) for _ in range(25)])  # a newcomer starts at the oldest
-    its.append(late)
-    (worker,) = c.workers
-    rings = [r for s in shm.live_servers() if s.worker is worker for r in s.ring_stats()]
-    (task,) = worker._tasks.values()
-    attached = task.cross_trainer_cache.stats()["attached_slots"]
-    protocols = []
-    for it in its:
-        (stats,) = it.stats()["workers"].values()
-        protocols.append(stats["transfer_protocol"])
-        it.close()
-    assert got == [list(range(25))] * 4
-    assert rings == []
-    if protocol is None:
-        assert protocols == ["shm"] * 4
-        assert len(attached) == 4  # each maps the window's segment
-    else:
-        assert protocols == ["grpc"] * 4
-        assert attached == []
-
-
-# ================================================================ target_workers
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("target", ["AUTO", "ANY", "LOCAL", "local"])
-def test_target_workers_with_local_workers_reads_all(make_cluster, target):
-    c = registered(make_cluster(2))
-    got = values(dist(ds.Dataset.range(10), c, target_workers=target))
-    assert sorted(got) == sorted(2 * list(range(10)))
-
-
-@pytest.mark.timeout(60)
-def test_target_workers_must_agree_within_a_job(cluster):
-    d_auto = dist(ds.Dataset.range(10), cluster, job_name="tw", target_workers="AUTO")
-    d_any = dist(ds.Dataset.range(10), cluster, job_name="tw", target_workers="ANY")
-    it = iter(d_auto)
-    assert to_py(next(it)) == 0
-    with pytest.raises(
-        errors.InvalidArgumentError, match=r"target_workers \(existing: AUTO, requested: ANY\)"
-    ):
-        next(iter(d_any))
-    it.close()
-
-
-@pytest.mark.timeout(60)
-def test_target_workers_bad_value_and_local_coordinated_read(cluster):
-    with pytest.raises(ValueError, match="target_workers"):
-        ds.distribute(OFF, cluster.target, target_workers="NEAR")
-    dataset = dist(
-        ds.Dataset.range(5).repeat(),
-        cluster,
-        job_name="tw-coord",
-        consumer_index=0,
-        num_consumers=1,
-        target_workers="LOCAL",
-    )
-    with pytest.raises(errors.InvalidArgumentError, match="Coordinated reads.*LOCAL"):
-        next(iter(dataset))
-
-
-# ================================================================ local reads on several hosts
-HOSTS = ["host-a", "host-a", "host-b", "host-b"]  # of the workers, by index
-
-
-def two_host_cluster(make_cluster, monkeypatch, **kw):
-    """A fixed list of 4 in-process workers: 0 and 1 register from host-a, 2
-    and 3 from host-b (DATASERVICE_HOST_ID while each registers: the
-    dispatcher keeps the host id a worker registered with)."""
-    ports = free_ports(len(HOSTS))
-    addresses = [f"127.0.0.1:{p}" for p in ports]
-    c = make_cluster(0, worker_addresses=addresses, **kw)
-    for port, address, host in zip(ports, addresses, HOSTS, strict=True):
-        monkeypatch.setenv("DATASERVICE_HOST_ID", host)
-        assert c.add_worker(port=port, worker_address=address).wait_registered(10), address
-    return registered(c)
-
-
-def read_on(host: str, monkeypatch, dataset):
-    """An iterator of `dataset` whose consumer is on `host` (its client says so
-    to the dispatcher when it starts). gRPC only: the in-process workers'
-    shared-memory endpoints depend on the host id of the moment."""
-    monkeypatch.setenv("DATASERVICE_HOST_ID", host)
-    return iter(dataset)
-
-
-def elements_by_worker(it) -> dict[str, int]:
-    return {a: w["elements"] for a, w in it.stats()["workers"].items() if w["elements"]}
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("target", ["AUTO", "LOCAL"])
-def test_static_sharding_named_job_on_two_hosts_each_reads_its_own_workers_shards(
-    make_cluster, monkeypatch, target
-):
-    # One job, a consumer on each host: each reads the shards of its own host's
-    # workers (worker i keeps i, i + 4, ...), whether it joins while the other
-    # host reads or after; a third host with no worker is refused, naming it.
-    c = two_host_cluster(make_cluster, monkeypatch)
-    addresses = c.dispatcher_config.worker_addresses
-
-    def job():
-        return dist(
-            ds.Dataset.range(40),
-            c,
-            DATA,
-            job_name="hosts",
-            target_workers=target,
-            data_transfer_protocol="grpc",
-        )
-
-    a = read_on("host-a", monkeypatch, job())
-    got_a = [to_py(next(a))]
-    b = read_on("host-b", monkeypatch, job())  # joins while host-a reads
-    got_a += values(a)
-    got_b = values(b)
-    assert sorted(got_a) == [x for x in range(40) if x % 4 in (0, 1)]
-    assert sorted(got_b) == [x for x in range(40) if x % 4 in (2, 3)]
-    assert elements_by_worker(a) == {addresses[0]: 10, addresses[1]: 10}
-    assert elements_by_worker(b) == {addresses[2]: 10, addresses[3]: 10}
-    late = read_on("host-b", monkeypatch, job())  # host-b's part was read to its end
-    assert values(late) == []
-    with pytest.raises(errors.InvalidArgumentError, match=r"4 workers are registered") as info:
-        read_on("host-c", monkeypatch, job())
-    assert "none on the client's host (host-c)" in str(info.value)
-
-
-@pytest.mark.timeout(60)
-def test_local_off_named_job_on_two_hosts_each_reads_a_copy_per_own_worker(
-    make_cluster, monkeypatch
-):
-    # LOCAL with OFF: each host's consumer gets a full copy from each of its own
-    # two workers, host-b's after host-a's part ended; once both let go the job
-    # is collected, and the name starts over (host-b reads its copies again).
-    c = two_host_cluster(
-        make_cluster, monkeypatch, job_gc_check_interval_ms=100, job_gc_timeout_ms=300
-    )
-    addresses = c.dispatcher_config.worker_addresses
-
-    def job():
-        return dist(
-            ds.Dataset.range(5),
-            c,
-            job_name="copies",
-            target_workers="LOCAL",
-            data_transfer_protocol="grpc",
-        )
-
-    a = read_on("host-a", monkeypatch, job())
-    assert sorted(values(a)) == sorted(2 * list(range(5)))
-    assert elements_by_worker(a) == {addresses[0]: 5, addresses[1]: 5}
-    b = read_on("host-b", monkeypatch, job())
-    assert sorted(values(b)) == sorted(2 * list(range(5)))
-    assert elements_by_worker(b) == {addresses[2]: 5, addresses[3]: 5}
-    wait_until(lambda: c.dispatcher._state.live_job_named("copies") is None, 10, "job GC")
-    wait_until(lambda: all(w.num_tasks() == 0 for w in c.workers), 10, "tasks to stop")
-    again = read_on("host-b", monkeypatch, job())
-    assert sorted(values(again)) == sorted(2 * list(range(5)))
-    assert elements_by_worker(again) == {addresses[2]: 5, addresses[3]: 5}
-
-
-@pytest.mark.timeout(60)
-def test_local_dynamic_named_job_on_two_hosts_each_element_once(make_cluster, monkeypatch):
-    # DYNAMIC splits are the iteration's: consumers on the two hosts read their
-    # own workers, and together see each element once.
-    c = two_host_cluster(make_cluster, monkeypatch)
-    addresses = c.dispatcher_config.worker_addresses
-
-    def job():
-        return dist(
-            ds.Dataset.range(200),
-            c,
-            DYNAMIC,
-            job_name="splits",
-            target_workers="LOCAL",
-            data_transfer_protocol="grpc",
-        )
-
-    readers = {"host-a": read_on("host-a", monkeypatch, job())}
-    readers["host-b"] = read_on("host-b", monkeypatch, job())
-    its = dict(readers)
-    got: dict[str, list] = {"host-a": [], "host-b": []}
-    while readers:  # in turns
-        for host, it in list(readers.items()):
-            try:
-                got[host].append(to_py(next(it)))
-            except StopIteration:
-                del readers[host]
-    assert sorted(got["host-a"] + got["host-b"]) == list(range(200))
-    assert set(elements_by_worker(its["host-a"])) <= set(addresses[:2])
-    assert set(elements_by_worker(its["host-b"])) <= set(addresses[2:])
-
-
-# ================================================================ job GC
-@pytest.mark.timeout(60)
-def test_gc_abandoned_named_job_stops_its_tasks_and_frees_the_name(make_cluster):
-    c = registered(make_cluster(1, job_gc_check_interval_ms=100, job_gc_timeout_ms=300))
-    worker = c.workers[0]
-    dataset = dist(ds.Dataset.range(10**6), c, job_name="gc")
-    it = iter(dataset)
-    assert [to_py(next(it)) for _ in range(3)] == [0, 1, 2]
-    assert worker.num_tasks() == 1
-    del it
-    gc.collect()
-    took = wait_until(lambda: worker.num_tasks() == 0, 10, "the abandoned job's task to stop")
-    assert took < 5
-    # The name is free again: a new job from the start.
-    again = iter(dist(ds.Dataset.range(10**6), c, job_name="gc"))
-    assert [to_py(next(again)) for _ in range(3)] == [0, 1, 2]
-    again.close()
-
-
-@pytest.mark.timeout(60)
-def test_gc_keeps_a_job_whose_consumer_is_alive(make_cluster):
-    c = registered(make_cluster(1, job_gc_check_interval_ms=100, job_gc_timeout_ms=300))
-    worker = c.workers[0]
-    live = iter(dist(ds.Dataset.range(200), c, job_name="live"))
-    first = [to_py(next(live)) for _ in range(5)]
-    idle = iter(dist(ds.Dataset.range(10**6), c, job_name="idle"))
-    next(idle)
-    wait_until(lambda: worker.num_tasks() == 2, 10, "two tasks")
-    del idle
-    gc.collect()
-    # Once the abandoned job is collected, the GC has run past its timeout while the
-    # live consumer sat idle: its job must have been kept.
-    wait_until(lambda: worker.num_tasks() == 1, 10, "the abandoned job to be collected")
-    assert first + values(live) == list(range(200))
-
-
-@pytest.mark.timeout(60)
-def test_anonymous_job_tasks_stop_when_its_iterator_closes(cluster2):
-    it = iter(dist(ds.Dataset.range(10**6), cluster2))
-    next(it)
-    wait_until(lambda: all(w.num_tasks() == 1 for w in cluster2.workers), 10, "tasks")
-    it.close()
-    wait_until(lambda: all(w.num_tasks() == 0 for w in cluster2.workers), 5, "tasks to stop")
-
-
-@pytest.mark.timeout(60)
-def test_finished_named_job_reused_ends_at_once(cluster):
-    assert values(dist(ds.Dataset.range(5), cluster, job_name="done")) == list(range(5))
-    start = time.monotonic()
-    assert values(dist(ds.Dataset.range(5), cluster, job_name="done")) == []
-    assert time.monotonic() - start < 3
-
-
-# ================================================================ element_spec, cardinality
-@pytest.mark.timeout(60)
-def test_element_spec_of_distributed_datasets(cluster):
-    spec = dist(ds.Dataset.range(10), cluster).element_spec
-    assert spec == ds.TensorSpec((), np.int64)
-    nested = ds.Dataset.from_tensor_slices(
-        {"image": np.zeros((4, 2, 3), np.uint8), "label": np.arange(4)}
-    )
-    expected = {"image": ds.TensorSpec((2, 3), np.uint8), "label": ds.TensorSpec((), np.int64)}
-    assert dist(nested, cluster, DYNAMIC).element_spec == expected
-    dataset_id = ds.register_dataset(cluster.target, nested)
-    # Without element_spec, from_dataset_id asks the dispatcher for it.
-    assert ds.from_dataset_id(OFF, cluster.target, dataset_id).element_spec == expected
-    given = {"image": ds.TensorSpec((2, None), np.uint8), "label": ds.TensorSpec((), np.int64)}
-    read = ds.from_dataset_id(OFF, cluster.target, dataset_id, element_spec=given)
-    assert read.element_spec == given
-    assert [to_py(e)["label"] for e in read] == [0, 1, 2, 3]
-
-
-@pytest.mark.timeout(60)
-def test_cardinality_of_distributed_datasets(cluster):
-    inf = ds.Dataset.range(10).repeat()
-    assert dist(inf, cluster, OFF).cardinality() == ds.INFINITE_CARDINALITY
-    assert dist(inf, cluster, DYNAMIC).cardinality() == ds.INFINITE_CARDINALITY
-    assert dist(inf, cluster, OFF).take(5).cardinality() == 5
-    # How many workers produce a finite dataset is unknown until it is read.
-    assert dist(ds.Dataset.range(10), cluster, OFF).cardinality() == ds.UNKNOWN_CARDINALITY
-    assert dist(ds.Dataset.range(10), cluster, DYNAMIC).cardinality() == ds.UNKNOWN_CARDINALITY
-    assert dist(ds.Dataset.range(0), cluster, DYNAMIC).cardinality() == 0
-    dataset_id = ds.register_dataset(cluster.target, inf)
-    read = ds.from_dataset_id(OFF, cluster.target, dataset_id)
-    # As tf.data service: from the cardinality registered with the dataset.
-    assert read.cardinality() == ds.INFINITE_CARDINALITY
+@pytest.mark.parametrize("size", [10, 12])
+def test_cache_of_finite_dataset_is_rejected(harness, size):
+    c = harness.cluster(1, worker={"cross_trainer_cache_size_bytes": CACHE_BYTES})
+    with pytest.raises(errors.FailedPreconditionError, match=rf"infinite.*cardinality {size}"):
+        next(iter(cached(ds.Dataset.range(size), c.target, "t", job_name=f"fin-{size}")))
 
 
 # ================================================================ C-29: uneven data
-def _two_files_four_workers(make_cluster, tfrecords, mode):
-    c = static_cluster(make_cluster, 4)
-    return list(dist(read_files(tfrecords[:2]), c, mode))
-
-
-C29_TWO_FILES = sorted(record(f, r) for f in (0, 1) for r in range(3))
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "case",
     [
-        "dynamic_3_elements_and_none_8_workers",
+        "dynamic_3_elements_and_none",
         "file_2_files_4_workers",
         "data_2_files_4_workers",
         "file_or_data_2_files_4_workers",
@@ -892,32 +343,34 @@ C29_TWO_FILES = sorted(record(f, r) for f in (0, 1) for r in range(3))
         "coordinated_3_consumers_2_elements_per_epoch",
     ],
 )
-def test_c29_uneven_data_ends_cleanly(make_cluster, tfrecords, case):
-    if case == "dynamic_3_elements_and_none_8_workers":
-        c = registered(make_cluster(8))
-        assert sorted(values(dist(ds.Dataset.range(3), c, DYNAMIC))) == [0, 1, 2]
-        assert values(dist(ds.Dataset.range(0), c, DYNAMIC)) == []
+def test_c29_uneven_data_ends_cleanly(harness, tfrecords, case):
+    two_files = read_files(tfrecords[:2])
+    two_files_records = sorted(record(f, r) for f in (0, 1) for r in range(3))
+    if case == "dynamic_3_elements_and_none":
+        c = harness.cluster(harness.pick(inprocess=8, processes=4))
+        assert sorted(values(dist(ds.Dataset.range(3), c.target, DYNAMIC))) == [0, 1, 2]
+        assert values(dist(ds.Dataset.range(0), c.target, DYNAMIC)) == []
     elif case == "file_2_files_4_workers":
         # FILE needs a file per worker: a clear error naming both counts.
+        c = harness.static(STATIC)
         with pytest.raises(errors.DataServiceError, match=r"2 files for 4 workers"):
-            _two_files_four_workers(make_cluster, tfrecords, FILE)
-    elif case == "data_2_files_4_workers":
-        assert sorted(_two_files_four_workers(make_cluster, tfrecords, DATA)) == C29_TWO_FILES
-    elif case == "file_or_data_2_files_4_workers":
-        got = _two_files_four_workers(make_cluster, tfrecords, FILE_OR_DATA)
-        assert sorted(got) == C29_TWO_FILES
+            list(dist(two_files, c.target, FILE, target_workers="ANY"))
+    elif case in ("data_2_files_4_workers", "file_or_data_2_files_4_workers"):
+        c = harness.static(STATIC)
+        mode = DATA if case.startswith("data") else FILE_OR_DATA
+        got = list(dist(two_files, c.target, mode, target_workers="ANY"))
+        assert sorted(got) == two_files_records
     elif case == "data_empty_shards":
-        c = static_cluster(make_cluster, 4)
-        it = iter(dist(ds.Dataset.range(2), c, DATA))
-        assert sorted(values(it)) == [0, 1]
+        assert harness.read_shards(ds.Dataset.range(2), DATA, STATIC) == {0: [0], 1: [1]}
     elif case == "coordinated_3_consumers_2_elements_per_epoch":
-        c = registered(make_cluster(2))
+        w, num_rounds = harness.pick(inprocess=(2, 6), processes=(4, 8))
+        c = harness.cluster(w)
         readers = Consumers(ds.Dataset.range(2).repeat(), c.target, 3, "c29")
         try:
-            rows = [readers.read_round()[0] for _ in range(6)]
+            rows = [readers.read_round()[0] for _ in range(num_rounds)]
         finally:
             readers.close()
         # Worker streams are 0, 1, 0, 1, ...; round r takes its worker's next 3.
-        assert rows == [[(3 * (r // 2) + i) % 2 for i in range(3)] for r in range(6)]
+        assert rows == [[(3 * (r // w) + i) % 2 for i in range(3)] for r in range(num_rounds)]
     else:
         raise AssertionError(case)

@@ -1,10 +1,12 @@
-"""The scenarios of `test_modes.py` with workers in separate processes:
-`LocalCluster`, or `python -m dataservice worker` processes started here when
-each needs its own port (static sharding) or host id (locality). Elements are
-tagged on the worker with its pid where a test asserts which worker produced
-what. Also C-19 (worker memory flat across epochs of a big in-memory source,
-held once on the host for all workers) and C-27 with a consumer process that
-is SIGKILLed.
+"""Processing-mode scenarios that need worker processes: `LocalCluster`, or
+`python -m dataservice worker` processes started here when each needs its own port
+(static sharding) or host id (locality). Elements are tagged on the worker with its pid
+where a test asserts which worker produced what. Also C-19 (worker memory flat across epochs
+of a big in-memory source, held once on the host for all workers), C-27 with a consumer
+process that is SIGKILLed, job GC measured in worker memory, and a dispatcher restart.
+
+The scenarios that make sense in-process too are in `test_modes.py`, run under both
+harnesses; `test_modes_inprocess.py` has those only in-process servers can run.
 """
 
 from __future__ import annotations
@@ -13,18 +15,13 @@ import gc
 import glob
 import hashlib
 import os
-import queue
-import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 
 import numpy as np
 import psutil
@@ -33,199 +30,43 @@ import pytest
 import dataservice as ds
 from dataservice import errors
 from tests.conftest import to_py, values
+from tests.integration.modes_common import (
+    DATA,
+    DYNAMIC,
+    FILE,
+    FILE_OR_DATA,
+    HINT,
+    LOCAL_INDEX,
+    NUM_FILES,
+    REPO,
+    FixedWorkersCluster,
+    StaticCluster,
+    by_pid,
+    cached,
+    dist,
+    free_ports,
+    line_reader,
+    next_line,
+    read_files,
+    record,
+    start_workers,
+    tagged,
+    wait_until,
+    write_tfrecords,
+)
 
-OFF = ds.ShardingPolicy.OFF
-DYNAMIC = ds.ShardingPolicy.DYNAMIC
-FILE = ds.ShardingPolicy.FILE
-DATA = ds.ShardingPolicy.DATA
-FILE_OR_DATA = ds.ShardingPolicy.FILE_OR_DATA
-HINT = ds.ShardingPolicy.HINT
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NUM_FILES = 7
-RECORDS_PER_FILE = 3
-STATIC_WORKERS = 4
-LOCAL_INDEX = 1  # of the static cluster: the only worker on this host
 SHARED_WORKERS = 4
 CLIENT_TIMEOUT_MS = 3000
-
-
-# ---------------------------------------------------------------- helpers
-def dist(dataset, target, mode=OFF, **kw):
-    return dataset.apply(ds.distribute(mode, target, **kw))
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float, what: str | Callable[[], str]) -> float:
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout_s:
-            described = what if isinstance(what, str) else what()
-            pytest.fail(f"timed out after {timeout_s} s waiting for {described}")
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def record(f: int, r: int) -> bytes:
-    return b"file %d record %d" % (f, r)
-
-
-def read_files(names: list[str]):
-    return ds.Dataset.list_files(names, shuffle=False).flat_map(lambda f: ds.TFRecordDataset(f))
-
-
-def tagged(dataset):
-    """Each element as (element, pid of the worker process that produced it)."""
-    return dataset.map(lambda x: (x, os.getpid()))
-
-
-def by_pid(got: list) -> dict[int, list]:
-    out: dict[int, list] = {}
-    for x, pid in got:
-        out.setdefault(pid, []).append(x)
-    return out
 
 
 def rss(pids: list[int]) -> int:
     return sum(psutil.Process(p).memory_info().rss for p in pids)
 
 
-def _line_reader(stream) -> queue.Queue:
-    """A queue of `stream`'s lines (None at EOF), filled by a thread that closes
-    the stream at EOF."""
-    lines: queue.Queue = queue.Queue()
-
-    def pump():
-        with stream:
-            for line in iter(stream.readline, ""):
-                lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return lines
-
-
-def _next_line(lines: queue.Queue, deadline: float, what: str) -> str:
-    try:
-        line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-    except queue.Empty:
-        pytest.fail(f"no line from {what} in time")
-    if line is None:
-        pytest.fail(f"{what} exited before printing its line")
-    return line
-
-
-class WorkerProcess:
-    """`python -m dataservice worker` on a fixed port, optionally under another host id."""
-
-    def __init__(self, dispatcher: str, port: int, host_id: str | None = None, **flags) -> None:
-        self.port = port
-        self.address = f"127.0.0.1:{port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (os.path.join(REPO, "python"), REPO, env.get("PYTHONPATH")) if p
-        )
-        if host_id:
-            env["DATASERVICE_HOST_ID"] = host_id
-        argv = [sys.executable, "-m", "dataservice", "worker", "--dispatcher", dispatcher]
-        argv += ["--port", str(port), "--worker-address", self.address]
-        argv += ["--heartbeat-interval-ms", "100", "--parent-pid", str(os.getpid())]
-        for name, value in flags.items():
-            argv += ["--" + name.replace("_", "-"), str(value)]
-        self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=self._stderr, env=env, text=True
-        )
-        self.pid = self.proc.pid
-        self._lines = _line_reader(self.proc.stdout)
-
-    def wait_ready(self, deadline: float) -> None:
-        try:
-            line = _next_line(self._lines, deadline, f"worker {self.address}")
-        except BaseException:
-            self._stderr.seek(0)
-            print(self._stderr.read()[-3000:], file=sys.stderr)
-            raise
-        assert re.match(rf"dataservice worker listening on {self.address}$", line.strip()), line
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._stderr.close()
-
-
-def start_workers(dispatcher: str, ports: list[int], host_ids: list[str | None], **flags):
-    workers = [
-        WorkerProcess(dispatcher, p, h, **flags) for p, h in zip(ports, host_ids, strict=True)
-    ]
-    deadline = time.monotonic() + 60
-    try:
-        for w in workers:
-            w.wait_ready(deadline)
-    except BaseException:
-        for w in workers:
-            w.stop()
-        raise
-    return workers
-
-
-class _FixedWorkersCluster:
-    """A dispatcher (in this process) configured with `config`, whose
-    `worker_addresses` are worker processes on `ports`, worker i with host id
-    `host_ids[i]` (None: ours)."""
-
-    def __init__(self, config: ds.DispatcherConfig, ports: list[int], host_ids: list) -> None:
-        self.config = config
-        self.dispatcher = ds.DispatchServer(config)
-        self.target = self.dispatcher.target
-        try:
-            self.workers = start_workers(self.target.split("://")[1], ports, host_ids)
-        except BaseException:
-            self.dispatcher.stop()
-            raise
-        self.index_of_pid = {w.pid: i for i, w in enumerate(self.workers)}
-
-    def by_worker(self, got: list) -> dict[int, list]:
-        return {self.index_of_pid[pid]: xs for pid, xs in by_pid(got).items()}
-
-    def stop(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.dispatcher.stop()
-
-
-class StaticCluster(_FixedWorkersCluster):
-    """A dispatcher (in this process) with a fixed list of 4 worker processes,
-    started on pre-picked ports; only worker LOCAL_INDEX shares our host id."""
-
-    def __init__(self) -> None:
-        ports = free_ports(STATIC_WORKERS)
-        addresses = [f"127.0.0.1:{p}" for p in ports]
-        host_ids = [None if i == LOCAL_INDEX else f"remote-host-{i}" for i in range(len(ports))]
-        super().__init__(ds.DispatcherConfig(worker_addresses=addresses), ports, host_ids)
-
-
 HOST_A, HOST_B = "host-a", "host-b"
 
 
-class TwoHostCluster(_FixedWorkersCluster):
+class TwoHostCluster(FixedWorkersCluster):
     """A fault-tolerant dispatcher (in this process, on a fixed port) with a
     fixed list of 4 worker processes: 0 and 1 on host-a, 2 and 3 on host-b."""
 
@@ -256,15 +97,7 @@ class TwoHostCluster(_FixedWorkersCluster):
 
 @pytest.fixture(scope="module")
 def tfrecords(tmp_path_factory) -> list[str]:
-    d = tmp_path_factory.mktemp("modes-processes-tfrecords")
-    names = []
-    for f in range(NUM_FILES):
-        path = str(d / f"file_{f}.tfrecord")
-        with ds.io.TFRecordWriter(path) as w:
-            for r in range(RECORDS_PER_FILE):
-                w.write(record(f, r))
-        names.append(path)
-    return names
+    return write_tfrecords(tmp_path_factory.mktemp("modes-processes-tfrecords"))
 
 
 @pytest.fixture(scope="module")
@@ -307,32 +140,6 @@ def cache_cluster() -> Iterator[ds.LocalCluster]:
 
 
 # ================================================================ static sharding
-@pytest.mark.timeout(60)
-def test_data_sharding_each_worker_process_keeps_every_nth(static):
-    got = values(dist(tagged(ds.Dataset.range(21)), static.target, DATA, target_workers="ANY"))
-    assert static.by_worker(got) == {i: list(range(i, 21, 4)) for i in range(4)}
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", [FILE, FILE_OR_DATA])
-def test_file_sharding_each_worker_process_reads_files_i_i_plus_n(static, tfrecords, mode):
-    got = list(dist(tagged(read_files(tfrecords)), static.target, mode, target_workers="ANY"))
-    assert static.by_worker(got) == {
-        i: [record(f, r) for f in range(i, NUM_FILES, 4) for r in range(3)] for i in range(4)
-    }
-
-
-@pytest.mark.timeout(60)
-def test_hint_in_worker_processes(static, tfrecords):
-    by_elements = tagged(ds.Dataset.range(20).shard(ds.SHARD_HINT, ds.SHARD_HINT))
-    got = values(dist(by_elements, static.target, HINT, target_workers="ANY"))
-    assert static.by_worker(got) == {i: list(range(i, 20, 4)) for i in range(4)}
-    files = ds.Dataset.list_files(tfrecords, shuffle=False).shard(ds.SHARD_HINT, ds.SHARD_HINT)
-    by_files = tagged(files.flat_map(lambda f: ds.TFRecordDataset(f)))
-    got = list(dist(by_files, static.target, HINT, target_workers="ANY"))
-    assert static.by_worker(got) == {
-        i: [record(f, r) for f in range(i, NUM_FILES, 4) for r in range(3)] for i in range(4)
-    }
 
 
 @pytest.mark.timeout(60)
@@ -495,16 +302,7 @@ def test_static_sharding_auto_from_another_host(static, monkeypatch):
     assert static.by_worker(got) == {i: list(range(i, 20, 4)) for i in range(4)}
 
 
-@pytest.mark.timeout(60)
-def test_empty_worker_list_with_processes_is_a_clear_error():
-    # LocalCluster passes [] as `--worker-addresses ''`: a fixed list of zero workers.
-    config = ds.DispatcherConfig(worker_addresses=[])
-    with ds.LocalCluster(0, dispatcher_config=config) as c:
-        with pytest.raises(errors.InvalidArgumentError, match=r"worker_addresses.*got \[\]"):
-            values(dist(ds.Dataset.range(5), c.target, DATA))
-
-
-@pytest.mark.slow  # the bug is in the dispatcher; test_modes.py shows it in-process
+@pytest.mark.slow  # the bug is in the dispatcher; test_modes_inprocess.py shows it
 @pytest.mark.timeout(60)
 def test_port_placeholders_with_local_cluster_read_every_shard_once():
     # Each '%port%' entry serves one worker (not the first entry for both).
@@ -536,94 +334,7 @@ def test_local_read_without_a_local_worker_is_an_error(shared, monkeypatch):
     assert sorted(got) == sorted(SHARED_WORKERS * list(range(5)))
 
 
-# ================================================================ DYNAMIC
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["range", "from_tensor_slices", "tfrecord_files", "concatenate"])
-def test_dynamic_with_worker_processes_each_element_once(shared, tfrecords, case):
-    if case == "range":
-        dataset, expected = ds.Dataset.range(500), list(range(500))
-    elif case == "from_tensor_slices":
-        dataset = ds.Dataset.from_tensor_slices(np.arange(300) * 3)
-        expected = list(range(0, 900, 3))
-    elif case == "tfrecord_files":
-        dataset = ds.Dataset.list_files(tfrecords).interleave(
-            lambda f: ds.TFRecordDataset(f), cycle_length=2
-        )
-        expected = sorted(record(f, r) for f in range(NUM_FILES) for r in range(3))
-    else:
-        dataset = ds.Dataset.range(50).concatenate(ds.Dataset.range(1000, 1050))
-        expected = list(range(50)) + list(range(1000, 1050))
-    got = values(dist(tagged(dataset), shared.target, DYNAMIC))
-    assert sorted(x for x, _ in got) == expected
-    assert set(by_pid(got)) <= set(shared.worker_pids)
-
-
-@pytest.mark.timeout(60)
-def test_c05_split_rpcs_with_a_worker_process():
-    n = 100_000
-    dispatcher = ds.DispatchServer()
-    calls: list[int] = []
-    get_splits = dispatcher._get_splits
-
-    def counting(request):
-        response = get_splits(request)
-        calls.append(len(response.int_splits))
-        return response
-
-    dispatcher._get_splits = counting
-    address = dispatcher.target.split("://")[1]
-    workers = start_workers(address, free_ports(1), [None])
-    try:
-        dataset_id = ds.register_dataset(dispatcher.target, ds.Dataset.range(n))
-        read = ds.from_dataset_id(DYNAMIC, dispatcher.target, dataset_id)
-        got = np.fromiter((int(x) for x in read), int)
-    finally:
-        for w in workers:
-            w.stop()
-        dispatcher.stop()
-    assert np.array_equal(np.sort(got), np.arange(n))
-    assert sum(calls) == n and 0 < len(calls) < n // 100
-
-
-# ================================================================ coordinated reads
-class Consumers:
-    def __init__(self, dataset, target: str, n: int, job_name: str, mode=OFF) -> None:
-        self.iterators = [
-            iter(
-                dataset.apply(
-                    ds.distribute(
-                        mode, target, job_name=job_name, consumer_index=i, num_consumers=n
-                    )
-                )
-            )
-            for i in range(n)
-        ]
-        self.pool = futures.ThreadPoolExecutor(max_workers=n)
-
-    def read_round(self) -> list:
-        fs = [self.pool.submit(next, it) for it in self.iterators]
-        return [to_py(f.result(timeout=30)) for f in fs]
-
-    def close(self) -> None:
-        for it in self.iterators:
-            it.close()
-        self.pool.shutdown(wait=False)
-
-
-@pytest.mark.timeout(60)
-def test_coordinated_rounds_with_worker_processes(shared):
-    readers = Consumers(tagged(ds.Dataset.range(10**6).repeat()), shared.target, 3, "coord")
-    try:
-        rows = [readers.read_round() for _ in range(12)]
-    finally:
-        readers.close()
-    w = SHARED_WORKERS
-    for r, row in enumerate(rows):
-        assert len({pid for _, pid in row}) == 1, f"round {r} mixes worker processes: {row}"
-        assert [x for x, _ in row] == [(r // w) * 3 + i for i in range(3)]
-    round_pids = [row[0][1] for row in rows]
-    assert len(set(round_pids[:w])) == w
-    assert round_pids == [round_pids[r % w] for r in range(12)]
+# ================================================================ C-27
 
 
 @pytest.mark.timeout(60)
@@ -658,12 +369,12 @@ def test_c27_killed_consumer_process_fails_the_other_within_client_timeout(share
         text=True,
     )
     try:
-        lines = _line_reader(proc.stdout)
+        lines = line_reader(proc.stdout)
         deadline = time.monotonic() + 30
-        assert _next_line(lines, deadline, "consumer 1").strip() == "ready"
+        assert next_line(lines, deadline, "consumer 1").strip() == "ready"
         w = SHARED_WORKERS
         mine = [to_py(next(consumer0)) for _ in range(10)]
-        theirs = [int(x) for x in _next_line(lines, deadline, "consumer 1").split()]
+        theirs = [int(x) for x in next_line(lines, deadline, "consumer 1").split()]
         assert mine == [(r // w) * 2 for r in range(10)]
         assert theirs == [(r // w) * 2 + 1 for r in range(10)]
         proc.send_signal(signal.SIGKILL)
@@ -682,85 +393,7 @@ def test_c27_killed_consumer_process_fails_the_other_within_client_timeout(share
     assert elapsed < CLIENT_TIMEOUT_MS / 1000 + 3.0, f"failed after {elapsed:.1f} s"
 
 
-@pytest.mark.timeout(60)
-def test_coordinated_finite_dataset_rejected_with_processes(shared):
-    dataset = dist(
-        ds.Dataset.range(9), shared.target, job_name="c-fin", consumer_index=0, num_consumers=2
-    )
-    with pytest.raises(errors.FailedPreconditionError, match=r"infinite.*cardinality 9"):
-        next(iter(dataset))
-
-
 # ================================================================ cross-trainer cache
-def cached(dataset, target, trainer_id, job_name="cache-job"):
-    return dist(
-        dataset, target, job_name=job_name, cross_trainer_cache=ds.CrossTrainerCache(trainer_id)
-    )
-
-
-def big_elements():
-    return ds.Dataset.range(10**7).map(lambda i: np.full(100, i, np.int64)).repeat()  # 800 B
-
-
-@pytest.mark.timeout(60)
-def test_cache_trainers_see_the_same_elements_from_a_worker_process(cache_cluster):
-    its = [iter(cached(ds.Dataset.range(10**7).repeat(), cache_cluster.target, t)) for t in "abc"]
-    got: list[list[int]] = [[], [], []]
-    for _ in range(30):
-        for t, it in enumerate(its):
-            got[t].append(to_py(next(it)))
-    for it in its:
-        it.close()
-    assert got == [list(range(30))] * 3
-
-
-@pytest.mark.timeout(60)
-def test_cache_one_trainer_id_splits_with_a_worker_process(cache_cluster):
-    dataset = ds.Dataset.range(10**7).repeat()
-    a = iter(cached(dataset, cache_cluster.target, "same", job_name="split"))
-    b = iter(cached(dataset, cache_cluster.target, "same", job_name="split"))
-    got_a = [to_py(next(a)) for _ in range(20)]
-    got_b = [to_py(next(b)) for _ in range(20)]
-    a.close()
-    b.close()
-    assert got_a == sorted(got_a) and got_b == sorted(got_b)
-    assert not set(got_a) & set(got_b) and 0 in got_a + got_b
-
-
-@pytest.mark.timeout(60)
-def test_cache_bytes_bound_evicts_in_a_worker_process(cache_cluster):
-    target = cache_cluster.target
-    first = iter(cached(big_elements(), target, "first", job_name="evict"))
-    assert [int(next(first)[0]) for _ in range(2000)] == list(range(2000))
-    first.close()
-    second = iter(cached(big_elements(), target, "second", job_name="evict"))
-    got = [int(next(second)[0]) for _ in range(20)]
-    second.close()
-    # 320,000 B hold 400 elements: the newcomer starts at the oldest one still cached.
-    assert got[0] >= 1600 and got == list(range(got[0], got[0] + 20))
-
-
-@pytest.mark.timeout(60)
-def test_cache_lagging_trainer_skips_ahead_in_a_worker_process(cache_cluster):
-    target = cache_cluster.target
-    slow = iter(cached(big_elements(), target, "slow", job_name="lag"))
-    assert [int(next(slow)[0]) for _ in range(5)] == list(range(5))
-    fast = iter(cached(big_elements(), target, "fast", job_name="lag"))
-    assert [int(next(fast)[0]) for _ in range(2000)] == list(range(2000))
-    fast.close()
-    got = [int(next(slow)[0]) for _ in range(60)]
-    slow.close()
-    gaps = [b - a for a, b in zip(got, got[1:], strict=False)]
-    assert got == sorted(got) and max(gaps) > 1000
-    jump = gaps.index(max(gaps)) + 1
-    assert got[jump] >= 1600
-    assert got[jump:] == list(range(got[jump], got[jump] + len(got) - jump))
-
-
-@pytest.mark.timeout(60)
-def test_cache_finite_dataset_rejected_by_worker_processes(cache_cluster):
-    with pytest.raises(errors.FailedPreconditionError, match=r"infinite.*cardinality 12"):
-        next(iter(cached(ds.Dataset.range(12), cache_cluster.target, "t", job_name="fin")))
 
 
 @pytest.mark.timeout(60)
@@ -1017,43 +650,3 @@ def test_c19_local_cluster_leaves_no_buffer_files_behind(how):
             wait_until(dead, 10, "the dispatcher to die")
             assert os.path.isdir(made)
     assert private_dirs(pid) == []
-
-
-# ================================================================ C-29: uneven data
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "case",
-    [
-        "dynamic_3_elements_4_workers",
-        "file_2_files_4_workers",
-        "data_2_files_4_workers",
-        "file_or_data_2_files_4_workers",
-        "data_empty_shards",
-        "coordinated_3_consumers_2_elements_per_epoch",
-    ],
-)
-def test_c29_uneven_data_with_worker_processes(shared, static, tfrecords, case):
-    two_files = read_files(tfrecords[:2])
-    expected_records = sorted(record(f, r) for f in (0, 1) for r in range(3))
-    if case == "dynamic_3_elements_4_workers":
-        assert sorted(values(dist(ds.Dataset.range(3), shared.target, DYNAMIC))) == [0, 1, 2]
-    elif case == "file_2_files_4_workers":
-        with pytest.raises(errors.DataServiceError, match=r"2 files for 4 workers"):
-            list(dist(two_files, static.target, FILE, target_workers="ANY"))
-    elif case in ("data_2_files_4_workers", "file_or_data_2_files_4_workers"):
-        mode = DATA if case.startswith("data") else FILE_OR_DATA
-        got = list(dist(two_files, static.target, mode, target_workers="ANY"))
-        assert sorted(got) == expected_records
-    elif case == "data_empty_shards":
-        got = values(dist(tagged(ds.Dataset.range(2)), static.target, DATA, target_workers="ANY"))
-        assert static.by_worker(got) == {0: [0], 1: [1]}
-    elif case == "coordinated_3_consumers_2_elements_per_epoch":
-        readers = Consumers(ds.Dataset.range(2).repeat(), shared.target, 3, "c29-coord")
-        try:
-            rows = [readers.read_round() for _ in range(8)]
-        finally:
-            readers.close()
-        w = SHARED_WORKERS
-        assert rows == [[(3 * (r // w) + i) % 2 for i in range(3)] for r in range(8)]
-    else:
-        raise AssertionError(case)

@@ -63,9 +63,12 @@ class TransferClient(abc.ABC):
         timeout_s: float,
         consumer_index: int = -1,
         round_index: int = -1,
+        trainer_id: str = "",
     ) -> ElementsResult:
         """Returns up to `max_elements` elements (and about `max_bytes` bytes);
         may return none before `timeout_s` seconds pass if none is ready.
+        `trainer_id` (non-empty) reads through the task's cross-trainer cache as
+        that trainer.
 
         Raises:
             WorkerError: The pipeline raised on the worker, after the elements it

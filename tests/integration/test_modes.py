@@ -12,6 +12,7 @@ processes, killed processes, host ids, dispatcher restarts).
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from tests.integration.modes_common import (
     FILE_OR_DATA,
     HINT,
     NUM_FILES,
+    OFF,
     Consumers,
     InProcessHarness,
     ProcessClusters,
@@ -328,6 +330,164 @@ def test_cache_of_finite_dataset_is_rejected(harness, size):
     c = harness.cluster(1, worker={"cross_trainer_cache_size_bytes": CACHE_BYTES})
     with pytest.raises(errors.FailedPreconditionError, match=rf"infinite.*cardinality {size}"):
         next(iter(cached(ds.Dataset.range(size), c.target, "t", job_name=f"fin-{size}")))
+
+
+# ========================= more coordinated reads, target_workers, named jobs, element_spec
+@pytest.mark.timeout(60)
+def test_coordinated_dynamic_rounds_are_consecutive_groups(harness):
+    c = harness.cluster(2)
+    # Groups [3g, 3g + 3) of consecutive elements; DYNAMIC hands out the g's.
+    groups = ds.Dataset.range(10**6).flat_map(lambda g: ds.Dataset.range(3 * g, 3 * g + 3))
+    readers = Consumers(groups.repeat(), c.target, 3, "coord-dyn", mode=DYNAMIC)
+    try:
+        for _ in range(10):
+            row, workers = readers.read_round()
+            assert len(set(workers)) == 1
+            assert row[0] % 3 == 0 and row == [row[0], row[0] + 1, row[0] + 2]
+    finally:
+        readers.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "how", ["stops_reading", pytest.param("closes_its_iterator", marks=pytest.mark.slow)]
+)
+def test_c27_stopped_consumer_fails_the_other_within_client_timeout(harness, how):
+    timeout_ms = 3000
+    c = harness.cluster(1, dispatcher={"client_timeout_ms": timeout_ms})
+    readers = Consumers(ds.Dataset.range(10**6).repeat(), c.target, 2, f"c27-{how}")
+    try:
+        for r in range(10):
+            assert readers.read_round()[0] == [2 * r, 2 * r + 1]
+        if how == "closes_its_iterator":
+            readers.iterators[1].close()
+        stopped = time.monotonic()
+        more = []
+        with pytest.raises(errors.DeadlineExceededError, match=r"consumer 0 of 2") as info:
+            while True:
+                more.append(to_py(next(readers.iterators[0])))
+        elapsed = time.monotonic() - stopped
+    finally:
+        readers.close()
+    # Consumer 0 got its own element of the rounds that could still open, then failed.
+    assert more == [2 * r for r in range(10, 10 + len(more))]
+    assert len(more) <= 8
+    assert elapsed < timeout_ms / 1000 + 3.0, f"failed after {elapsed:.1f} s"
+    assert "another consumer may have stopped" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_coordinated_read_needs_both_or_neither_and_a_job_name(harness):
+    cluster = harness.cluster(1)
+    inf = ds.Dataset.range(5).repeat()
+    with pytest.raises(ValueError):
+        inf.apply(ds.distribute(OFF, cluster.target, job_name="j", consumer_index=0))
+    with pytest.raises(ValueError, match="job_name"):
+        inf.apply(ds.distribute(OFF, cluster.target, consumer_index=0, num_consumers=2))
+    with pytest.raises(ValueError):
+        inf.apply(
+            ds.distribute(OFF, cluster.target, job_name="j", consumer_index=2, num_consumers=2)
+        )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", ["AUTO", "ANY", "LOCAL", "local"])
+def test_target_workers_with_local_workers_reads_all(harness, target):
+    c = harness.cluster(2)
+    got = values(dist(ds.Dataset.range(10), c, target_workers=target))
+    assert sorted(got) == sorted(2 * list(range(10)))
+
+
+@pytest.mark.timeout(60)
+def test_target_workers_must_agree_within_a_job(harness):
+    cluster = harness.cluster(1)
+    d_auto = dist(ds.Dataset.range(10), cluster, job_name="tw", target_workers="AUTO")
+    d_any = dist(ds.Dataset.range(10), cluster, job_name="tw", target_workers="ANY")
+    it = iter(d_auto)
+    assert to_py(next(it)) == 0
+    with pytest.raises(
+        errors.InvalidArgumentError, match=r"target_workers \(existing: AUTO, requested: ANY\)"
+    ):
+        next(iter(d_any))
+    it.close()
+
+
+@pytest.mark.timeout(60)
+def test_target_workers_bad_value_and_local_coordinated_read(harness):
+    cluster = harness.cluster(1)
+    with pytest.raises(ValueError, match="target_workers"):
+        ds.distribute(OFF, cluster.target, target_workers="NEAR")
+    dataset = dist(
+        ds.Dataset.range(5).repeat(),
+        cluster,
+        job_name="tw-coord",
+        consumer_index=0,
+        num_consumers=1,
+        target_workers="LOCAL",
+    )
+    with pytest.raises(errors.InvalidArgumentError, match="Coordinated reads.*LOCAL"):
+        next(iter(dataset))
+
+
+@pytest.mark.timeout(60)
+def test_finished_named_job_reused_ends_at_once(harness):
+    cluster = harness.cluster(1)
+    assert values(dist(ds.Dataset.range(5), cluster, job_name="done")) == list(range(5))
+    start = time.monotonic()
+    assert values(dist(ds.Dataset.range(5), cluster, job_name="done")) == []
+    assert time.monotonic() - start < 3
+
+
+@pytest.mark.timeout(60)
+def test_element_spec_of_distributed_datasets(harness):
+    cluster = harness.cluster(1)
+    spec = dist(ds.Dataset.range(10), cluster).element_spec
+    assert spec == ds.TensorSpec((), np.int64)
+    nested = ds.Dataset.from_tensor_slices(
+        {"image": np.zeros((4, 2, 3), np.uint8), "label": np.arange(4)}
+    )
+    expected = {"image": ds.TensorSpec((2, 3), np.uint8), "label": ds.TensorSpec((), np.int64)}
+    assert dist(nested, cluster, DYNAMIC).element_spec == expected
+    dataset_id = ds.register_dataset(cluster.target, nested)
+    # Without element_spec, from_dataset_id asks the dispatcher for it.
+    assert ds.from_dataset_id(OFF, cluster.target, dataset_id).element_spec == expected
+    given = {"image": ds.TensorSpec((2, None), np.uint8), "label": ds.TensorSpec((), np.int64)}
+    read = ds.from_dataset_id(OFF, cluster.target, dataset_id, element_spec=given)
+    assert read.element_spec == given
+    assert [to_py(e)["label"] for e in read] == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_cardinality_of_distributed_datasets(harness):
+    cluster = harness.cluster(1)
+    inf = ds.Dataset.range(10).repeat()
+    assert dist(inf, cluster, OFF).cardinality() == ds.INFINITE_CARDINALITY
+    assert dist(inf, cluster, DYNAMIC).cardinality() == ds.INFINITE_CARDINALITY
+    assert dist(inf, cluster, OFF).take(5).cardinality() == 5
+    # How many workers produce a finite dataset is unknown until it is read.
+    assert dist(ds.Dataset.range(10), cluster, OFF).cardinality() == ds.UNKNOWN_CARDINALITY
+    assert dist(ds.Dataset.range(10), cluster, DYNAMIC).cardinality() == ds.UNKNOWN_CARDINALITY
+    assert dist(ds.Dataset.range(0), cluster, DYNAMIC).cardinality() == 0
+    dataset_id = ds.register_dataset(cluster.target, inf)
+    read = ds.from_dataset_id(OFF, cluster.target, dataset_id)
+    # As tf.data service: from the cardinality registered with the dataset.
+    assert read.cardinality() == ds.INFINITE_CARDINALITY
+
+
+@pytest.mark.timeout(60)
+def test_element_spec_and_cardinality_of_a_dynamic_read(harness):
+    c = harness.cluster(harness.pick(inprocess=1, processes=4))
+    nested = ds.Dataset.from_tensor_slices({"x": np.zeros((6, 2), np.float32), "y": np.arange(6)})
+    expected = {"x": ds.TensorSpec((2,), np.float32), "y": ds.TensorSpec((), np.int64)}
+    assert dist(nested, c.target).element_spec == expected
+    dataset_id = ds.register_dataset(c.target, nested)
+    read = ds.from_dataset_id(DYNAMIC, c.target, dataset_id)
+    assert read.element_spec == expected
+    assert sorted(to_py(e)["y"] for e in read) == list(range(6))
+    inf = ds.Dataset.range(3).repeat()
+    assert dist(inf, c.target).cardinality() == ds.INFINITE_CARDINALITY
+    assert dist(inf, c.target, DYNAMIC).take(7).cardinality() == 7
+    assert dist(ds.Dataset.range(3), c.target).cardinality() == ds.UNKNOWN_CARDINALITY
 
 
 # ================================================================ C-29: uneven data

@@ -28,8 +28,6 @@ from tests.integration.modes_common import (
     FILE_OR_DATA,
     HINT,
     NUM_FILES,
-    OFF,
-    Consumers,
     cached,
     dist,
     free_ports,
@@ -151,65 +149,6 @@ def test_port_placeholders_give_each_worker_its_own_index(make_cluster):
     assert sorted(values(dist(ds.Dataset.range(10), c, DATA))) == list(range(10))
 
 
-# ================================================================ coordinated reads
-
-
-@pytest.mark.timeout(60)
-def test_coordinated_dynamic_rounds_are_consecutive_groups(make_cluster):
-    c = registered(make_cluster(2))
-    # Groups [3g, 3g + 3) of consecutive elements; DYNAMIC hands out the g's.
-    groups = ds.Dataset.range(10**6).flat_map(lambda g: ds.Dataset.range(3 * g, 3 * g + 3))
-    readers = Consumers(groups.repeat(), c.target, 3, "coord-dyn", mode=DYNAMIC)
-    try:
-        for _ in range(10):
-            row, workers = readers.read_round()
-            assert len(set(workers)) == 1
-            assert row[0] % 3 == 0 and row == [row[0], row[0] + 1, row[0] + 2]
-    finally:
-        readers.close()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "how", ["stops_reading", pytest.param("closes_its_iterator", marks=pytest.mark.slow)]
-)
-def test_c27_stopped_consumer_fails_the_other_within_client_timeout(make_cluster, how):
-    timeout_ms = 3000
-    c = registered(make_cluster(1, client_timeout_ms=timeout_ms))
-    readers = Consumers(ds.Dataset.range(10**6).repeat(), c.target, 2, "c27")
-    try:
-        for r in range(10):
-            assert readers.read_round()[0] == [2 * r, 2 * r + 1]
-        if how == "closes_its_iterator":
-            readers.iterators[1].close()
-        stopped = time.monotonic()
-        more = []
-        with pytest.raises(errors.DeadlineExceededError, match=r"consumer 0 of 2") as info:
-            while True:
-                more.append(to_py(next(readers.iterators[0])))
-        elapsed = time.monotonic() - stopped
-    finally:
-        readers.close()
-    # Consumer 0 got its own element of the rounds that could still open, then failed.
-    assert more == [2 * r for r in range(10, 10 + len(more))]
-    assert len(more) <= 8
-    assert elapsed < timeout_ms / 1000 + 3.0, f"failed after {elapsed:.1f} s"
-    assert "another consumer may have stopped" in str(info.value)
-
-
-@pytest.mark.timeout(60)
-def test_coordinated_read_needs_both_or_neither_and_a_job_name(cluster):
-    inf = ds.Dataset.range(5).repeat()
-    with pytest.raises(ValueError):
-        inf.apply(ds.distribute(OFF, cluster.target, job_name="j", consumer_index=0))
-    with pytest.raises(ValueError, match="job_name"):
-        inf.apply(ds.distribute(OFF, cluster.target, consumer_index=0, num_consumers=2))
-    with pytest.raises(ValueError):
-        inf.apply(
-            ds.distribute(OFF, cluster.target, job_name="j", consumer_index=2, num_consumers=2)
-        )
-
-
 # ================================================================ cross-trainer cache
 INFINITE = ds.Dataset.range(10**7).repeat()
 
@@ -311,44 +250,6 @@ def test_cache_same_host_trainers_read_through_shared_memory(make_cluster, proto
     else:
         assert protocols == ["grpc"] * 4
         assert attached == []
-
-
-# ================================================================ target_workers
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("target", ["AUTO", "ANY", "LOCAL", "local"])
-def test_target_workers_with_local_workers_reads_all(make_cluster, target):
-    c = registered(make_cluster(2))
-    got = values(dist(ds.Dataset.range(10), c, target_workers=target))
-    assert sorted(got) == sorted(2 * list(range(10)))
-
-
-@pytest.mark.timeout(60)
-def test_target_workers_must_agree_within_a_job(cluster):
-    d_auto = dist(ds.Dataset.range(10), cluster, job_name="tw", target_workers="AUTO")
-    d_any = dist(ds.Dataset.range(10), cluster, job_name="tw", target_workers="ANY")
-    it = iter(d_auto)
-    assert to_py(next(it)) == 0
-    with pytest.raises(
-        errors.InvalidArgumentError, match=r"target_workers \(existing: AUTO, requested: ANY\)"
-    ):
-        next(iter(d_any))
-    it.close()
-
-
-@pytest.mark.timeout(60)
-def test_target_workers_bad_value_and_local_coordinated_read(cluster):
-    with pytest.raises(ValueError, match="target_workers"):
-        ds.distribute(OFF, cluster.target, target_workers="NEAR")
-    dataset = dist(
-        ds.Dataset.range(5).repeat(),
-        cluster,
-        job_name="tw-coord",
-        consumer_index=0,
-        num_consumers=1,
-        target_workers="LOCAL",
-    )
-    with pytest.raises(errors.InvalidArgumentError, match="Coordinated reads.*LOCAL"):
-        next(iter(dataset))
 
 
 # ================================================================ local reads on several hosts
@@ -526,46 +427,3 @@ def test_anonymous_job_tasks_stop_when_its_iterator_closes(cluster2):
     wait_until(lambda: all(w.num_tasks() == 1 for w in cluster2.workers), 10, "tasks")
     it.close()
     wait_until(lambda: all(w.num_tasks() == 0 for w in cluster2.workers), 5, "tasks to stop")
-
-
-@pytest.mark.timeout(60)
-def test_finished_named_job_reused_ends_at_once(cluster):
-    assert values(dist(ds.Dataset.range(5), cluster, job_name="done")) == list(range(5))
-    start = time.monotonic()
-    assert values(dist(ds.Dataset.range(5), cluster, job_name="done")) == []
-    assert time.monotonic() - start < 3
-
-
-# ================================================================ element_spec, cardinality
-@pytest.mark.timeout(60)
-def test_element_spec_of_distributed_datasets(cluster):
-    spec = dist(ds.Dataset.range(10), cluster).element_spec
-    assert spec == ds.TensorSpec((), np.int64)
-    nested = ds.Dataset.from_tensor_slices(
-        {"image": np.zeros((4, 2, 3), np.uint8), "label": np.arange(4)}
-    )
-    expected = {"image": ds.TensorSpec((2, 3), np.uint8), "label": ds.TensorSpec((), np.int64)}
-    assert dist(nested, cluster, DYNAMIC).element_spec == expected
-    dataset_id = ds.register_dataset(cluster.target, nested)
-    # Without element_spec, from_dataset_id asks the dispatcher for it.
-    assert ds.from_dataset_id(OFF, cluster.target, dataset_id).element_spec == expected
-    given = {"image": ds.TensorSpec((2, None), np.uint8), "label": ds.TensorSpec((), np.int64)}
-    read = ds.from_dataset_id(OFF, cluster.target, dataset_id, element_spec=given)
-    assert read.element_spec == given
-    assert [to_py(e)["label"] for e in read] == [0, 1, 2, 3]
-
-
-@pytest.mark.timeout(60)
-def test_cardinality_of_distributed_datasets(cluster):
-    inf = ds.Dataset.range(10).repeat()
-    assert dist(inf, cluster, OFF).cardinality() == ds.INFINITE_CARDINALITY
-    assert dist(inf, cluster, DYNAMIC).cardinality() == ds.INFINITE_CARDINALITY
-    assert dist(inf, cluster, OFF).take(5).cardinality() == 5
-    # How many workers produce a finite dataset is unknown until it is read.
-    assert dist(ds.Dataset.range(10), cluster, OFF).cardinality() == ds.UNKNOWN_CARDINALITY
-    assert dist(ds.Dataset.range(10), cluster, DYNAMIC).cardinality() == ds.UNKNOWN_CARDINALITY
-    assert dist(ds.Dataset.range(0), cluster, DYNAMIC).cardinality() == 0
-    dataset_id = ds.register_dataset(cluster.target, inf)
-    read = ds.from_dataset_id(OFF, cluster.target, dataset_id)
-    # As tf.data service: from the cardinality registered with the dataset.
-    assert read.cardinality() == ds.INFINITE_CARDINALITY

@@ -32,7 +32,6 @@ from dataservice import errors
 from tests.conftest import to_py, values
 from tests.integration.modes_common import (
     DATA,
-    DYNAMIC,
     FILE,
     FILE_OR_DATA,
     HINT,
@@ -495,22 +494,6 @@ def test_gc_keeps_the_job_of_an_idle_live_consumer(shared):
     wait_buffered_then_freed(pids, baseline, abandon)
     got = sorted(first + values(live))
     assert got == sorted(SHARED_WORKERS * list(range(300)))
-
-
-# ================================================================ element_spec, cardinality
-@pytest.mark.timeout(60)
-def test_element_spec_and_cardinality_with_worker_processes(shared):
-    nested = ds.Dataset.from_tensor_slices({"x": np.zeros((6, 2), np.float32), "y": np.arange(6)})
-    expected = {"x": ds.TensorSpec((2,), np.float32), "y": ds.TensorSpec((), np.int64)}
-    assert dist(nested, shared.target).element_spec == expected
-    dataset_id = ds.register_dataset(shared.target, nested)
-    read = ds.from_dataset_id(DYNAMIC, shared.target, dataset_id)
-    assert read.element_spec == expected
-    assert sorted(to_py(e)["y"] for e in read) == list(range(6))
-    inf = ds.Dataset.range(3).repeat()
-    assert dist(inf, shared.target).cardinality() == ds.INFINITE_CARDINALITY
-    assert dist(inf, shared.target, DYNAMIC).take(7).cardinality() == 7
-    assert dist(ds.Dataset.range(3), shared.target).cardinality() == ds.UNKNOWN_CARDINALITY
 
 
 # ================================================================ C-19

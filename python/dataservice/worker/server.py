@@ -550,12 +550,12 @@ class WorkerServer:
         stopped = 0
         for task_id in response.tasks_to_delete:
             with self._mu:
-                runner = self._tasks.pop(task_id, None)
+                deleted = self._tasks.pop(task_id, None)
                 self._deleted[task_id] = None
                 while len(self._deleted) > 10_000:
                     self._deleted.popitem(last=False)
-            if runner is not None:
-                runner.stop()
+            if deleted is not None:
+                deleted.stop()
                 stopped += 1
         if stopped:  # their buffers are freed: give what malloc keeps back to the OS
             _proc.release_free_memory()

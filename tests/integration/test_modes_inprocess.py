@@ -46,6 +46,8 @@ def tfrecords(tmp_path_factory) -> list[str]:
 
 
 # ================================================================ static sharding
+# In-process only: a fixed list of which only some workers run, and workers added one by
+# one on chosen ports (the processes harness starts a whole fixed list at once).
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_data_sharding_worker_keeps_every_nth_element(make_cluster, index):
@@ -150,6 +152,8 @@ def test_port_placeholders_give_each_worker_its_own_index(make_cluster):
 
 
 # ================================================================ cross-trainer cache
+# In-process only: fault injection into the cache, and the worker's shm servers and cache
+# slots read directly.
 INFINITE = ds.Dataset.range(10**7).repeat()
 
 
@@ -253,6 +257,8 @@ def test_cache_same_host_trainers_read_through_shared_memory(make_cluster, proto
 
 
 # ================================================================ local reads on several hosts
+# In-process only: each worker's host id is the environment's while it registers
+# (test_modes_processes.py runs worker processes with host ids of their own).
 HOSTS = ["host-a", "host-a", "host-b", "host-b"]  # of the workers, by index
 
 
@@ -385,6 +391,8 @@ def test_local_dynamic_named_job_on_two_hosts_each_element_once(make_cluster, mo
 
 
 # ================================================================ job GC
+# In-process only: the workers' task counts read directly (test_modes_processes.py
+# measures worker memory instead).
 @pytest.mark.timeout(60)
 def test_gc_abandoned_named_job_stops_its_tasks_and_frees_the_name(make_cluster):
     c = registered(make_cluster(1, job_gc_check_interval_ms=100, job_gc_timeout_ms=300))

@@ -139,8 +139,7 @@ def cache_cluster() -> Iterator[ds.LocalCluster]:
 
 
 # ================================================================ static sharding
-
-
+# Processes only: worker processes with host ids of their own, a dispatcher restart.
 @pytest.mark.timeout(60)
 def test_static_sharding_local_read_gets_the_local_shard_only(static):
     got = values(dist(tagged(ds.Dataset.range(20)), static.target, DATA, target_workers="LOCAL"))
@@ -313,6 +312,7 @@ def test_port_placeholders_with_local_cluster_read_every_shard_once():
 
 
 # ================================================================ target_workers
+# Processes only: a static cluster of which one worker process shares this host.
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("target,copies", [("ANY", 4), ("AUTO", 4), ("LOCAL", 1)])
 def test_target_workers_off_mode_with_one_local_worker(static, target, copies):
@@ -334,8 +334,7 @@ def test_local_read_without_a_local_worker_is_an_error(shared, monkeypatch):
 
 
 # ================================================================ C-27
-
-
+# Processes only: the stopped consumer is a process, SIGKILLed.
 @pytest.mark.timeout(60)
 def test_c27_killed_consumer_process_fails_the_other_within_client_timeout(shared):
     job = "c27-processes"
@@ -393,8 +392,7 @@ def test_c27_killed_consumer_process_fails_the_other_within_client_timeout(share
 
 
 # ================================================================ cross-trainer cache
-
-
+# Processes only: a LocalCluster worker serving trainers through shared memory.
 @pytest.mark.timeout(60)
 def test_cache_same_host_worker_process_serves_through_shared_memory(cache_cluster):
     dataset = ds.Dataset.range(10**7).repeat()
@@ -413,6 +411,7 @@ def test_cache_same_host_worker_process_serves_through_shared_memory(cache_clust
 
 
 # ================================================================ job GC
+# Processes only: what the worker processes hold, measured in their RSS.
 def worker_rss(pids: list[int]) -> list[int]:
     return [psutil.Process(p).memory_info().rss for p in pids]
 
@@ -497,6 +496,7 @@ def test_gc_keeps_the_job_of_an_idle_live_consumer(shared):
 
 
 # ================================================================ C-19
+# Processes only: worker processes' memory across epochs; files they map.
 def c19_cluster() -> ds.LocalCluster:
     """LocalCluster(2) whose workers return freed buffers of 64 KiB and more to the
     OS at once (a fixed mmap threshold), so that their RSS after an epoch shows

@@ -21,7 +21,7 @@ fn _core(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     m.add_function(wrap_pyfunction!(py::tfrecord::masked_crc32c, m)?)?;
     m.add_class::<py::ring::PyRingProducer>()?;
     m.add_class::<py::ring::PyRingConsumer>()?;
-    m.add_class::<py::ring::PyLease>()?;
+    m.add_class::<py::lease::PyLease>()?;
     m.add_class::<py::window::PyWindowWriter>()?;
     m.add_class::<py::window::PyWindowReader>()?;
     Ok(())

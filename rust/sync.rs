@@ -8,12 +8,12 @@
 use std::time::Duration;
 
 #[cfg(loom)]
-pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64};
+pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64};
 #[cfg(loom)]
 pub use loom::sync::{Mutex, MutexGuard};
 pub use std::sync::atomic::Ordering;
 #[cfg(not(loom))]
-pub use std::sync::atomic::{fence, AtomicU32, AtomicU64};
+pub use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64};
 #[cfg(not(loom))]
 pub use std::sync::{Mutex, MutexGuard};
 

@@ -1,12 +1,16 @@
-//! Thin #[pyclass] wrappers over the pure-Rust modules; the GIL is released while they block.
+//! Thin #[pyclass] wrappers over the pure-Rust modules: they convert Python <-> Rust and
+//! forward; the GIL is released while they block. `lease` is shared by `ring` and
+//! `window`, which do not use each other.
 
+pub mod decode;
+pub mod lease;
 pub mod ring;
 pub mod tfrecord;
 pub mod window;
 
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
-use pyo3::PyResult;
+use pyo3::{PyErr, PyResult};
 
 use crate::error::Error;
 
@@ -25,4 +29,16 @@ pub(crate) fn try_lock<'a, T>(
             Err(Error::RingState(format!("{what} in use by another thread ({rule})")).into())
         }
     }
+}
+
+/// A handshake's nonce: 16 bytes, or `LayoutMismatch`.
+pub(crate) fn nonce(n: Option<&[u8]>) -> PyResult<Option<[u8; 16]>> {
+    n.map(|n| {
+        n.try_into().map_err(|_| {
+            PyErr::from(Error::LayoutMismatch {
+                what: "nonce must be 16 bytes".into(),
+            })
+        })
+    })
+    .transpose()
 }

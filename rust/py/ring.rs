@@ -5,22 +5,24 @@
 //! slices of at most 50 ms with the GIL released; between slices the caller's signals are
 //! checked (Ctrl-C works) and the peer's liveness (control socket HUP, pidfd).
 
-use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
-use pyo3::{ffi, intern};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::error::Error;
-use crate::shm::ring::{Consumer, Producer, Reclaim, Region, Ticket};
-use crate::shm::segment::Mapping;
+use crate::py::decode::{self, Batch};
+use crate::py::lease::{LeaseOwner, PyLease};
+use crate::shm::detach::{detach_pinned, StallBreaker};
+use crate::shm::ring::{Consumer, Producer, Region};
+use crate::shm::segment::{random_nonce, Mapping};
+use crate::transport::chunk::{self, Reassembly};
 use crate::transport::codec::{self, DecodeSpec, Encoder, SendPtr};
-use crate::transport::frame::{self, FrameHeader, FramePlan, LeafKind, Spec};
+use crate::transport::frame::{self, FrameHeader, FramePlan, Spec};
+use crate::transport::peer::{check_pid, deadline, dup_fd, wait_slice, Peer};
 
-const SLICE: Duration = Duration::from_millis(50);
 /// `put_many` publishes early for a waiting consumer once this many elements or bytes are
 /// written (not after every element: one wake-up, a futex syscall, per small element would
 /// cost more than the element), and always at its end.
@@ -32,77 +34,7 @@ const PUBLISH_EVERY_BYTES: u64 = 64 << 10;
 /// than a release and re-acquire of an uncontended GIL.
 const PRODUCER_GIL_FREE_COPY_BYTES: usize = 64 << 10;
 
-pub(crate) fn dup_fd(fd: RawFd) -> PyResult<OwnedFd> {
-    // SAFETY: the caller passes an fd it owns and keeps open for this call; we only borrow it
-    // to duplicate it (F_DUPFD_CLOEXEC), so ownership of the original stays with the caller.
-    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
-    rustix::io::fcntl_dupfd_cloexec(borrowed, 3).map_err(|e| {
-        PyErr::from(Error::Io {
-            op: "duplicating",
-            path: format!("fd {fd}"),
-            source: e.into(),
-        })
-    })
-}
-
-/// The other end's liveness: its control socket (HUP/ERR once it is gone) and a pidfd of
-/// its process (readable once it exits; catches a dead peer whose children hold the socket).
-struct Peer {
-    socket: Option<OwnedFd>,
-    pidfd: Option<OwnedFd>,
-    what: &'static str,
-}
-
-impl Peer {
-    fn new(control_fd: Option<RawFd>, pid: Option<i32>, what: &'static str) -> PyResult<Self> {
-        let socket = control_fd.map(dup_fd).transpose()?;
-        let pidfd = pid.and_then(|p| {
-            rustix::process::Pid::from_raw(p).and_then(|p| {
-                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
-            })
-        });
-        Ok(Peer {
-            socket,
-            pidfd,
-            what,
-        })
-    }
-
-    /// Some(reason) if the peer is gone.
-    fn dead(&self) -> Option<String> {
-        use rustix::event::{poll, PollFd, PollFlags};
-        if let Some(sock) = &self.socket {
-            let mut fds = [PollFd::new(sock, PollFlags::RDHUP)];
-            if poll(&mut fds, Some(&rustix::event::Timespec::default())).is_ok() {
-                let r = fds[0].revents();
-                if r.intersects(
-                    PollFlags::HUP | PollFlags::ERR | PollFlags::RDHUP | PollFlags::NVAL,
-                ) {
-                    return Some(format!("the {} closed its control socket", self.what));
-                }
-            }
-        }
-        if let Some(pidfd) = &self.pidfd {
-            let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
-            if poll(&mut fds, Some(&rustix::event::Timespec::default())).is_ok()
-                && fds[0].revents().contains(PollFlags::IN)
-            {
-                return Some(format!("the {} process exited", self.what));
-            }
-        }
-        None
-    }
-}
-
-fn check_pid(pid: u32) -> PyResult<()> {
-    if std::process::id() != pid {
-        return Err(Error::RingState(
-            "a ring end cannot be used in a forked child; open a new connection".into(),
-        )
-        .into());
-    }
-    Ok(())
-}
+const RING_END: &str = "a ring end";
 
 fn lock<'a, T>(m: &'a Mutex<Option<T>>, what: &str) -> PyResult<MutexGuard<'a, Option<T>>> {
     super::try_lock(m, what, "one thread per ring end")
@@ -147,15 +79,6 @@ pub struct PyRingProducer {
     _mapping: Arc<Mapping>,
 }
 
-pub(crate) fn random_nonce() -> [u8; 16] {
-    let mut n = [0u8; 16];
-    if rustix::rand::getrandom(&mut n, rustix::rand::GetRandomFlags::empty()).is_err() {
-        let t = Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id());
-        n = t.to_le_bytes();
-    }
-    n
-}
-
 impl ProducerState {
     fn next_seq(&mut self) -> u64 {
         let s = self.seq;
@@ -173,24 +96,15 @@ impl ProducerState {
     ) -> PyResult<bool> {
         self.ring.publish();
         loop {
-            let slice = match deadline {
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return Ok(false);
-                    }
-                    (d - now).min(SLICE)
-                }
-                None => SLICE,
+            let Some(slice) = wait_slice(deadline) else {
+                return Ok(false);
             };
             let ring = &mut self.ring;
             if py.detach(|| ring.wait_for_space(need, slice)) {
                 return Ok(true);
             }
             py.check_signals()?;
-            if let Some(why) = self.peer.dead() {
-                return Err(Error::PeerDied { what: why }.into());
-            }
+            self.peer.check()?;
         }
     }
 
@@ -249,12 +163,9 @@ impl ProducerState {
     /// Writes a frame bigger than max_frame as CHUNK frames (no timeout: once started, an
     /// element is finished unless the peer dies).
     fn write_chunked(&mut self, py: Python<'_>, plan: &FramePlan<'_>) -> PyResult<()> {
-        let chunk_data = ((self.max_frame - frame::CHUNK_PREFIX_BYTES as u64) / 64) * 64;
         let total = plan.total_bytes;
-        let mut off = 0u64;
-        while off < total {
-            let n = chunk_data.min(total - off);
-            let len = crate::shm::ring::frame_len(frame::CHUNK_PREFIX_BYTES as u64 + n);
+        for piece in chunk::pieces(total, self.max_frame) {
+            let len = piece.frame_bytes;
             let slot = loop {
                 if let Some(slot) = self.ring.try_reserve(len, 64) {
                     break slot;
@@ -262,37 +173,22 @@ impl ProducerState {
                 let need = self.ring.need_for(len, 64);
                 self.wait_space(py, need, None)?;
             };
-            let mut flags = 0;
-            if off == 0 {
-                flags |= frame::CHUNK_FIRST;
-            }
-            if off + n == total {
-                flags |= frame::CHUNK_LAST;
-            }
-            let header = FrameHeader {
-                kind: frame::KIND_CHUNK,
-                flags,
-                total_bytes: len,
-                seq: self.next_seq(),
-                spec_id: self.spec_id,
-                n_leaves: 0,
-            };
-            let mut prefix = header.to_bytes().to_vec();
-            prefix.extend_from_slice(&total.to_le_bytes());
-            prefix.extend_from_slice(&off.to_le_bytes());
-            prefix.extend_from_slice(&n.to_le_bytes());
+            let prefix = chunk::prefix(&piece, total, self.next_seq(), self.spec_id);
             let dst = SendPtr(self.ring.slot_ptr(slot));
             py.detach(move || {
                 let dst = dst;
                 // SAFETY: [slot, slot+len) is reserved for us; the prefix (56 B) and n bytes
-                // of the plan fit in len by construction.
+                // of the plan fit in len by construction (chunk::pieces).
                 unsafe {
                     std::ptr::copy_nonoverlapping(prefix.as_ptr(), dst.0, prefix.len());
-                    plan.copy_range(off, off + n, dst.0.add(prefix.len()));
+                    plan.copy_range(
+                        piece.offset,
+                        piece.offset + piece.n,
+                        dst.0.add(prefix.len()),
+                    );
                 }
             });
             self.ring.publish();
-            off += n;
         }
         Ok(())
     }
@@ -339,11 +235,7 @@ impl PyRingProducer {
                 spec: None,
                 spec_id: 0,
                 seq: 0,
-                peer: Peer {
-                    socket: None,
-                    pidfd: None,
-                    what: "consumer",
-                },
+                peer: Peer::none("consumer"),
                 pid: std::process::id(),
                 max_frame,
                 max_element_bytes,
@@ -407,8 +299,8 @@ impl PyRingProducer {
     ) -> PyResult<usize> {
         let mut g = lock(&self.state, "ring producer")?;
         let s = g.as_mut().ok_or_else(|| closed("ring producer"))?;
-        check_pid(s.pid)?;
-        let deadline = timeout_ms.map(|t| Instant::now() + Duration::from_millis(t));
+        check_pid(s.pid, RING_END)?;
+        let deadline = deadline(timeout_ms);
         let mut written = 0;
         let mut unpublished = 0u32;
         // Frames reserved but not yet copied: copied together, with one release of the GIL
@@ -495,7 +387,7 @@ impl PyRingProducer {
     ) -> PyResult<bool> {
         let mut g = lock(&self.state, "ring producer")?;
         let s = g.as_mut().ok_or_else(|| closed("ring producer"))?;
-        let deadline = timeout_ms.map(|t| Instant::now() + Duration::from_millis(t));
+        let deadline = deadline(timeout_ms);
         let mut message = message.to_string();
         let limit = (s.max_frame as usize).saturating_sub(256 + type_name.len());
         if message.len() > limit {
@@ -520,7 +412,7 @@ impl PyRingProducer {
     fn put_end(&self, py: Python<'_>, timeout_ms: Option<u64>) -> PyResult<bool> {
         let mut g = lock(&self.state, "ring producer")?;
         let s = g.as_mut().ok_or_else(|| closed("ring producer"))?;
-        let deadline = timeout_ms.map(|t| Instant::now() + Duration::from_millis(t));
+        let deadline = deadline(timeout_ms);
         let ok = s.write_simple(py, frame::KIND_END, &[], deadline)?;
         if ok {
             s.ring.close();
@@ -638,143 +530,8 @@ impl From<codec::Flat> for Flat3 {
 }
 
 // ------------------------------------------------------------------------------------------
-// Leases
-// ------------------------------------------------------------------------------------------
-
-/// Keeps one ring frame from being reused while views into it live.
-struct FrameLease {
-    reclaim: Arc<Reclaim>,
-    ticket: Ticket,
-    _region: Arc<dyn Region>,
-}
-
-impl Drop for FrameLease {
-    fn drop(&mut self) {
-        self.reclaim.release(self.ticket);
-    }
-}
-
-/// Private memory holding a reassembled chunked element.
-struct HeapBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: plain heap memory; writes only through views handed to numpy (the Python
-// program's own data race, as with any numpy array).
-unsafe impl Send for HeapBuf {}
-// SAFETY: as above.
-unsafe impl Sync for HeapBuf {}
-
-impl HeapBuf {
-    /// `len` (> 0) zeroed bytes, or None if they cannot be allocated. Zeroed by the
-    /// allocator (`calloc`: fresh pages of a big allocation are not touched), so a chunked
-    /// element's declared size costs address space only, and memory only as its chunks
-    /// arrive: a first chunk that declares far more than ever follows does not make this
-    /// process write (and keep resident) that many zeros.
-    fn new(len: usize) -> Option<Self> {
-        let layout = std::alloc::Layout::array::<u8>(len).ok()?;
-        if len == 0 {
-            return None;
-        }
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return None;
-        }
-        Some(HeapBuf { ptr, len })
-    }
-    fn slice(&self) -> &[u8] {
-        // SAFETY: ptr/len is our own live allocation.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl Drop for HeapBuf {
-    fn drop(&mut self) {
-        let layout = std::alloc::Layout::array::<u8>(self.len).expect("checked in new()");
-        // SAFETY: ptr came from alloc_zeroed with this layout in new().
-        unsafe { std::alloc::dealloc(self.ptr, layout) };
-    }
-}
-
-enum LeaseOwner {
-    Frame(#[allow(dead_code)] Arc<FrameLease>),
-    Heap(#[allow(dead_code)] Arc<HeapBuf>),
-    /// A leaf of the cross-trainer cache's window segment (`py::window`).
-    Window(#[allow(dead_code)] Arc<crate::py::window::WindowLeaf>),
-}
-
-/// A writable buffer over one leaf of a ring frame (or of a reassembled element); numpy
-/// views made from it keep it, and so the frame, alive. Frozen; any thread.
-#[pyclass(name = "RingLease", module = "dataservice._core", frozen)]
-pub struct PyLease {
-    _owner: LeaseOwner,
-    ptr: usize,
-    len: usize,
-}
-
-impl PyLease {
-    /// A lease over a window leaf's private mapping: `len` bytes at `ptr`, which the leaf
-    /// keeps mapped.
-    pub(crate) fn window(
-        leaf: Arc<crate::py::window::WindowLeaf>,
-        ptr: *mut u8,
-        len: usize,
-    ) -> Self {
-        PyLease {
-            _owner: LeaseOwner::Window(leaf),
-            ptr: ptr as usize,
-            len,
-        }
-    }
-}
-
-#[pymethods]
-impl PyLease {
-    /// # Safety
-    /// Called by CPython with a valid `view`.
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: std::ffi::c_int,
-    ) -> PyResult<()> {
-        let this = slf.get();
-        // SAFETY: view is valid (CPython's duty); ptr/len stay valid while `slf` lives, and
-        // PyBuffer_FillInfo takes a reference to slf for the view's life. Writable: a
-        // consumer writing into its own frame cannot harm the protocol (TRANSPORT.md §5).
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                this.ptr as *mut std::ffi::c_void,
-                this.len as ffi::Py_ssize_t,
-                0,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::take(slf.py())
-                .unwrap_or_else(|| PyBufferError::new_err("buffer request refused")));
-        }
-        Ok(())
-    }
-
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
-
-    fn __len__(&self) -> usize {
-        self.len
-    }
-}
-
-// ------------------------------------------------------------------------------------------
 // Consumer
 // ------------------------------------------------------------------------------------------
-
-struct Chunks {
-    buf: Arc<HeapBuf>,
-    filled: u64,
-}
 
 struct ConsumerState {
     ring: Consumer,
@@ -786,7 +543,7 @@ struct ConsumerState {
     zero_copy: bool,
     copy_threshold: u64,
     max_pinned: u64,
-    chunks: Option<Chunks>,
+    chunks: Reassembly,
     /// An ERROR frame's (type, message), reported after the elements before it.
     error: Option<(String, String)>,
     end: bool,
@@ -797,17 +554,12 @@ struct ConsumerState {
     data_bytes: u64,
 }
 
-/// A decoded leaf, or a numpy scalar still in its column.
-enum Val {
-    Obj(Py<PyAny>),
-    Col(usize),
-}
-
-struct Batch {
-    /// Per element: its leaves.
-    elements: Vec<Vec<Val>>,
-    /// Per spec leaf: raw scalar bytes, and the next row to hand out.
-    columns: Vec<Vec<u8>>,
+fn corrupted(pos: u64, what: &str) -> PyErr {
+    Error::RingCorrupted {
+        pos,
+        what: what.to_string(),
+    }
+    .into()
 }
 
 impl ConsumerState {
@@ -815,145 +567,24 @@ impl ConsumerState {
         std::mem::take(&mut self.data_bytes)
     }
 
-    fn flush_free(&mut self) {
-        self.ring.flush_free();
-    }
-
-    fn mark_free(&mut self, end: u64) {
-        self.ring.mark_free(end);
-    }
-
-    fn corrupted(pos: u64, what: &str) -> PyErr {
-        Error::RingCorrupted {
-            pos,
-            what: what.to_string(),
+    fn spec(&self, pos: u64) -> PyResult<(u32, &DecodeSpec)> {
+        match &self.spec {
+            Some((id, s)) => Ok((*id, s)),
+            None => Err(corrupted(pos, "data frame before any spec")),
         }
-        .into()
     }
 
-    /// Turns the batch's pending elements into Python objects, appending to `out`.
     fn flush_batch(
         &mut self,
         py: Python<'_>,
         batch: &mut Batch,
         out: &Bound<'_, PyList>,
     ) -> PyResult<()> {
-        if batch.elements.is_empty() {
+        if batch.len() == 0 {
             return Ok(());
         }
-        let Some((_, spec)) = &self.spec else {
-            return Err(Self::corrupted(
-                self.ring.next_read(),
-                "data before any spec",
-            ));
-        };
-        let api = codec::api(py)?;
-        let mut cols: Vec<Option<Vec<Py<PyAny>>>> = Vec::with_capacity(batch.columns.len());
-        for (i, col) in batch.columns.iter().enumerate() {
-            if col.is_empty() {
-                cols.push(None);
-                continue;
-            }
-            let dtype = spec.dtypes[i].as_ref().expect("scalar leaf has a dtype");
-            let arr = api
-                .frombuffer
-                .bind(py)
-                .call1((PyBytes::new(py, col), dtype.bind(py)))?;
-            let items: Vec<Py<PyAny>> = arr
-                .try_iter()?
-                .map(|x| x.map(|x| x.unbind()))
-                .collect::<PyResult<_>>()?;
-            cols.push(Some(items));
-        }
-        let mut rows = vec![0usize; cols.len()];
-        for leaves in batch.elements.drain(..) {
-            let mut vals = Vec::with_capacity(leaves.len());
-            for v in leaves {
-                vals.push(match v {
-                    Val::Obj(o) => o,
-                    Val::Col(i) => {
-                        let col = cols[i].as_ref().expect("column filled");
-                        let o = col[rows[i]].clone_ref(py);
-                        rows[i] += 1;
-                        o
-                    }
-                });
-            }
-            let element = if matches!(spec.spec, Spec::Leaf(_)) {
-                vals.pop().expect("one leaf")
-            } else {
-                spec.build(py, &mut vals.into_iter())?
-            };
-            out.append(element)?;
-        }
-        for c in batch.columns.iter_mut() {
-            c.clear();
-        }
-        Ok(())
-    }
-
-    /// Decodes the DATA frame `bytes` into the batch. `lease` makes a view's owner if the
-    /// frame's large leaves may be leased (None: copy everything).
-    fn decode_data(
-        &mut self,
-        py: Python<'_>,
-        bytes: &[u8],
-        pos: u64,
-        batch: &mut Batch,
-        lease: &mut dyn FnMut(&mut Self) -> Option<LeaseOwnerRef>,
-    ) -> PyResult<()> {
-        let header = FrameHeader::parse(bytes)?;
-        let (spec_id, spec) = match &self.spec {
-            Some((id, s)) => (*id, s),
-            None => return Err(Self::corrupted(pos, "data frame before any spec")),
-        };
-        if header.spec_id != spec_id {
-            return Err(Self::corrupted(pos, "data frame names an unknown spec"));
-        }
-        let spec_leaves: Vec<&frame::LeafSpec> = spec.leaves.iter().collect();
-        let descs = frame::parse_leaves(bytes, &header, &spec_leaves, pos)?;
-        if batch.columns.len() != spec.leaves.len() {
-            batch.columns = vec![Vec::new(); spec.leaves.len()];
-        }
-        let mut owner: Option<LeaseOwnerRef> = None;
-        let mut vals = Vec::with_capacity(descs.len());
-        let wants_lease = self.zero_copy
-            && descs
-                .iter()
-                .any(|d| d.kind == LeafKind::Array && d.nbytes >= self.copy_threshold);
-        if wants_lease {
-            owner = lease(self);
-        }
-        let spec = &self.spec.as_ref().expect("checked").1;
-        for (i, d) in descs.iter().enumerate() {
-            let payload = &bytes[d.offset as usize..(d.offset + d.nbytes) as usize];
-            match d.kind {
-                LeafKind::Scalar => {
-                    batch.columns[i].extend_from_slice(payload);
-                    vals.push(Val::Col(i));
-                }
-                LeafKind::Array if d.nbytes >= self.copy_threshold && owner.is_some() => {
-                    let lease = PyLease {
-                        _owner: owner.as_ref().expect("checked").make(),
-                        ptr: payload.as_ptr() as usize,
-                        len: payload.len(),
-                    };
-                    let api = codec::api(py)?;
-                    let dtype = spec.dtypes[i].as_ref().expect("array has dtype");
-                    let arr = api
-                        .frombuffer
-                        .bind(py)
-                        .call1((Bound::new(py, lease)?, dtype.bind(py)))?;
-                    let arr =
-                        arr.call_method1(intern!(py, "reshape"), (PyTuple::new(py, &d.dims)?,))?;
-                    self.leased += 1;
-                    vals.push(Val::Obj(arr.unbind()));
-                }
-                _ => vals.push(Val::Obj(codec::copy_leaf(py, spec, i, d, payload, pos)?)),
-            }
-        }
-        batch.elements.push(vals);
-        Ok(())
+        let (_, spec) = self.spec(self.ring.next_read())?;
+        decode::flush_batch(py, spec, batch, out)
     }
 
     fn handle_spec(&mut self, py: Python<'_>, bytes: &[u8], pos: u64) -> PyResult<()> {
@@ -968,13 +599,15 @@ impl ConsumerState {
 
     /// Reads frames into `out` until `max` elements, an END/ERROR, or no more data.
     /// Returns true if it stopped at END or ERROR.
-    fn drain(&mut self, py: Python<'_>, max: usize, out: &Bound<'_, PyList>) -> PyResult<bool> {
-        let mut batch = Batch {
-            elements: Vec::new(),
-            columns: Vec::new(),
-        };
+    fn drain<'py>(
+        &mut self,
+        py: Python<'py>,
+        max: usize,
+        out: &Bound<'py, PyList>,
+    ) -> PyResult<bool> {
+        let mut batch = Batch::default();
         let mut stop = false;
-        while out.len() + batch.elements.len() < max {
+        while out.len() + batch.len() < max {
             let Some(f) = self.ring.next_frame()? else {
                 break;
             };
@@ -987,7 +620,7 @@ impl ConsumerState {
                 unsafe { std::slice::from_raw_parts(self.ring.frame_ptr(&f), f.len as usize) };
             let header = FrameHeader::parse(bytes)?;
             if header.seq != self.expect_seq {
-                return Err(Self::corrupted(
+                return Err(corrupted(
                     f.pos,
                     &format!(
                         "frame seq {} where {} was expected",
@@ -996,184 +629,112 @@ impl ConsumerState {
                 ));
             }
             self.expect_seq += 1;
-            if self.chunks.is_some() && f.kind != frame::KIND_CHUNK {
-                return Err(Self::corrupted(f.pos, "chunked element interrupted"));
+            if self.chunks.in_progress() && f.kind != frame::KIND_CHUNK {
+                return Err(corrupted(f.pos, "chunked element interrupted"));
             }
             match f.kind {
                 frame::KIND_DATA => {
                     self.data_bytes += f.len;
                     let frame_end = f.pos + f.len;
-                    let mut leased = false;
-                    let region = self.ring.region().clone();
-                    let mut lease_fn = |s: &mut ConsumerState| -> Option<LeaseOwnerRef> {
-                        // Copy on pressure: lease only while pinned bytes stay under the cap.
-                        let (pinned_start, _) = s.ring.reclaim.pinned();
-                        if frame_end - pinned_start > s.max_pinned {
-                            return None;
+                    // The frame's lease, made at its first leased leaf (copy on pressure:
+                    // only while pinned bytes stay under the cap), or None to copy it all.
+                    let mut owner: Option<Option<LeaseOwner>> = None;
+                    let (zero_copy, threshold, max_pinned) =
+                        (self.zero_copy, self.copy_threshold, self.max_pinned);
+                    let ring = &mut self.ring;
+                    let mut lease = |py: Python<'py>,
+                                     d: &frame::LeafDesc,
+                                     payload: &[u8]|
+                     -> PyResult<Option<Bound<'py, PyLease>>> {
+                        if !zero_copy || d.nbytes < threshold {
+                            return Ok(None);
                         }
-                        let ticket = s.ring.push_leased(frame_end);
-                        leased = true;
-                        Some(LeaseOwnerRef::Frame(Arc::new(FrameLease {
-                            reclaim: s.ring.reclaim.clone(),
-                            ticket,
-                            _region: region.clone(),
-                        })))
+                        let owner = owner.get_or_insert_with(|| {
+                            let (pinned_start, _) = ring.reclaim.pinned();
+                            (frame_end - pinned_start <= max_pinned)
+                                .then(|| LeaseOwner::Frame(Arc::new(ring.lease(frame_end))))
+                        });
+                        match owner {
+                            Some(o) => Ok(Some(Bound::new(
+                                py,
+                                PyLease::new(o.clone_ref(), payload.as_ptr(), payload.len()),
+                            )?)),
+                            None => Ok(None),
+                        }
                     };
-                    let r = self.decode_data(py, bytes, f.pos, &mut batch, &mut lease_fn);
+                    let r = match &self.spec {
+                        Some((id, spec)) => {
+                            decode::decode_data(py, bytes, f.pos, *id, spec, &mut batch, &mut lease)
+                        }
+                        None => Err(corrupted(f.pos, "data frame before any spec")),
+                    };
+                    let leased = owner.is_some_and(|o| o.is_some());
                     if !leased {
-                        self.mark_free(frame_end);
+                        self.ring.mark_free(frame_end);
                     }
-                    r?;
+                    self.leased += r?;
                 }
                 frame::KIND_SPEC => {
                     self.flush_batch(py, &mut batch, out)?;
                     self.handle_spec(py, bytes, f.pos)?;
-                    self.mark_free(f.pos + f.len);
+                    self.ring.mark_free(f.pos + f.len);
                 }
                 frame::KIND_CHUNK => {
                     self.data_bytes += f.len;
-                    self.handle_chunk(py, bytes, &header, f.pos, &mut batch)?;
-                    self.mark_free(f.pos + f.len);
+                    let copy = self.chunks.accept(bytes, f.pos)?;
+                    py.detach(move || copy.run());
+                    if let Some(buf) = self.chunks.finish(header.flags, f.pos)? {
+                        let whole = buf.as_slice();
+                        let (zero_copy, threshold) = (self.zero_copy, self.copy_threshold);
+                        let mut lease =
+                            |py: Python<'py>,
+                             d: &frame::LeafDesc,
+                             payload: &[u8]|
+                             -> PyResult<Option<Bound<'py, PyLease>>> {
+                                if !zero_copy || d.nbytes < threshold {
+                                    return Ok(None);
+                                }
+                                let owner = LeaseOwner::Heap(buf.clone());
+                                let lease = PyLease::new(owner, payload.as_ptr(), payload.len());
+                                Ok(Some(Bound::new(py, lease)?))
+                            };
+                        let (id, spec) = self.spec(f.pos)?;
+                        self.leased += decode::decode_data(
+                            py, whole, f.pos, id, spec, &mut batch, &mut lease,
+                        )?;
+                    }
+                    self.ring.mark_free(f.pos + f.len);
                 }
                 frame::KIND_END => {
-                    self.mark_free(f.pos + f.len);
+                    self.ring.mark_free(f.pos + f.len);
                     self.end = true;
                     stop = true;
                     break;
                 }
                 frame::KIND_ERROR => {
                     let e = frame::parse_error_body(&bytes[frame::HEADER_BYTES..], f.pos)?;
-                    self.mark_free(f.pos + f.len);
+                    self.ring.mark_free(f.pos + f.len);
                     self.error = Some(e);
                     stop = true;
                     break;
                 }
-                _ => {
-                    return Err(Self::corrupted(
-                        f.pos,
-                        &format!("unknown frame kind {}", f.kind),
-                    ))
-                }
+                _ => return Err(corrupted(f.pos, &format!("unknown frame kind {}", f.kind))),
             }
         }
         self.flush_batch(py, &mut batch, out)?;
-        self.flush_free();
+        self.ring.flush_free();
         Ok(stop)
-    }
-
-    fn handle_chunk(
-        &mut self,
-        py: Python<'_>,
-        bytes: &[u8],
-        header: &FrameHeader,
-        pos: u64,
-        batch: &mut Batch,
-    ) -> PyResult<()> {
-        let mut r = frame::Reader::new(bytes, frame::HEADER_BYTES);
-        let total = r.u64()?;
-        let off = r.u64()?;
-        let n = r.u64()? as usize;
-        // Bounded by the frame (Reader::bytes checks), so a garbage length is an error.
-        let data = r.bytes(n)?;
-        if header.flags & frame::CHUNK_FIRST != 0 {
-            if self.chunks.is_some() || off != 0 {
-                return Err(Self::corrupted(pos, "unexpected first chunk"));
-            }
-            if total < 64 || total % 64 != 0 || total > (1 << 44) {
-                return Err(Self::corrupted(pos, "chunked element size out of range"));
-            }
-            let buf = HeapBuf::new(total as usize).ok_or_else(|| Error::ElementTooLarge {
-                element_bytes: total,
-                limit_bytes: 0,
-                what: "cannot allocate memory to reassemble a chunked element".into(),
-            })?;
-            self.chunks = Some(Chunks {
-                buf: Arc::new(buf),
-                filled: 0,
-            });
-        }
-        let Some(ch) = self.chunks.as_mut() else {
-            return Err(Self::corrupted(pos, "chunk without a first chunk"));
-        };
-        if off != ch.filled || ch.buf.len as u64 != total || off + n as u64 > total {
-            return Err(Self::corrupted(pos, "chunk out of order"));
-        }
-        let dst = SendPtr(ch.buf.ptr);
-        let src = SendPtr(data.as_ptr() as *mut u8);
-        py.detach(move || {
-            let (dst, src) = (dst, src);
-            // SAFETY: [off, off+n) lies inside the private buffer (checked); src is n
-            // validated bytes of the current frame.
-            unsafe { std::ptr::copy_nonoverlapping(src.0, dst.0.add(off as usize), n) }
-        });
-        ch.filled += n as u64;
-        if header.flags & frame::CHUNK_LAST != 0 {
-            if ch.filled != total {
-                return Err(Self::corrupted(
-                    pos,
-                    "last chunk before the element is complete",
-                ));
-            }
-            let ch = self.chunks.take().expect("checked");
-            let buf = ch.buf.clone();
-            let whole: &[u8] = {
-                let s = buf.slice();
-                // SAFETY: the buffer lives in `buf` (and in every lease made from it).
-                unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) }
-            };
-            if FrameHeader::parse(whole)?.total_bytes != total {
-                return Err(Self::corrupted(pos, "chunked frame length mismatch"));
-            }
-            let mut lease = |_: &mut ConsumerState| Some(LeaseOwnerRef::Heap(buf.clone()));
-            self.decode_data(py, whole, pos, batch, &mut lease)?;
-        }
-        Ok(())
     }
 
     /// The stall breaker (TRANSPORT.md §5): the producer waits for space held by leases
     /// while we have nothing to read, so copy the pinned pages away and free them.
     fn detach(&mut self, py: Python<'_>) -> PyResult<()> {
-        let (start, end) = self.ring.reclaim.pinned();
-        if end <= start {
-            return Ok(());
+        let (mapping, ring) = (&self.mapping, &mut self.ring);
+        if let Some(fresh) = py.detach(|| detach_pinned(mapping, ring))? {
+            self.mapping = fresh;
+            self.detaches += 1;
         }
-        let cap = self.ring.capacity();
-        let slot = start & (cap - 1);
-        let len = end - start;
-        let mapping = self.mapping.clone();
-        let fresh = py.detach(move || -> Result<Arc<Mapping>, Error> {
-            // SAFETY: [start, end) is handed out to us (the producer does not write it until
-            // read_pos passes it, which happens only below), and we never use this mapping
-            // for ring traffic again (the fresh mapping replaces it).
-            unsafe {
-                if slot + len <= cap {
-                    mapping.privatize(slot, len)?;
-                } else {
-                    mapping.privatize(slot, cap - slot)?;
-                    mapping.privatize(0, len - (cap - slot))?;
-                }
-            }
-            mapping.remap()
-        })?;
-        self.mapping = fresh.clone();
-        self.ring.set_region(fresh);
-        self.ring.reclaim.detach_all(self.ring.next_read());
-        self.detaches += 1;
         Ok(())
-    }
-}
-
-enum LeaseOwnerRef {
-    Frame(Arc<FrameLease>),
-    Heap(Arc<HeapBuf>),
-}
-
-impl LeaseOwnerRef {
-    fn make(&self) -> LeaseOwner {
-        match self {
-            LeaseOwnerRef::Frame(f) => LeaseOwner::Frame(f.clone()),
-            LeaseOwnerRef::Heap(h) => LeaseOwner::Heap(h.clone()),
-        }
     }
 }
 
@@ -1214,14 +775,7 @@ impl PyRingConsumer {
         copy_threshold_bytes: u64,
         max_pinned_fraction: f64,
     ) -> PyResult<Self> {
-        let nonce: Option<[u8; 16]> = match nonce {
-            Some(n) => Some(n.try_into().map_err(|_| {
-                PyErr::from(Error::LayoutMismatch {
-                    what: "nonce must be 16 bytes".into(),
-                })
-            })?),
-            None => None,
-        };
+        let nonce = super::nonce(nonce)?;
         let owned = dup_fd(fd)?;
         let mapping = py.detach(|| Mapping::attach(owned, nonce))?;
         let region: Arc<dyn Region> = mapping.clone();
@@ -1245,7 +799,7 @@ impl PyRingConsumer {
                 zero_copy,
                 copy_threshold: copy_threshold_bytes.max(1),
                 max_pinned: (capacity as f64 * fraction) as u64,
-                chunks: None,
+                chunks: Reassembly::default(),
                 error: None,
                 end: false,
                 elements: 0,
@@ -1281,11 +835,11 @@ impl PyRingConsumer {
     ) -> PyResult<GetMany<'py>> {
         let mut g = lock(&self.state, "ring consumer")?;
         let s = g.as_mut().ok_or_else(|| closed("ring consumer"))?;
-        check_pid(s.pid)?;
+        check_pid(s.pid, RING_END)?;
         let out = PyList::empty(py);
         let max = max_elements.max(1);
-        let deadline = timeout_ms.map(|t| Instant::now() + Duration::from_millis(t));
-        let mut stalled_since: Option<Instant> = None;
+        let deadline = deadline(timeout_ms);
+        let mut stall = StallBreaker::default();
         loop {
             if s.end {
                 return Ok((out, s.take_bytes(), true, None));
@@ -1309,41 +863,25 @@ impl PyRingConsumer {
             }
             // Nothing to read: is the producer stuck behind our leases?
             let (pinned_start, pinned_end) = s.ring.reclaim.pinned();
-            if pinned_end > pinned_start && s.ring.producer_waiting() {
-                let since = *stalled_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= Duration::from_millis(2) {
-                    s.detach(py)?;
-                    stalled_since = None;
-                    continue;
-                }
-            } else {
-                stalled_since = None;
+            let pinned = pinned_end > pinned_start;
+            if stall.should_detach(pinned, s.ring.producer_waiting()) {
+                s.detach(py)?;
+                continue;
             }
-            let slice = match deadline {
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return Ok((out, s.take_bytes(), false, None));
-                    }
-                    (d - now).min(SLICE)
-                }
-                None => SLICE,
+            let Some(slice) = wait_slice(deadline) else {
+                return Ok((out, s.take_bytes(), false, None));
             };
-            let slice = if pinned_end > pinned_start {
-                slice.min(Duration::from_millis(2))
-            } else {
-                slice
-            };
+            let slice = StallBreaker::slice(pinned, slice);
             let ring = &mut s.ring;
             if py.detach(|| ring.wait_for_data(slice)) {
                 continue;
             }
             py.check_signals()?;
-            if let Some(why) = s.peer.dead() {
+            if let Err(e) = s.peer.check() {
                 if s.ring.has_data() {
                     continue; // drain what was published before the death
                 }
-                return Err(Error::PeerDied { what: why }.into());
+                return Err(e.into());
             }
         }
     }
@@ -1379,37 +917,5 @@ impl PyRingConsumer {
             );
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Resident bytes of this process (`/proc/self/statm`, pages).
-    fn resident_bytes() -> u64 {
-        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-        let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-        pages * 4096
-    }
-
-    #[test]
-    fn chunk_reassembly_buffer_costs_memory_only_as_it_is_written() {
-        // A first CHUNK may declare up to 16 TiB; the buffer for a 1 GiB claim must not
-        // be written (made resident) before chunks arrive: zeroing it with a memset would
-        // add 1 GiB of RSS here.
-        let before = resident_bytes();
-        let buf = HeapBuf::new(1 << 30).expect("1 GiB of address space");
-        let grown = resident_bytes().saturating_sub(before);
-        assert!(grown < 64 << 20, "RSS grew by {grown} bytes");
-        let s = buf.slice();
-        assert_eq!(s.len(), 1 << 30);
-        assert!([0usize, 4096, 1 << 29, (1 << 30) - 1]
-            .iter()
-            .all(|&i| s[i] == 0));
-        drop(buf);
-        assert!(HeapBuf::new(0).is_none());
-        // More than any address space: refused, not a crash.
-        assert!(HeapBuf::new(usize::MAX / 2).is_none());
     }
 }

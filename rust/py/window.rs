@@ -10,20 +10,22 @@
 //! concurrent call raises `RuntimeError("... in use")` instead of blocking with the GIL
 //! held), except `ShmWindowWriter.ungrant`, which is an atomic store any thread may make.
 
-use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{OwnedFd, RawFd};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::error::Error;
-use crate::py::ring::{dup_fd, random_nonce, PyLease};
-use crate::shm::window::{self, Grants, Place, PrivateMap, WindowLog, WindowMap, NO_HOLD};
+use crate::py::lease::{LeaseOwner, PyLease};
+use crate::shm::holds::{FrameHold, Grants, HoldTable, NO_HOLD};
+use crate::shm::segment::{page_bytes, random_nonce, PrivateMap};
+use crate::shm::window::{self, WindowMap, WindowWriter};
 use crate::transport::codec::{self, DecodeSpec, Encoder, SendPtr};
 use crate::transport::frame::{self, FrameHeader, FramePlan, LeafDesc, LeafKind, Spec};
+use crate::transport::peer::{check_pid, dup_fd};
 
 /// Copies of at least this many bytes run with the GIL released.
 const GIL_FREE_COPY_BYTES: u64 = 64 << 10;
@@ -128,9 +130,7 @@ fn decode_frame<'py>(
 // ------------------------------------------------------------------------------------------
 
 struct WriterState {
-    map: Arc<WindowMap>,
-    log: WindowLog,
-    generation: u64,
+    window: WindowWriter,
     encoder: Encoder,
     spec: Option<Spec>,
     spec_id: u32,
@@ -138,71 +138,6 @@ struct WriterState {
     spec_bodies: HashMap<u32, Vec<u8>>,
     /// Decoders for the worker's own reads (gRPC trainers), built on first use.
     decode_specs: HashMap<u32, DecodeSpec>,
-    abandons: u64,
-    grows: u64,
-    frames_written: u64,
-    bytes_written: u64,
-}
-
-impl WriterState {
-    /// Moves the window into a fresh segment of `capacity` bytes: the old one is left to
-    /// the trainers still holding views into it (their mappings keep it alive). Returns how
-    /// many of the oldest cached frames did not fit and were evicted.
-    fn migrate(&mut self, py: Python<'_>, capacity: u64) -> PyResult<usize> {
-        let fresh = py.detach(|| WindowMap::create(capacity, random_nonce()))?;
-        let mut log = WindowLog::new(capacity);
-        let old = self.map.clone();
-        let mut copies: Vec<(u64, u64, u64)> = Vec::new(); // (from slot, to slot, len)
-        let mut evicted = 0;
-        for f in self.log.frames() {
-            loop {
-                match log.try_place(f.len, f.align, NO_HOLD) {
-                    Place::Write {
-                        pos,
-                        slot,
-                        pad,
-                        pad_slot,
-                    } => {
-                        if pad > 0 {
-                            // SAFETY: try_place put [pad_slot, pad_slot + pad) inside the
-                            // fresh data area, which no one else writes or reads yet.
-                            unsafe { window::write_pad(fresh.data(), pad_slot, pad) };
-                        }
-                        copies.push((f.pos & (self.log.capacity() - 1), slot, f.len));
-                        log.push(pos, f.len, f.align, f.spec_id);
-                        break;
-                    }
-                    Place::EvictOldest => {
-                        log.evict_oldest();
-                        evicted += 1;
-                    }
-                    Place::Held => unreachable!("a fresh segment has no holds"),
-                }
-            }
-        }
-        let (src, dst) = (SendPtr(old.data()), SendPtr(fresh.data()));
-        py.detach(move || {
-            let (src, dst) = (src, dst);
-            for (from, to, len) in copies {
-                // SAFETY: both ranges are frames inside their data areas (from the logs);
-                // the old frames are cached (not reused: we are their only writer) and the
-                // fresh segment is not shared yet.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.0.add(from as usize),
-                        dst.0.add(to as usize),
-                        len as usize,
-                    )
-                }
-            }
-        });
-        // Frames of a freshly copied window that were evicted in the copy are the oldest:
-        // drop as many from the front (the copy evicted them from `log`'s front too).
-        self.map = fresh;
-        self.log = log;
-        self.generation += 1;
-        Ok(evicted)
-    }
 }
 
 /// The worker's end of the cross-trainer cache window: one sealed memfd segment holding
@@ -221,22 +156,16 @@ pub struct PyWindowWriter {
 impl PyWindowWriter {
     #[new]
     fn new(py: Python<'_>, capacity_bytes: u64) -> PyResult<Self> {
-        let map = py.detach(|| WindowMap::create(capacity_bytes, random_nonce()))?;
+        let window = py.detach(|| WindowWriter::new(capacity_bytes, random_nonce()))?;
         Ok(PyWindowWriter {
-            grants: Arc::new(Grants::default()),
+            grants: window.grants().clone(),
             state: Mutex::new(WriterState {
-                log: WindowLog::new(capacity_bytes),
-                map,
-                generation: 0,
+                window,
                 encoder: Encoder::default(),
                 spec: None,
                 spec_id: 0,
                 spec_bodies: HashMap::new(),
                 decode_specs: HashMap::new(),
-                abandons: 0,
-                grows: 0,
-                frames_written: 0,
-                bytes_written: 0,
             }),
         })
     }
@@ -283,81 +212,39 @@ impl PyWindowWriter {
         } else {
             64
         };
-        let mut evicted = 0;
-        if len > window::max_frame_bytes(s.log.capacity()) {
-            let want = (len * 2).next_power_of_two();
-            if want > window::MAX_CAPACITY {
-                return Err(Error::ElementTooLarge {
-                    element_bytes: len,
-                    limit_bytes: window::max_frame_bytes(window::MAX_CAPACITY),
-                    what: "the cross-trainer cache's shared-memory window".into(),
-                }
-                .into());
-            }
-            evicted += s.migrate(py, want)?;
-            s.grows += 1;
-            self.grants_reset();
+        // Growing copies the window into a fresh segment: GIL released.
+        let window = &mut s.window;
+        let r = py.detach(|| window.reserve(len, align, max_capacity, random_nonce))?;
+        let Some((pos, slot)) = r.at else {
+            return Ok((r.evicted, None));
+        };
+        let dst = SendPtr(
+            // SAFETY: slot + len <= capacity (reserve).
+            unsafe { s.window.map().data().add(slot as usize) },
+        );
+        let p = &plan;
+        let copy = move || {
+            let dst = dst;
+            // SAFETY: [slot, slot + len) is free space of the data area (no frame of the
+            // window, no hold, no grant covers it: reserve) that only this writer writes;
+            // payloads are buffers pinned by `holders` / `objects`.
+            unsafe { p.copy_range(0, len, dst.0) }
+        };
+        if plan.payload_bytes >= GIL_FREE_COPY_BYTES {
+            py.detach(copy);
+        } else {
+            copy();
         }
-        loop {
-            // Grants first, then holds: see shm::window (a trainer's hold is stored before
-            // the DONE message that clears its grant).
-            let held = self.grants.min().min(s.map.min_hold());
-            match s.log.try_place(len, align, held) {
-                Place::Write {
-                    pos,
-                    slot,
-                    pad,
-                    pad_slot,
-                } => {
-                    if pad > 0 {
-                        // SAFETY: try_place proved [pad_slot, pad_slot + pad) free (below
-                        // the reclaim limit plus capacity) and inside the data area.
-                        unsafe { window::write_pad(s.map.data(), pad_slot, pad) };
-                    }
-                    let dst = SendPtr(
-                        // SAFETY: slot + len <= capacity (try_place).
-                        unsafe { s.map.data().add(slot as usize) },
-                    );
-                    let p = &plan;
-                    let copy = move || {
-                        let dst = dst;
-                        // SAFETY: [slot, slot + len) is free space of the data area (no frame
-                        // of the window, no hold, no grant covers it) that only this writer
-                        // writes; payloads are buffers pinned by `holders` / `objects`.
-                        unsafe { p.copy_range(0, len, dst.0) }
-                    };
-                    if plan.payload_bytes >= GIL_FREE_COPY_BYTES {
-                        py.detach(copy);
-                    } else {
-                        copy();
-                    }
-                    drop((holders, objects));
-                    s.log.push(pos, len, align, s.spec_id);
-                    s.frames_written += 1;
-                    s.bytes_written += len;
-                    return Ok((evicted, Some(len)));
-                }
-                Place::EvictOldest if s.log.capacity() < max_capacity => {
-                    // The window has not reached its bound: grow instead of evicting.
-                    let want = (s.log.capacity() * 2).min(window::MAX_CAPACITY);
-                    evicted += s.migrate(py, want)?;
-                    s.grows += 1;
-                    self.grants_reset();
-                }
-                Place::EvictOldest => {
-                    s.log.evict_oldest();
-                    evicted += 1;
-                }
-                Place::Held => return Ok((evicted, None)),
-            }
-        }
+        drop((holders, objects));
+        s.window.commit(pos, len, align, s.spec_id);
+        Ok((r.evicted, Some(len)))
     }
 
     /// Evicts the `n` oldest cached frames.
     fn evict(&self, n: usize) -> PyResult<()> {
         let mut g = lock(&self.state, "cache window writer")?;
         for _ in 0..n {
-            g.log.evict_oldest();
+            g.window.log_mut().evict_oldest();
         }
         Ok(())
     }
@@ -366,11 +253,8 @@ impl PyWindowWriter {
     /// fresh one of the same size. Returns how many of the oldest frames did not fit.
     fn abandon(&self, py: Python<'_>) -> PyResult<usize> {
         let mut g = lock(&self.state, "cache window writer")?;
-        let cap = g.log.capacity();
-        let evicted = g.migrate(py, cap)?;
-        g.abandons += 1;
-        self.grants_reset();
-        Ok(evicted)
+        let window = &mut g.window;
+        Ok(py.detach(|| window.abandon(random_nonce()))?)
     }
 
     /// `(generation, pos, spec_ids, reclaim_below)` of the cached frames `offset .. offset + n`
@@ -379,7 +263,8 @@ impl PyWindowWriter {
     /// quarter of the segment: a hold below it stalls the writer soon.
     fn span(&self, offset: usize, n: usize) -> PyResult<(u64, u64, Vec<u32>, u64)> {
         let g = lock(&self.state, "cache window writer")?;
-        let frames = g.log.frames();
+        let log = g.window.log();
+        let frames = log.frames();
         if offset + n > frames.len() || n == 0 {
             return Err(Error::RingState(format!(
                 "window frames {offset}..{} out of range ({} cached)",
@@ -395,9 +280,12 @@ impl PyWindowWriter {
         ids.dedup();
         ids.sort_unstable();
         ids.dedup();
-        let cap = g.log.capacity();
-        let reclaim_below = g.log.end_pos().saturating_sub(cap - cap / 4);
-        Ok((g.generation, frames[offset].pos, ids, reclaim_below))
+        Ok((
+            g.window.generation(),
+            frames[offset].pos,
+            ids,
+            log.reclaim_soon(),
+        ))
     }
 
     /// The encoded spec `spec_id` (for `ShmWindowReader.add_spec`).
@@ -421,7 +309,16 @@ impl PyWindowWriter {
         let mut g = lock(&self.state, "cache window writer")?;
         let s = &mut *g;
         let out = PyList::empty(py);
-        let frames: Vec<_> = s.log.frames().range(offset..offset + n).copied().collect();
+        let log = s.window.log();
+        if offset + n > log.len() {
+            return Err(Error::RingState(format!(
+                "window frames {offset}..{} out of range ({} cached)",
+                offset + n,
+                log.len()
+            ))
+            .into());
+        }
+        let frames: Vec<_> = log.frames().range(offset..offset + n).copied().collect();
         for f in frames {
             if !s.decode_specs.contains_key(&f.spec_id) {
                 let body = s
@@ -432,11 +329,11 @@ impl PyWindowWriter {
                 s.decode_specs
                     .insert(f.spec_id, DecodeSpec::new(py, spec, f.pos)?);
             }
-            let slot = f.pos & (s.log.capacity() - 1);
+            let slot = f.pos & (s.window.log().capacity() - 1);
             // SAFETY: the frame is cached (in the log), so only this writer, which we hold
             // locked, could overwrite it; slot + len <= capacity.
             let bytes = unsafe {
-                std::slice::from_raw_parts(s.map.data().add(slot as usize), f.len as usize)
+                std::slice::from_raw_parts(s.window.map().data().add(slot as usize), f.len as usize)
             };
             let mut copy = |_: Python<'py>, _: &LeafDesc| Ok(None);
             out.append(decode_frame(py, bytes, f.pos, &s.decode_specs, &mut copy)?)?;
@@ -457,235 +354,61 @@ impl PyWindowWriter {
     /// The trainer in `slot` is gone: clears its grant and its hold word.
     fn release_slot(&self, slot: usize) -> PyResult<()> {
         self.grants.clear(slot);
-        let g = lock(&self.state, "cache window writer")?;
-        if let Some(h) = g.map.header().holds.get(slot) {
-            h.store(NO_HOLD, Ordering::Release);
-        }
+        lock(&self.state, "cache window writer")?
+            .window
+            .release_slot(slot);
         Ok(())
     }
 
     /// The current segment's memfd (owned by this object; send a copy).
     fn fileno(&self) -> PyResult<RawFd> {
-        use std::os::fd::AsRawFd;
         let g = lock(&self.state, "cache window writer")?;
-        Ok(g.map.fd().as_raw_fd())
+        Ok(g.window.map().fd().as_raw_fd())
     }
 
     /// (generation, fd, nonce) of the current segment.
     fn segment<'py>(&self, py: Python<'py>) -> PyResult<(u64, RawFd, Bound<'py, PyBytes>)> {
-        use std::os::fd::AsRawFd;
         let g = lock(&self.state, "cache window writer")?;
+        let map = g.window.map();
         Ok((
-            g.generation,
-            g.map.fd().as_raw_fd(),
-            PyBytes::new(py, &g.map.nonce()),
+            g.window.generation(),
+            map.fd().as_raw_fd(),
+            PyBytes::new(py, &map.nonce()),
         ))
     }
 
     #[getter]
     fn capacity_bytes(&self) -> PyResult<u64> {
-        Ok(lock(&self.state, "cache window writer")?.log.capacity())
+        Ok(lock(&self.state, "cache window writer")?
+            .window
+            .log()
+            .capacity())
     }
 
     /// Counters: generation, abandons, grows, frames and bytes written, cached frames, the
     /// window's span in the segment, and the reclaim limit's holders.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let g = lock(&self.state, "cache window writer")?;
+        let w = &g.window;
         let d = PyDict::new(py);
-        d.set_item("generation", g.generation)?;
-        d.set_item("abandons", g.abandons)?;
-        d.set_item("grows", g.grows)?;
-        d.set_item("capacity_bytes", g.log.capacity())?;
-        d.set_item("frames_written", g.frames_written)?;
-        d.set_item("bytes_written", g.bytes_written)?;
-        d.set_item("cached_frames", g.log.len())?;
-        d.set_item("window_span_bytes", g.log.end_pos() - g.log.first_pos())?;
-        let hold = g.map.min_hold();
+        d.set_item("generation", w.generation())?;
+        d.set_item("abandons", w.abandons)?;
+        d.set_item("grows", w.grows)?;
+        d.set_item("capacity_bytes", w.log().capacity())?;
+        d.set_item("frames_written", w.frames_written)?;
+        d.set_item("bytes_written", w.bytes_written)?;
+        d.set_item("cached_frames", w.log().len())?;
+        d.set_item("window_span_bytes", w.log().end_pos() - w.log().first_pos())?;
+        let hold = w.map().min_hold();
         d.set_item("min_hold", if hold == NO_HOLD { None } else { Some(hold) })?;
-        let held: Vec<usize> = (g.map.header().holds.iter().enumerate())
-            .filter(|(_, h)| h.load(Ordering::Relaxed) != NO_HOLD)
-            .map(|(i, _)| i)
-            .collect();
-        d.set_item("held_slots", held)?;
+        d.set_item("held_slots", w.held_slots())?;
         Ok(d)
-    }
-}
-
-impl PyWindowWriter {
-    /// Grants name positions of the segment being replaced; its frames stay readable by
-    /// the trainers decoding them (the worker no longer writes there).
-    fn grants_reset(&self) {
-        for slot in 0..window::HOLD_SLOTS {
-            self.grants.clear(slot);
-        }
     }
 }
 
 // ------------------------------------------------------------------------------------------
 // Reader (trainer)
 // ------------------------------------------------------------------------------------------
-
-/// A trainer's holds in one segment: how many leased frames start at each position, and
-/// the live leaf mappings (to detach them before the holds go).
-pub struct HoldTable {
-    map: Arc<WindowMap>,
-    slot: usize,
-    inner: Mutex<HoldInner>,
-}
-
-struct HoldInner {
-    counts: BTreeMap<u64, u32>,
-    leaves: Vec<Weak<WindowLeaf>>,
-    /// False once this trainer gave the slot up (closed, or moved to a new segment): its
-    /// hold word is no longer its to write.
-    active: bool,
-}
-
-impl HoldTable {
-    fn lock(&self) -> MutexGuard<'_, HoldInner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn store_min(&self, g: &HoldInner) {
-        if !g.active {
-            return;
-        }
-        let min = g.counts.keys().next().copied().unwrap_or(NO_HOLD);
-        if let Some(h) = self.map.header().holds.get(self.slot) {
-            // SYNC(hold): Acquire in WindowMap::min_hold.
-            h.store(min, Ordering::Release);
-        }
-    }
-
-    fn acquire(self: &Arc<Self>, pos: u64) -> Arc<FrameHold> {
-        let mut g = self.lock();
-        *g.counts.entry(pos).or_insert(0) += 1;
-        self.store_min(&g);
-        Arc::new(FrameHold {
-            table: self.clone(),
-            pos,
-        })
-    }
-
-    fn release(&self, pos: u64) {
-        let mut g = self.lock();
-        if let Some(c) = g.counts.get_mut(&pos) {
-            *c -= 1;
-            if *c == 0 {
-                g.counts.remove(&pos);
-            }
-        }
-        self.store_min(&g);
-    }
-
-    /// The lowest held position, if any.
-    fn min(&self) -> Option<u64> {
-        self.lock().counts.keys().next().copied()
-    }
-
-    /// Gives the slot up: every live leaf mapping becomes private anonymous memory (its
-    /// views keep their addresses and contents), then the hold word is cleared. Returns the
-    /// number of leaves detached.
-    fn deactivate(&self) -> usize {
-        let leaves: Vec<Arc<WindowLeaf>> = {
-            let mut g = self.lock();
-            if !g.active {
-                return 0;
-            }
-            g.leaves.drain(..).filter_map(|w| w.upgrade()).collect()
-        };
-        // Outside the table's lock: dropping a leaf may release a hold (which locks it).
-        let n = leaves.iter().filter(|l| l.detach()).count();
-        // The detached leaves no longer need their holds, nor (through them) this table's
-        // mapping of the whole segment: taking the holds lets the segment go.
-        let released: Vec<_> = leaves
-            .iter()
-            .filter_map(|l| l.hold.lock().unwrap_or_else(|e| e.into_inner()).take())
-            .collect();
-        let mut g = self.lock();
-        g.active = false;
-        if let Some(h) = self.map.header().holds.get(self.slot) {
-            h.store(NO_HOLD, Ordering::Release);
-        }
-        drop(g);
-        drop(released);
-        drop(leaves);
-        n
-    }
-
-    /// Detaches (copies into private memory) the live leaves of frames below `limit`, the
-    /// window's oldest cached frame, and lifts their holds: the writer is about to need
-    /// that space, and waiting for this trainer's views would stall everyone. A trainer
-    /// that keeps views that long pays for their copy. Returns the number of leaves.
-    fn detach_below(&self, limit: u64) -> usize {
-        let leaves: Vec<Arc<WindowLeaf>> = {
-            let mut g = self.lock();
-            if !g.active || g.counts.keys().next().is_none_or(|&m| m >= limit) {
-                return 0;
-            }
-            g.leaves.retain(|w| w.strong_count() > 0);
-            g.leaves
-                .iter()
-                .filter_map(|w| w.upgrade())
-                .filter(|l| l.pos < limit && !l.detached.load(Ordering::Acquire))
-                .collect()
-        };
-        let mut released = Vec::new();
-        for leaf in &leaves {
-            // The hold stays until the copy is done, so the writer cannot overwrite the
-            // pages being copied.
-            if leaf.detach() {
-                if let Some(h) = leaf.hold.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                    released.push(h);
-                }
-            }
-        }
-        let n = released.len();
-        drop(released); // lifts the holds (FrameHold::drop)
-        drop(leaves);
-        n
-    }
-
-    fn track(&self, leaf: &Arc<WindowLeaf>) {
-        let mut g = self.lock();
-        if g.leaves.len() >= 64 && g.leaves.len().is_power_of_two() {
-            g.leaves.retain(|w| w.strong_count() > 0);
-        }
-        g.leaves.push(Arc::downgrade(leaf));
-    }
-}
-
-/// One frame's hold; dropped with the last leaf view of the frame.
-pub struct FrameHold {
-    table: Arc<HoldTable>,
-    pos: u64,
-}
-
-impl Drop for FrameHold {
-    fn drop(&mut self) {
-        self.table.release(self.pos);
-    }
-}
-
-/// A leased leaf: its private mapping, then the frame's hold (fields drop in order, so the
-/// pages are unmapped before the hold is lifted).
-pub struct WindowLeaf {
-    map: PrivateMap,
-    /// The frame's position, and its hold (taken away once the leaf is detached).
-    pos: u64,
-    hold: Mutex<Option<Arc<FrameHold>>>,
-    detached: std::sync::atomic::AtomicBool,
-}
-
-impl WindowLeaf {
-    /// Makes the leaf's pages private anonymous memory (once); true if it did so now.
-    fn detach(&self) -> bool {
-        if self.detached.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        self.map.detach().is_ok()
-    }
-}
 
 struct ReaderState {
     map: Arc<WindowMap>,
@@ -718,24 +441,9 @@ fn attach_segment(
         }
         .into());
     }
-    let nonce: Option<[u8; 16]> = match nonce {
-        Some(n) => Some(n.try_into().map_err(|_| {
-            PyErr::from(Error::LayoutMismatch {
-                what: "nonce must be 16 bytes".into(),
-            })
-        })?),
-        None => None,
-    };
+    let nonce = super::nonce(nonce)?;
     let map = WindowMap::attach(dup_fd(fd)?, nonce)?;
-    let table = Arc::new(HoldTable {
-        map: map.clone(),
-        slot,
-        inner: Mutex::new(HoldInner {
-            counts: BTreeMap::new(),
-            leaves: Vec::new(),
-            active: true,
-        }),
-    });
+    let table = HoldTable::new(map.clone(), slot)?;
     Ok((map, table))
 }
 
@@ -868,16 +576,11 @@ impl PyWindowReader {
         let s = g
             .as_mut()
             .ok_or_else(|| Error::RingState("cache window reader is closed".into()))?;
-        if s.pid != std::process::id() {
-            return Err(Error::RingState(
-                "a cache window reader cannot be used in a forked child".into(),
-            )
-            .into());
-        }
+        check_pid(s.pid, "a cache window reader")?;
         let out = PyList::empty(py);
         let cap = s.map.capacity();
         let max_pinned = (cap as f64 * s.max_pinned_fraction) as u64;
-        let page = crate::shm::segment::page_bytes();
+        let page = page_bytes();
         let detach_limit = reclaim_below;
         let mut p = pos;
         let mut nbytes = 0;
@@ -942,18 +645,13 @@ impl PyWindowReader {
                 let Some(pm) = map.map_private(slot + d.offset, d.nbytes) else {
                     return Ok(None);
                 };
-                let ptr = pm.ptr();
-                let leaf = Arc::new(WindowLeaf {
-                    map: pm,
-                    pos: frame_pos,
-                    hold: Mutex::new(hold.clone()),
-                    detached: Default::default(),
-                });
-                table.track(&leaf);
+                let pm: Box<PrivateMap> = Box::new(pm);
+                let leaf = table.lease(pm, frame_pos, hold.clone().expect("taken above"));
+                let ptr = leaf.ptr();
                 leased += 1;
                 Ok(Some(Bound::new(
                     py,
-                    PyLease::window(leaf, ptr, d.nbytes as usize),
+                    PyLease::new(LeaseOwner::Window(leaf), ptr, d.nbytes as usize),
                 )?))
             };
             let element = decode_frame(py, bytes, frame_pos, &s.specs, &mut lease)?;

@@ -1,6 +1,10 @@
-//! Shared memory: the ring's header layout, the memfd segment, the SPSC ring protocol,
-//! and the cross-trainer cache's shared window segment.
+//! Shared memory: the ring's header layout, the memfd segment (one type for the ring and
+//! the cache window), the SPSC ring protocol, the cross-trainer cache window's reclaim
+//! protocol (hold table, grants, writer log) and its segment.
 
+#[cfg(not(loom))]
+pub mod detach;
+pub mod holds;
 pub mod layout;
 pub mod ring;
 #[cfg(not(loom))]

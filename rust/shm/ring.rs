@@ -417,6 +417,17 @@ impl Consumer {
         self.reclaim.push(end, 1)
     }
 
+    /// Records a handed-out frame ending at `end` that stays pinned until the returned
+    /// lease drops (on any thread); the lease also keeps the ring's memory mapped.
+    pub fn lease(&mut self, end: u64) -> FrameLease {
+        let ticket = self.push_leased(end);
+        FrameLease {
+            reclaim: self.reclaim.clone(),
+            ticket,
+            _region: self.region.clone(),
+        }
+    }
+
     /// Pointer to the frame's first byte.
     pub fn frame_ptr(&self, frame: &FrameRef) -> *const u8 {
         // SAFETY: frame.slot + frame.len <= capacity (checked in next_frame).
@@ -482,6 +493,20 @@ struct ReclaimInner {
     base_seq: u64,
     /// Bumped by a detach: leases of older generations no longer count.
     generation: u64,
+}
+
+/// Keeps one handed-out frame from being reused while views into it live, and the memory
+/// it lies in mapped. Any thread may drop it.
+pub struct FrameLease {
+    reclaim: Arc<Reclaim>,
+    ticket: Ticket,
+    _region: Arc<dyn Region>,
+}
+
+impl Drop for FrameLease {
+    fn drop(&mut self) {
+        self.reclaim.release(self.ticket);
+    }
 }
 
 /// A claim on one handed-out frame, released by [`Reclaim::release`].

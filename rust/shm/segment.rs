@@ -1,17 +1,20 @@
-//! The ring's shared-memory object (TRANSPORT.md §3): a sealed, pre-faulted memfd.
+//! The shared-memory object of the ring and of the cross-trainer cache window
+//! (TRANSPORT.md §3): a sealed, pre-faulted memfd, and its mappings.
 //!
 //! `memfd_create` (no name in /dev/shm, so a crash at any instant leaks nothing: the pages
 //! go with the last fd and mapping), `fallocate` of the whole size (a full tmpfs or memory
 //! cgroup gives ENOSPC/ENOMEM now instead of SIGBUS on a later write), then seals
 //! SHRINK|GROW|SEAL so no one can truncate it under a mapping.
 
+use std::marker::PhantomData;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
-use rustix::mm::{MapFlags, MremapFlags, ProtFlags};
+use rustix::mm::{MapFlags, MprotectFlags, MremapFlags, ProtFlags};
 
 use crate::error::Error;
+use crate::shm::holds::LeafMapping;
 use crate::shm::layout::{self, RingHeader};
 use crate::shm::ring::Region;
 
@@ -25,90 +28,151 @@ pub fn page_bytes() -> u64 {
     rustix::param::page_size() as u64
 }
 
-/// One mapping of a ring's memfd: header page + data area. Unmapped on drop.
-pub struct Mapping {
+/// What a segment's header page holds and how it is checked: the ring's
+/// ([`RingHeader`]) or the cache window's (`shm::window::WindowHeader`).
+///
+/// # Safety
+/// `Self` must be `#[repr(C)]`, fit in 4096 bytes with an alignment of at most 4096, and be
+/// valid to reference once [`SegmentHeader::init`] ran (or [`SegmentHeader::check`]
+/// accepted the constants); after that only its atomics may change.
+pub unsafe trait SegmentHeader: Sized {
+    /// The memfd's name (shown in /proc/PID/fd; nothing is created in /dev/shm).
+    const MEMFD_NAME: &'static str;
+    /// What messages call the segment ("ring", "window").
+    const WHAT: &'static str;
+    /// What I/O errors name as the path.
+    const IO_PATH: &'static str;
+    /// False if peers map the data area read-only (they write only the header page).
+    const PEER_WRITES_DATA: bool;
+
+    fn valid_capacity(capacity_bytes: u64) -> bool;
+
+    /// Writes a fresh header for a segment of `capacity_bytes`.
+    ///
+    /// # Safety
+    /// `ptr` is page-aligned, writeable for `header_bytes`, and no one else sees it yet.
+    unsafe fn init(ptr: *mut u8, header_bytes: u64, capacity_bytes: u64, nonce: [u8; 16]);
+
+    /// Checks a received header page of `page` bytes against the segment's `size_bytes`;
+    /// returns (capacity_bytes, nonce).
+    ///
+    /// # Safety
+    /// `ptr` is a readable, page-aligned mapping of at least `page` bytes.
+    unsafe fn check(ptr: *const u8, page: u64, size_bytes: u64) -> Result<(u64, [u8; 16]), Error>;
+}
+
+/// One mapping of a segment's memfd: header page + data area. Unmapped on drop. The one
+/// mmap-owning type of both the ring (`Segment<RingHeader>`) and the cross-trainer cache
+/// window (`Segment<WindowHeader>`).
+pub struct Segment<H: SegmentHeader> {
     ptr: *mut u8,
     len: usize,
     header_bytes: u64,
     capacity: u64,
     fd: Arc<OwnedFd>,
+    _header: PhantomData<fn() -> H>,
 }
 
-// SAFETY: the mapping is plain shared memory; concurrent access is governed by the ring
-// protocol (atomics in the header, byte ranges owned by one side at a time).
-unsafe impl Send for Mapping {}
-// SAFETY: as above.
-unsafe impl Sync for Mapping {}
+/// The ring's segment.
+pub type Mapping = Segment<RingHeader>;
 
-impl Drop for Mapping {
+// SAFETY: the mapping is plain shared memory; concurrent access is governed by the ring's
+// or the window's protocol (atomics in the header, byte ranges owned by one side at a time).
+unsafe impl<H: SegmentHeader> Send for Segment<H> {}
+// SAFETY: as above.
+unsafe impl<H: SegmentHeader> Sync for Segment<H> {}
+
+impl<H: SegmentHeader> Drop for Segment<H> {
     fn drop(&mut self) {
         // SAFETY: ptr/len is the range mmap returned to us and nobody else unmaps it; the
-        // last Arc<Mapping> (held by leases too) is gone, so no view points into it.
+        // last Arc<Segment> (held by leases too) is gone, so no view points into it.
         unsafe {
             let _ = rustix::mm::munmap(self.ptr.cast(), self.len);
         }
     }
 }
 
-fn os_error(op: &'static str, err: rustix::io::Errno) -> Error {
+fn os_error<H: SegmentHeader>(op: &'static str, err: rustix::io::Errno) -> Error {
     Error::Io {
         op,
-        path: "shared-memory ring".to_string(),
+        path: H::IO_PATH.to_string(),
         source: err.into(),
     }
 }
 
-impl Mapping {
-    /// Maps the whole segment. `populate` pre-faults the page tables (the producer's
-    /// mapping, written from the start); a consumer's mapping is not populated: its pages
-    /// exist already (fallocate), so a first read of one is a minor fault, and mapping a
-    /// 64 MiB ring takes 0.1 ms instead of ~13 ms, which a handshake waits for.
+impl<H: SegmentHeader> Segment<H> {
+    /// Maps the whole segment. The creator's mapping is pre-faulted (`MAP_POPULATE`: it
+    /// writes from the start); a peer's mapping is not: its pages exist already
+    /// (fallocate), so a first read of one is a minor fault, and mapping a 64 MiB ring
+    /// takes 0.1 ms instead of ~13 ms, which a handshake waits for. A peer that writes only
+    /// the header page (`!H::PEER_WRITES_DATA`) maps the data area read-only.
     fn map(
         fd: Arc<OwnedFd>,
         header_bytes: u64,
         capacity: u64,
-        populate: bool,
+        creator: bool,
     ) -> Result<Self, Error> {
         let len = (header_bytes + capacity) as usize;
-        let flags = if populate {
+        let writes_all = creator || H::PEER_WRITES_DATA;
+        let prot = if writes_all {
+            ProtFlags::READ | ProtFlags::WRITE
+        } else {
+            ProtFlags::READ
+        };
+        let flags = if creator {
             MapFlags::SHARED | MapFlags::POPULATE
         } else {
             MapFlags::SHARED
         };
-        // SAFETY: a fresh shared mapping of our (sealed, fully allocated) memfd at an address
+        // SAFETY: a fresh shared mapping of a sealed, fully allocated memfd at an address
         // the kernel picks; nothing aliases it yet.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                flags,
-                fd.as_fd(),
-                0,
-            )
+        let ptr =
+            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, flags, fd.as_fd(), 0) }
+                .map_err(|e| os_error::<H>("mapping", e))?;
+        if !writes_all {
+            // SAFETY: the first header_bytes of our own fresh mapping (page-aligned, inside
+            // it): the header page is all such a peer stores into.
+            let r = unsafe {
+                rustix::mm::mprotect(
+                    ptr,
+                    header_bytes as usize,
+                    MprotectFlags::READ | MprotectFlags::WRITE,
+                )
+            };
+            if let Err(e) = r {
+                // SAFETY: our own mapping of len bytes, not handed out yet.
+                unsafe {
+                    let _ = rustix::mm::munmap(ptr, len);
+                }
+                return Err(os_error::<H>("mapping", e));
+            }
         }
-        .map_err(|e| os_error("mapping", e))?;
-        Ok(Mapping {
+        Ok(Segment {
             ptr: ptr.cast(),
             len,
             header_bytes,
             capacity,
             fd,
+            _header: PhantomData,
         })
     }
 
-    /// A new sealed memfd ring of `capacity_bytes`, header initialised; the producer's side.
+    /// A new sealed, pre-faulted memfd segment of `capacity_bytes` with a fresh header;
+    /// the creator's (producer's, worker's) side.
+    ///
+    /// Raises `InvalidRingSize` for an unsupported size and `ShmExhausted` when the memory
+    /// cannot be reserved (full tmpfs, memory cgroup).
     pub fn create(capacity_bytes: u64, nonce: [u8; 16]) -> Result<Arc<Self>, Error> {
-        if !layout::valid_capacity(capacity_bytes) {
+        if !H::valid_capacity(capacity_bytes) {
             return Err(Error::InvalidRingSize { capacity_bytes });
         }
         let header_bytes = page_bytes().max(4096);
         let total = header_bytes + capacity_bytes;
         let fd = rustix::fs::memfd_create(
-            "dataservice-ring",
+            H::MEMFD_NAME,
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
         )
-        .map_err(|e| os_error("creating", e))?;
+        .map_err(|e| os_error::<H>("creating", e))?;
         // A memory cgroup at its limit answers fallocate on shmem with its OOM killer, not
         // ENOMEM: refuse up front what the cgroup cannot hold.
         if let Some(free) = cgroup_free_bytes() {
@@ -128,41 +192,242 @@ impl Mapping {
             });
         }
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .map_err(|e| os_error("sealing", e))?;
-        let map = Mapping::map(Arc::new(fd), header_bytes, capacity_bytes, true)?;
+            .map_err(|e| os_error::<H>("sealing", e))?;
+        let map = Segment::<H>::map(Arc::new(fd), header_bytes, capacity_bytes, true)?;
+        // SAFETY: the mapping starts page-aligned with a whole header page, and no other
+        // process has the fd yet.
+        unsafe { H::init(map.ptr, header_bytes, capacity_bytes, nonce) };
+        Ok(Arc::new(map))
+    }
+
+    /// Maps a segment fd received from a peer, after checking its seals, size and header
+    /// (and `nonce`, when given, against the header's).
+    ///
+    /// Raises `LayoutMismatch` naming what does not match.
+    pub fn attach(fd: OwnedFd, nonce: Option<[u8; 16]>) -> Result<Arc<Self>, Error> {
+        let mismatch = |what: String| Error::LayoutMismatch { what };
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| os_error::<H>("checking", e))?;
+        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
+            return Err(mismatch(format!(
+                "the {} fd is not sealed against resizing",
+                H::WHAT
+            )));
+        }
+        let size = rustix::fs::fstat(&fd)
+            .map_err(|e| os_error::<H>("checking", e))?
+            .st_size as u64;
+        let page = page_bytes().max(4096);
+        if size < page + MIN_SEGMENT_CAPACITY {
+            return Err(mismatch(format!("the {} fd is only {size} bytes", H::WHAT)));
+        }
+        // Read the constants through a header-page-only mapping first.
+        let fd = Arc::new(fd);
+        let probe = Segment::<H>::map(fd.clone(), page, 0, false)?;
+        // SAFETY: the probe maps a full page, page-aligned and readable.
+        let (capacity, header_nonce) = unsafe { H::check(probe.ptr, page, size) }?;
+        drop(probe);
+        if nonce.is_some_and(|n| n != header_nonce) {
+            return Err(mismatch(format!(
+                "the {}'s nonce differs from the handshake's",
+                H::WHAT
+            )));
+        }
+        Ok(Arc::new(Segment::<H>::map(fd, page, capacity, false)?))
+    }
+
+    /// A fresh (peer-side) mapping of the same memfd (used after a detach).
+    pub fn remap(&self) -> Result<Arc<Self>, Error> {
+        Ok(Arc::new(Segment::<H>::map(
+            self.fd.clone(),
+            self.header_bytes,
+            self.capacity,
+            false,
+        )?))
+    }
+
+    pub fn fd(&self) -> &Arc<OwnedFd> {
+        &self.fd
+    }
+
+    pub fn header(&self) -> &H {
+        // SAFETY: page-aligned header initialised by create (or checked by attach); after
+        // that only its atomics are touched through shared references (SegmentHeader).
+        unsafe { &*(self.ptr as *const H) }
+    }
+
+    /// First byte of the data area (`capacity` bytes).
+    pub fn data(&self) -> *mut u8 {
+        // SAFETY: header_bytes < len.
+        unsafe { self.ptr.add(self.header_bytes as usize) }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    pub fn header_bytes(&self) -> u64 {
+        self.header_bytes
+    }
+
+    /// Replaces the pages covering data bytes `[offset, offset+len)` (rounded out to pages)
+    /// of *this* mapping by private anonymous copies at the same addresses: views into them
+    /// keep their addresses and contents while the memory underneath is reused.
+    ///
+    /// # Safety
+    /// No thread may write those bytes through this mapping during the call (readers are
+    /// fine: they see the same contents before and after), and the caller must never again
+    /// use this mapping's data area for ring traffic.
+    pub unsafe fn privatize(&self, offset: u64, len: u64) -> Result<(), Error> {
+        let page = page_bytes();
+        let start = (offset / page) * page;
+        let end = (offset + len).next_multiple_of(page).min(self.capacity);
+        if end <= start {
+            return Ok(());
+        }
+        // SAFETY: start < end <= capacity, so the target lies inside our data area.
+        let target = unsafe { self.ptr.add((self.header_bytes + start) as usize) };
+        // SAFETY: [target, target + n) is page-aligned, inside our own mapping (SAFETY
+        // invariant (6) of TRANSPORT.md §8); the caller rules out concurrent writers.
+        unsafe { replace_with_private_copy(target, (end - start) as usize) }
+            .map_err(|e| os_error::<H>("detaching", e))
+    }
+
+    /// A private (copy-on-write) writeable mapping of `len` data bytes at `slot`, which must
+    /// be page-aligned; None if it is not, or the mapping fails (the caller copies instead).
+    pub fn map_private(&self, slot: u64, len: u64) -> Option<PrivateMap> {
+        let page = page_bytes();
+        let offset = self.header_bytes + slot;
+        if offset % page != 0 || len == 0 || slot.checked_add(len)? > self.capacity {
+            return None;
+        }
+        let maplen = len.next_multiple_of(page) as usize;
+        // SAFETY: a fresh private mapping of our memfd at a page-aligned offset inside the
+        // file (slot + len <= capacity, so offset + maplen <= the file size rounded to a
+        // page, which the file has: header + capacity are both page multiples).
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                maplen,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+                self.fd.as_fd(),
+                offset,
+            )
+        }
+        .ok()?;
+        Some(PrivateMap {
+            ptr: ptr.cast(),
+            len: maplen,
+        })
+    }
+}
+
+/// Copies the `n` bytes at `target` (page-aligned, a multiple of the page size) into a
+/// fresh private anonymous mapping and moves it over `[target, target + n)`.
+///
+/// # Safety
+/// `[target, target + n)` must be page-aligned and lie inside a mapping the caller owns, and
+/// nothing may write it during the call.
+unsafe fn replace_with_private_copy(target: *mut u8, n: usize) -> Result<(), rustix::io::Errno> {
+    // SAFETY: a fresh private anonymous mapping; nothing aliases it.
+    let anon = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            n,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::PRIVATE,
+        )
+    }?;
+    // SAFETY: both ranges are n bytes, mapped, and distinct mappings; the caller guarantees
+    // no concurrent writer of the source.
+    unsafe { std::ptr::copy_nonoverlapping(target, anon.cast::<u8>(), n) };
+    // SAFETY: moves the anonymous pages over [target, target+n), a page-aligned range inside
+    // the caller's own mapping; MREMAP_FIXED replaces the old pages atomically, so a
+    // concurrent reader sees old or new bytes, which are equal.
+    let moved =
+        unsafe { rustix::mm::mremap_fixed(anon, n, n, MremapFlags::MAYMOVE, target.cast()) };
+    if let Err(err) = moved {
+        // SAFETY: anon is our own mapping of n bytes, unused.
+        unsafe {
+            let _ = rustix::mm::munmap(anon, n);
+        }
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// A private, copy-on-write mapping of one leased leaf of a segment (unmapped on drop).
+pub struct PrivateMap {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a mapping of our own; writes only through numpy views (the Python program's data
+// race, as with any array).
+unsafe impl Send for PrivateMap {}
+// SAFETY: as above.
+unsafe impl Sync for PrivateMap {}
+
+impl LeafMapping for PrivateMap {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Replaces the mapping's pages by anonymous copies at the same addresses, so it no
+    /// longer follows (nor keeps alive) the segment's file: done before a trainer gives up
+    /// its hold while views live (closing, or the worker moved to a fresh segment). A
+    /// concurrent write through a view may be lost (TRANSPORT.md §5).
+    fn detach(&self) -> Result<(), Error> {
+        // SAFETY: our own page-aligned mapping of len bytes; only the user's own views
+        // write it.
+        unsafe { replace_with_private_copy(self.ptr, self.len) }.map_err(|err| Error::Io {
+            op: "detaching",
+            path: "cross-trainer cache segment".to_string(),
+            source: err.into(),
+        })
+    }
+}
+
+impl Drop for PrivateMap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping; the last view into it is gone (the lease owning it drops).
+        unsafe {
+            let _ = rustix::mm::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// Smallest data area of any segment (both the ring's and the window's minimum).
+const MIN_SEGMENT_CAPACITY: u64 = layout::MIN_CAPACITY;
+
+// SAFETY: RingHeader is #[repr(C, align(128))] and at most 4096 bytes (layout.rs asserts);
+// init writes a whole header, check validates every constant the ring relies on.
+unsafe impl SegmentHeader for RingHeader {
+    const MEMFD_NAME: &'static str = "dataservice-ring";
+    const WHAT: &'static str = "ring";
+    const IO_PATH: &'static str = "shared-memory ring";
+    const PEER_WRITES_DATA: bool = true;
+
+    fn valid_capacity(capacity_bytes: u64) -> bool {
+        layout::valid_capacity(capacity_bytes)
+    }
+
+    unsafe fn init(ptr: *mut u8, header_bytes: u64, capacity_bytes: u64, nonce: [u8; 16]) {
         let header = RingHeader::new(
             capacity_bytes,
             header_bytes as u32,
             nonce,
             rustix::process::getpid().as_raw_nonzero().get() as u32,
         );
-        // SAFETY: the mapping is at least one page, page-aligned (so the header's 128-byte
-        // alignment holds), and no other process has the fd yet.
-        unsafe { std::ptr::write(map.ptr as *mut RingHeader, header) };
-        Ok(Arc::new(map))
+        // SAFETY: the caller's contract (page-aligned, so the 128-byte alignment holds).
+        unsafe { std::ptr::write(ptr as *mut RingHeader, header) };
     }
 
-    /// Maps a ring fd received from a peer, after checking its seals, size and header.
-    pub fn attach(fd: OwnedFd, nonce: Option<[u8; 16]>) -> Result<Arc<Self>, Error> {
+    unsafe fn check(ptr: *const u8, page: u64, size: u64) -> Result<(u64, [u8; 16]), Error> {
+        // SAFETY: the caller maps a full page; the constants are plain data written before
+        // the fd was sent (the creator never changes them).
+        let c = unsafe { std::ptr::read(ptr as *const layout::Constants) };
         let mismatch = |what: String| Error::LayoutMismatch { what };
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| os_error("checking", e))?;
-        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
-            return Err(mismatch(
-                "the ring fd is not sealed against resizing".into(),
-            ));
-        }
-        let size = rustix::fs::fstat(&fd)
-            .map_err(|e| os_error("checking", e))?
-            .st_size as u64;
-        let page = page_bytes().max(4096);
-        if size < page + layout::MIN_CAPACITY {
-            return Err(mismatch(format!("the ring fd is only {size} bytes")));
-        }
-        // Read the constants through a header-page-only mapping first.
-        let probe = Mapping::map(Arc::new(fd), page, 0, false)?;
-        // SAFETY: the probe maps a full page, page-aligned; the constants are plain data
-        // written before the fd was sent (the creator never changes them).
-        let c = unsafe { std::ptr::read(probe.ptr as *const layout::Constants) };
         if c.magic != layout::MAGIC || c.layout_version != layout::LAYOUT_VERSION {
             return Err(mismatch(format!(
                 "magic {:?} layout_version {}, expected {:?} {}",
@@ -182,95 +447,33 @@ impl Mapping {
                 c.header_bytes, c.capacity_bytes
             )));
         }
-        if let Some(nonce) = nonce {
-            if nonce != c.nonce {
-                return Err(mismatch(
-                    "the ring's nonce differs from the handshake's".into(),
-                ));
-            }
-        }
-        let fd = probe.fd.clone();
-        drop(probe);
-        Ok(Arc::new(Mapping::map(fd, page, c.capacity_bytes, false)?))
-    }
-
-    /// A fresh mapping of the same memfd (used after a detach).
-    pub fn remap(&self) -> Result<Arc<Self>, Error> {
-        Ok(Arc::new(Mapping::map(
-            self.fd.clone(),
-            self.header_bytes,
-            self.capacity,
-            false,
-        )?))
-    }
-
-    pub fn fd(&self) -> &OwnedFd {
-        &self.fd
-    }
-
-    /// Replaces the pages covering data bytes `[offset, offset+len)` (rounded out to pages)
-    /// of *this* mapping by private anonymous copies at the same addresses: views into them
-    /// keep their addresses and contents while the ring memory underneath is reused.
-    ///
-    /// # Safety
-    /// No thread may write those bytes through this mapping during the call (readers are
-    /// fine: they see the same contents before and after), and the caller must never again
-    /// use this mapping's data area for ring traffic.
-    pub unsafe fn privatize(&self, offset: u64, len: u64) -> Result<(), Error> {
-        let page = page_bytes();
-        let start = (offset / page) * page;
-        let end = (offset + len).next_multiple_of(page).min(self.capacity);
-        if end <= start {
-            return Ok(());
-        }
-        let n = (end - start) as usize;
-        // SAFETY: start < end <= capacity, so the target lies inside our data area.
-        let target = unsafe { self.ptr.add((self.header_bytes + start) as usize) };
-        // SAFETY: a fresh private anonymous mapping; nothing aliases it.
-        let anon = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                n,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .map_err(|e| os_error("detaching", e))?;
-        // SAFETY: both ranges are n bytes, mapped, and distinct mappings; the caller
-        // guarantees no concurrent writer of the source.
-        unsafe { std::ptr::copy_nonoverlapping(target, anon.cast::<u8>(), n) };
-        // SAFETY: moves the anonymous pages over [target, target+n), a page-aligned range
-        // inside our own mapping (SAFETY invariant (6) of TRANSPORT.md §8); MREMAP_FIXED
-        // replaces the old pages atomically, so a concurrent reader sees old or new bytes,
-        // which are equal.
-        let moved =
-            unsafe { rustix::mm::mremap_fixed(anon, n, n, MremapFlags::MAYMOVE, target.cast()) };
-        if let Err(err) = moved {
-            // SAFETY: anon is our own mapping of n bytes, unused.
-            unsafe {
-                let _ = rustix::mm::munmap(anon, n);
-            }
-            return Err(os_error("detaching", err));
-        }
-        Ok(())
+        Ok((c.capacity_bytes, c.nonce))
     }
 }
 
 // SAFETY: ptr..ptr+len stays mapped until drop; the header page starts at ptr (written by
 // create, or validated by attach) and the data area (capacity bytes) follows header_bytes.
-unsafe impl Region for Mapping {
+unsafe impl Region for Segment<RingHeader> {
     fn header(&self) -> &RingHeader {
-        // SAFETY: page-aligned, initialised header; only atomics are touched through it
-        // after creation, and the constants are immutable.
-        unsafe { &*(self.ptr as *const RingHeader) }
+        Segment::header(self)
     }
     fn data(&self) -> *mut u8 {
-        // SAFETY: header_bytes < len.
-        unsafe { self.ptr.add(self.header_bytes as usize) }
+        Segment::data(self)
     }
     fn capacity(&self) -> u64 {
         self.capacity
     }
+}
+
+/// 16 random bytes naming a segment in its handshake (a peer checks them against the
+/// header, so a stray fd is not taken for the segment offered).
+pub fn random_nonce() -> [u8; 16] {
+    let mut n = [0u8; 16];
+    if rustix::rand::getrandom(&mut n, rustix::rand::GetRandomFlags::empty()).is_err() {
+        let t = std::time::Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id());
+        n = t.to_le_bytes();
+    }
+    n
 }
 
 /// MemAvailable from /proc/meminfo (bytes), or 0 if unknown.

@@ -21,7 +21,7 @@
 //!   worker's cache) loads every slot with Acquire before it reuses space.
 //!   SYNC(hold): a trainer's reads of a frame happen before its Release store that lifts
 //!   the hold; the writer's Acquire load of that store happens before it overwrites.
-//! - Grants (worker-private, [`Grants`]): when the worker answers a trainer's request with a
+//! - Grants (worker-private, [`Grants`](crate::shm::holds::Grants)): when the worker answers a trainer's request with a
 //!   run of frames starting at `pos`, it first sets that connection's grant to `pos`; the
 //!   trainer decodes the frames (copying small leaves, registering holds for leased ones,
 //!   all stored before its next message) and then sends a DONE message, on which the worker
@@ -29,7 +29,7 @@
 //!   grant's clearing; the writer loads the grants before the holds. So a frame handed out is
 //!   covered by a grant or a hold from the reply until the trainer's last view of it drops.
 //! - The writer may reuse space only below `reclaim_limit = min(first_pos, every hold_pos,
-//!   every grant)` ([`reclaim_limit`]); it places a frame only if `end_pos + pad + len <=
+//!   every grant)` ([`reclaim_limit`](crate::shm::holds::reclaim_limit)); it places a frame only if `end_pos + pad + len <=
 //!   reclaim_limit + capacity` ([`WindowLog::try_place`]). When the window's own oldest frame
 //!   is the limit it evicts that frame (the window is byte-bounded anyway); when a hold or a
 //!   grant is, the caller waits a short grace period and then abandons the segment to its
@@ -41,25 +41,18 @@
 //! the write, while pages it did not write follow the file, which is why the hold must stay
 //! until the view is gone.
 
-use std::collections::VecDeque;
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
-use rustix::mm::{MapFlags, MremapFlags, ProtFlags};
-
 use crate::error::Error;
-use crate::shm::layout::FRAME_ALIGN;
-use crate::shm::ring::{pad_before, FRAME_MAGIC, KIND_PAD, MIN_FRAME};
-use crate::shm::segment::page_bytes;
+use crate::shm::holds::{Grants, HoldWords, Place, WindowLog};
+use crate::shm::ring::{FRAME_MAGIC, KIND_PAD};
+use crate::shm::segment::{Segment, SegmentHeader};
+use crate::sync::{AtomicU64, Ordering};
+
+pub use crate::shm::holds::{HOLD_SLOTS, NO_HOLD};
 
 pub const MAGIC: [u8; 8] = *b"DSWIND01";
 pub const LAYOUT_VERSION: u32 = 1;
-/// Trainer connections one segment serves at once.
-pub const HOLD_SLOTS: usize = 64;
-/// `hold_pos` of a slot with no holds.
-pub const NO_HOLD: u64 = u64::MAX;
 pub const MIN_CAPACITY: u64 = 64 << 10;
 pub const MAX_CAPACITY: u64 = 4 << 30;
 
@@ -87,6 +80,7 @@ const _: () = {
     assert!(std::mem::size_of::<Constants>() <= 128);
     assert!(std::mem::offset_of!(WindowHeader, holds) == 128);
     assert!(std::mem::size_of::<WindowHeader>() <= 4096);
+    assert!(std::mem::size_of::<AtomicU64>() == 8);
 };
 
 /// True if `capacity_bytes` is a supported segment size.
@@ -100,122 +94,23 @@ pub fn max_frame_bytes(capacity_bytes: u64) -> u64 {
     capacity_bytes / 2
 }
 
-fn os_error(op: &'static str, err: rustix::io::Errno) -> Error {
-    Error::Io {
-        op,
-        path: "cross-trainer cache segment".to_string(),
-        source: err.into(),
-    }
-}
+/// One mapping of a window segment: header page + data area (peers map the data area
+/// read-only and write only their hold words).
+pub type WindowMap = Segment<WindowHeader>;
 
-/// One mapping of a window segment: header page + data area. Unmapped on drop.
-pub struct WindowMap {
-    ptr: *mut u8,
-    len: usize,
-    header_bytes: u64,
-    capacity: u64,
-    fd: Arc<OwnedFd>,
-}
+// SAFETY: WindowHeader is #[repr(C, align(128))] and at most 4096 bytes (asserted above);
+// init writes the constants and every hold word, check validates the constants.
+unsafe impl SegmentHeader for WindowHeader {
+    const MEMFD_NAME: &'static str = "dataservice-cache-window";
+    const WHAT: &'static str = "window";
+    const IO_PATH: &'static str = "cross-trainer cache segment";
+    const PEER_WRITES_DATA: bool = false;
 
-// SAFETY: the mapping is plain shared memory; concurrent access follows the reclaim
-// protocol above (atomics in the header; data bytes written only by the creator, only in
-// space no hold, grant or cached frame covers).
-unsafe impl Send for WindowMap {}
-// SAFETY: as above.
-unsafe impl Sync for WindowMap {}
-
-impl Drop for WindowMap {
-    fn drop(&mut self) {
-        // SAFETY: ptr/len is the range mmap returned to us and nobody else unmaps it; the
-        // last Arc<WindowMap> is gone, so no reference into it is live.
-        unsafe {
-            let _ = rustix::mm::munmap(self.ptr.cast(), self.len);
-        }
-    }
-}
-
-impl WindowMap {
-    fn map(
-        fd: Arc<OwnedFd>,
-        header_bytes: u64,
-        capacity: u64,
-        writer: bool,
-    ) -> Result<Self, Error> {
-        let len = (header_bytes + capacity) as usize;
-        let (prot, flags) = if writer {
-            (
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED | MapFlags::POPULATE,
-            )
-        } else {
-            // A trainer writes only hold words: the header page is remapped writeable below.
-            (ProtFlags::READ, MapFlags::SHARED)
-        };
-        // SAFETY: a fresh shared mapping of a sealed, fully allocated memfd at an address the
-        // kernel picks; nothing aliases it yet.
-        let ptr =
-            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, flags, fd.as_fd(), 0) }
-                .map_err(|e| os_error("mapping", e))?;
-        if !writer {
-            // SAFETY: the first header_bytes of our own fresh mapping (page-aligned, inside
-            // it); the hold words are the only thing a trainer stores into the segment.
-            let r = unsafe {
-                rustix::mm::mprotect(
-                    ptr,
-                    header_bytes as usize,
-                    rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE,
-                )
-            };
-            if let Err(e) = r {
-                // SAFETY: our own mapping of len bytes, not handed out yet.
-                unsafe {
-                    let _ = rustix::mm::munmap(ptr, len);
-                }
-                return Err(os_error("mapping", e));
-            }
-        }
-        Ok(WindowMap {
-            ptr: ptr.cast(),
-            len,
-            header_bytes,
-            capacity,
-            fd,
-        })
+    fn valid_capacity(capacity_bytes: u64) -> bool {
+        valid_capacity(capacity_bytes)
     }
 
-    /// A new sealed, pre-faulted memfd segment of `capacity_bytes`; the worker's side.
-    pub fn create(capacity_bytes: u64, nonce: [u8; 16]) -> Result<Arc<Self>, Error> {
-        if !valid_capacity(capacity_bytes) {
-            return Err(Error::InvalidRingSize { capacity_bytes });
-        }
-        let header_bytes = page_bytes().max(4096);
-        let total = header_bytes + capacity_bytes;
-        let fd = rustix::fs::memfd_create(
-            "dataservice-cache-window",
-            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-        )
-        .map_err(|e| os_error("creating", e))?;
-        if let Some(free) = crate::shm::segment::cgroup_free_bytes() {
-            if total > free {
-                return Err(Error::ShmExhausted {
-                    requested_bytes: total,
-                    available_bytes: free,
-                    source: std::io::Error::from_raw_os_error(
-                        rustix::io::Errno::NOMEM.raw_os_error(),
-                    ),
-                });
-            }
-        }
-        if let Err(err) = rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, total) {
-            return Err(Error::ShmExhausted {
-                requested_bytes: total,
-                available_bytes: crate::shm::segment::mem_available_bytes(),
-                source: err.into(),
-            });
-        }
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .map_err(|e| os_error("sealing", e))?;
-        let map = WindowMap::map(Arc::new(fd), header_bytes, capacity_bytes, true)?;
+    unsafe fn init(ptr: *mut u8, header_bytes: u64, capacity_bytes: u64, nonce: [u8; 16]) {
         let constants = Constants {
             magic: MAGIC,
             layout_version: LAYOUT_VERSION,
@@ -225,39 +120,21 @@ impl WindowMap {
             creator_pid: std::process::id(),
             nonce,
         };
-        // SAFETY: the mapping starts page-aligned with a whole header page; no other process
-        // has the fd yet, so plain writes are unobserved. The hold words are initialised
-        // through their atomics right after.
-        unsafe { std::ptr::write(map.ptr as *mut Constants, constants) };
-        for h in &map.header().holds {
+        // SAFETY: the caller's contract: page-aligned, a whole header page, unshared; the
+        // hold words are initialised through their atomics right after.
+        unsafe { std::ptr::write(ptr as *mut Constants, constants) };
+        // SAFETY: as above; the words are naturally aligned at offset 128.
+        let header = unsafe { &*(ptr as *const WindowHeader) };
+        for h in &header.holds {
             h.store(NO_HOLD, Ordering::Relaxed);
         }
-        Ok(Arc::new(map))
     }
 
-    /// Maps a segment fd received from the worker (read-only data, writeable hold words),
-    /// after checking its seals, size and header.
-    pub fn attach(fd: OwnedFd, nonce: Option<[u8; 16]>) -> Result<Arc<Self>, Error> {
+    unsafe fn check(ptr: *const u8, page: u64, size: u64) -> Result<(u64, [u8; 16]), Error> {
+        // SAFETY: the caller maps a whole page; the constants are plain data written before
+        // the fd was sent and never changed.
+        let c = unsafe { std::ptr::read(ptr as *const Constants) };
         let mismatch = |what: String| Error::LayoutMismatch { what };
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| os_error("checking", e))?;
-        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
-            return Err(mismatch(
-                "the window fd is not sealed against resizing".into(),
-            ));
-        }
-        let size = rustix::fs::fstat(&fd)
-            .map_err(|e| os_error("checking", e))?
-            .st_size as u64;
-        let page = page_bytes().max(4096);
-        if size < page + MIN_CAPACITY {
-            return Err(mismatch(format!("the window fd is only {size} bytes")));
-        }
-        let fd = Arc::new(fd);
-        let probe = WindowMap::map(fd.clone(), page, 0, false)?;
-        // SAFETY: the probe maps a whole page, page-aligned; the constants are plain data
-        // written before the fd was sent and never changed.
-        let c = unsafe { std::ptr::read(probe.ptr as *const Constants) };
-        drop(probe);
         if c.magic != MAGIC || c.layout_version != LAYOUT_VERSION {
             return Err(mismatch(format!(
                 "magic {:?} layout_version {}, expected {:?} {LAYOUT_VERSION}",
@@ -274,291 +151,24 @@ impl WindowMap {
                 c.header_bytes, c.capacity_bytes
             )));
         }
-        if nonce.is_some_and(|n| n != c.nonce) {
-            return Err(mismatch(
-                "the window's nonce differs from the handshake's".into(),
-            ));
-        }
-        Ok(Arc::new(WindowMap::map(fd, page, c.capacity_bytes, false)?))
+        Ok((c.capacity_bytes, c.nonce))
     }
+}
 
-    pub fn header(&self) -> &WindowHeader {
-        // SAFETY: page-aligned header initialised by create (or validated by attach); after
-        // creation only its atomics are touched through shared references.
-        unsafe { &*(self.ptr as *const WindowHeader) }
+impl HoldWords for Segment<WindowHeader> {
+    fn holds(&self) -> &[AtomicU64] {
+        &self.header().holds
     }
+}
 
-    pub fn data(&self) -> *mut u8 {
-        // SAFETY: header_bytes < len.
-        unsafe { self.ptr.add(self.header_bytes as usize) }
-    }
-
-    pub fn capacity(&self) -> u64 {
-        self.capacity
-    }
-
-    pub fn header_bytes(&self) -> u64 {
-        self.header_bytes
-    }
-
-    pub fn fd(&self) -> &Arc<OwnedFd> {
-        &self.fd
-    }
-
+impl Segment<WindowHeader> {
     pub fn nonce(&self) -> [u8; 16] {
         self.header().constants.nonce
     }
 
     /// The lowest hold over every slot (Acquire: SYNC(hold)).
     pub fn min_hold(&self) -> u64 {
-        self.header()
-            .holds
-            .iter()
-            .map(|h| h.load(Ordering::Acquire))
-            .min()
-            .unwrap_or(NO_HOLD)
-    }
-
-    /// A private (copy-on-write) writeable mapping of `len` data bytes at `slot`, which must
-    /// be page-aligned; None if it is not, or the mapping fails (the caller copies instead).
-    pub fn map_private(&self, slot: u64, len: u64) -> Option<PrivateMap> {
-        let page = page_bytes();
-        let offset = self.header_bytes + slot;
-        if offset % page != 0 || len == 0 || slot.checked_add(len)? > self.capacity {
-            return None;
-        }
-        let maplen = len.next_multiple_of(page) as usize;
-        // SAFETY: a fresh private mapping of our memfd at a page-aligned offset inside the
-        // file (slot + len <= capacity, so offset + maplen <= the file size rounded to a
-        // page, which the file has: header + capacity are both page multiples).
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                maplen,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-                self.fd.as_fd(),
-                offset,
-            )
-        }
-        .ok()?;
-        Some(PrivateMap {
-            ptr: ptr.cast(),
-            len: maplen,
-        })
-    }
-}
-
-/// A private, copy-on-write mapping of one leased leaf (unmapped on drop).
-pub struct PrivateMap {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: a mapping of our own; writes only through numpy views (the Python program's data
-// race, as with any array).
-unsafe impl Send for PrivateMap {}
-// SAFETY: as above.
-unsafe impl Sync for PrivateMap {}
-
-impl PrivateMap {
-    pub fn ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-
-    /// Replaces the mapping's pages by anonymous copies at the same addresses, so it no
-    /// longer follows (nor keeps alive) the segment's file: done before a trainer gives up
-    /// its hold while views live (closing, or the worker moved to a fresh segment).
-    pub fn detach(&self) -> Result<(), Error> {
-        // SAFETY: a fresh private anonymous mapping; nothing aliases it.
-        let anon = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                self.len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .map_err(|e| os_error("detaching", e))?;
-        // SAFETY: both ranges are len bytes and mapped, distinct mappings; our source is only
-        // written by the user's own views (a concurrent write may be lost: TRANSPORT.md §5).
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr, anon.cast::<u8>(), self.len) };
-        // SAFETY: moves the anonymous pages over our own page-aligned mapping of the same
-        // length; MREMAP_FIXED replaces it atomically (readers see equal bytes before and
-        // after).
-        let moved = unsafe {
-            rustix::mm::mremap_fixed(
-                anon,
-                self.len,
-                self.len,
-                MremapFlags::MAYMOVE,
-                self.ptr.cast(),
-            )
-        };
-        if let Err(err) = moved {
-            // SAFETY: anon is our own unused mapping of len bytes.
-            unsafe {
-                let _ = rustix::mm::munmap(anon, self.len);
-            }
-            return Err(os_error("detaching", err));
-        }
-        Ok(())
-    }
-}
-
-impl Drop for PrivateMap {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping; the last view into it is gone (the lease owning it drops).
-        unsafe {
-            let _ = rustix::mm::munmap(self.ptr.cast(), self.len);
-        }
-    }
-}
-
-/// Worker-private grants: per slot, the first position of a reply a trainer is still
-/// decoding (`NO_HOLD` when none). Set before the reply is sent, cleared on the trainer's
-/// DONE message or hang-up, read by the writer before the shared holds (SeqCst: all in one
-/// process, no ordering subtleties worth saving).
-pub struct Grants([AtomicU64; HOLD_SLOTS]);
-
-impl Default for Grants {
-    fn default() -> Self {
-        Grants(std::array::from_fn(|_| AtomicU64::new(NO_HOLD)))
-    }
-}
-
-impl Grants {
-    pub fn set(&self, slot: usize, pos: u64) {
-        if let Some(g) = self.0.get(slot) {
-            g.store(pos, Ordering::SeqCst);
-        }
-    }
-
-    pub fn clear(&self, slot: usize) {
-        self.set(slot, NO_HOLD);
-    }
-
-    pub fn min(&self) -> u64 {
-        self.0
-            .iter()
-            .map(|g| g.load(Ordering::SeqCst))
-            .min()
-            .unwrap_or(NO_HOLD)
-    }
-}
-
-/// The reclaim rule: space below the returned position may be overwritten.
-pub fn reclaim_limit(first_pos: u64, end_pos: u64, holds: impl IntoIterator<Item = u64>) -> u64 {
-    holds
-        .into_iter()
-        .fold(first_pos.min(end_pos), |limit, h| limit.min(h))
-}
-
-/// One cached frame: `[pos, pos + len)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CachedFrame {
-    pub pos: u64,
-    pub len: u64,
-    pub align: u64,
-    pub spec_id: u32,
-}
-
-/// What [`WindowLog::try_place`] decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Place {
-    /// Write the frame at `slot` (position `pos`); if `pad` > 0, a PAD frame of `pad` bytes
-    /// goes at `pad_slot` first.
-    Write {
-        pos: u64,
-        slot: u64,
-        pad: u64,
-        pad_slot: u64,
-    },
-    /// The window's oldest frame is in the way: evict it and try again.
-    EvictOldest,
-    /// A hold or grant is in the way.
-    Held,
-}
-
-/// The writer's bookkeeping of the window (pure: no memory, so the rule can be model-tested).
-#[derive(Debug, Clone)]
-pub struct WindowLog {
-    cap: u64,
-    end: u64,
-    frames: VecDeque<CachedFrame>,
-}
-
-impl WindowLog {
-    pub fn new(cap: u64) -> Self {
-        WindowLog {
-            cap,
-            end: 0,
-            frames: VecDeque::new(),
-        }
-    }
-
-    pub fn capacity(&self) -> u64 {
-        self.cap
-    }
-
-    pub fn end_pos(&self) -> u64 {
-        self.end
-    }
-
-    pub fn first_pos(&self) -> u64 {
-        self.frames.front().map_or(self.end, |f| f.pos)
-    }
-
-    pub fn frames(&self) -> &VecDeque<CachedFrame> {
-        &self.frames
-    }
-
-    pub fn len(&self) -> usize {
-        self.frames.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.frames.is_empty()
-    }
-
-    /// Drops the oldest frame.
-    pub fn evict_oldest(&mut self) -> Option<CachedFrame> {
-        self.frames.pop_front()
-    }
-
-    /// Where a frame of `len` bytes (a multiple of 64, at most capacity/2) aligned to
-    /// `align` would go, given `held` = the lowest hold or grant (`NO_HOLD`: none).
-    pub fn try_place(&self, len: u64, align: u64, held: u64) -> Place {
-        debug_assert!(len % FRAME_ALIGN == 0 && len >= MIN_FRAME && len <= self.cap / 2);
-        let slot = self.end & (self.cap - 1);
-        let pad = pad_before(slot, len, align, self.cap);
-        let first = self.first_pos();
-        let limit = reclaim_limit(first, self.end, [held]);
-        if self.end + pad + len <= limit + self.cap {
-            return Place::Write {
-                pos: self.end + pad,
-                slot: (self.end + pad) & (self.cap - 1),
-                pad,
-                pad_slot: slot,
-            };
-        }
-        if !self.frames.is_empty() && first <= held {
-            Place::EvictOldest
-        } else {
-            Place::Held
-        }
-    }
-
-    /// Records a frame written where [`WindowLog::try_place`] said.
-    pub fn push(&mut self, pos: u64, len: u64, align: u64, spec_id: u32) {
-        debug_assert!(pos >= self.end);
-        self.end = pos + len;
-        self.frames.push_back(CachedFrame {
-            pos,
-            len,
-            align,
-            spec_id,
-        });
+        crate::shm::holds::min_hold(&self.header().holds)
     }
 }
 
@@ -576,91 +186,337 @@ pub unsafe fn write_pad(data: *mut u8, slot: u64, len: u64) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
+/// Where [`WindowWriter::reserve`] put a frame, or why it did not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reserved {
+    /// The frame's position, and its slot in the current segment's data area; None when a
+    /// trainer's hold or grant is in the way (nothing was reserved).
+    pub at: Option<(u64, u64)>,
+    /// How many of the oldest cached frames were evicted meanwhile.
+    pub evicted: usize,
+}
 
-    /// A model of the writer and of trainers holding frames: the writer never overwrites a
-    /// byte a hold covers or one of a cached frame, and frames stay inside the segment.
-    #[derive(Debug, Clone)]
-    enum Op {
-        Append(u64, bool),
-        Hold(usize, usize),
-        Release(usize),
-        Evict,
+/// The worker's side of the window: the current segment, the log of cached frames in it,
+/// and the grants. Thread-compatible (the pyclass locks it), except [`Grants`], which any
+/// thread may change.
+pub struct WindowWriter {
+    map: Arc<WindowMap>,
+    log: WindowLog,
+    grants: Arc<Grants>,
+    generation: u64,
+    pub grows: u64,
+    pub abandons: u64,
+    pub frames_written: u64,
+    pub bytes_written: u64,
+}
+
+impl WindowWriter {
+    pub fn new(capacity_bytes: u64, nonce: [u8; 16]) -> Result<Self, Error> {
+        Ok(WindowWriter {
+            map: WindowMap::create(capacity_bytes, nonce)?,
+            log: WindowLog::new(capacity_bytes),
+            grants: Arc::new(Grants::default()),
+            generation: 0,
+            grows: 0,
+            abandons: 0,
+            frames_written: 0,
+            bytes_written: 0,
+        })
     }
 
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            4 => (1u64..40, any::<bool>()).prop_map(|(n, a)| Op::Append(n * 64, a)),
-            2 => (0usize..4, 0usize..16).prop_map(|(t, i)| Op::Hold(t, i)),
-            2 => (0usize..4).prop_map(Op::Release),
-            1 => Just(Op::Evict),
-        ]
+    pub fn map(&self) -> &Arc<WindowMap> {
+        &self.map
     }
 
-    proptest! {
-        #[test]
-        fn writer_never_overwrites_held_or_cached_bytes(ops in proptest::collection::vec(op(), 1..200)) {
-            let cap = 8192u64;
-            let mut log = WindowLog::new(cap);
-            // Every byte's owner (position that wrote it), to check overwrites.
-            let mut owner: Vec<Option<u64>> = vec![None; cap as usize];
-            let mut holds: [u64; 4] = [NO_HOLD; 4];
-            for op in ops {
-                match op {
-                    Op::Append(len, page) => {
-                        let align = if page { 4096 } else { 64 };
-                        let len = len.min(cap / 2);
-                        loop {
-                            let held = holds.iter().copied().min().unwrap();
-                            match log.try_place(len, align, held) {
-                                Place::Write { pos, slot, pad, pad_slot } => {
-                                    prop_assert_eq!(pos % align.min(cap), 0);
-                                    prop_assert!(slot + len <= cap);
-                                    // Nothing written may be held or cached.
-                                    let limit = reclaim_limit(log.first_pos(), log.end_pos(), holds);
-                                    for b in (pad_slot..pad_slot + pad).chain(slot..slot + len) {
-                                        if let Some(p) = owner[b as usize] {
-                                            prop_assert!(p < limit, "byte of frame at {} overwritten, limit {}", p, limit);
-                                        }
-                                    }
-                                    for b in slot..slot + len {
-                                        owner[b as usize] = Some(pos);
-                                    }
-                                    for b in pad_slot..pad_slot + pad {
-                                        owner[b as usize] = Some(pos - pad);
-                                    }
-                                    log.push(pos, len, align, 0);
-                                    break;
-                                }
-                                Place::EvictOldest => { log.evict_oldest(); }
-                                Place::Held => {
-                                    prop_assert!(held < log.first_pos() || log.is_empty());
-                                    break;
-                                }
-                            }
+    pub fn log(&self) -> &WindowLog {
+        &self.log
+    }
+
+    pub fn log_mut(&mut self) -> &mut WindowLog {
+        &mut self.log
+    }
+
+    pub fn grants(&self) -> &Arc<Grants> {
+        &self.grants
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Moves the window into a fresh segment of `capacity` bytes: the old one is left to
+    /// the trainers still holding views into it (their mappings keep it alive), and the
+    /// grants, which name positions of the old one, are cleared. Returns how many of the
+    /// oldest cached frames did not fit and were evicted.
+    pub fn migrate(&mut self, capacity: u64, nonce: [u8; 16]) -> Result<usize, Error> {
+        let fresh = WindowMap::create(capacity, nonce)?;
+        let mut log = WindowLog::new(capacity);
+        let mut copies: Vec<(u64, u64, u64)> = Vec::new(); // (from slot, to slot, len)
+        let mut evicted = 0;
+        for f in self.log.frames() {
+            loop {
+                match log.try_place(f.len, f.align, NO_HOLD) {
+                    Place::Write {
+                        pos,
+                        slot,
+                        pad,
+                        pad_slot,
+                    } => {
+                        if pad > 0 {
+                            // SAFETY: try_place put [pad_slot, pad_slot + pad) inside the
+                            // fresh data area, which no one else writes or reads yet.
+                            unsafe { write_pad(fresh.data(), pad_slot, pad) };
                         }
+                        copies.push((f.pos & (self.log.capacity() - 1), slot, f.len));
+                        log.push(pos, f.len, f.align, f.spec_id);
+                        break;
                     }
-                    Op::Hold(t, i) => {
-                        if let Some(f) = log.frames().get(i) {
-                            holds[t] = holds[t].min(f.pos);
-                        }
+                    Place::EvictOldest => {
+                        log.evict_oldest();
+                        evicted += 1;
                     }
-                    Op::Release(t) => holds[t] = NO_HOLD,
-                    Op::Evict => { log.evict_oldest(); }
+                    Place::Held => unreachable!("a fresh segment has no holds"),
                 }
-                // The window's frames never exceed the segment.
-                prop_assert!(log.end_pos() - log.first_pos() <= cap);
+            }
+        }
+        for (from, to, len) in copies {
+            // SAFETY: both ranges are frames inside their data areas (from the logs); the
+            // old frames are cached (not reused: we are their only writer) and the fresh
+            // segment is not shared yet.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.map.data().add(from as usize),
+                    fresh.data().add(to as usize),
+                    len as usize,
+                )
+            }
+        }
+        self.map = fresh;
+        self.log = log;
+        self.generation += 1;
+        self.grants.clear_all();
+        Ok(evicted)
+    }
+
+    /// Leaves the segment to the trainers holding views into it and moves the window into a
+    /// fresh one of the same size. Returns how many of the oldest frames did not fit.
+    pub fn abandon(&mut self, nonce: [u8; 16]) -> Result<usize, Error> {
+        let evicted = self.migrate(self.log.capacity(), nonce)?;
+        self.abandons += 1;
+        Ok(evicted)
+    }
+
+    /// Reserves `len` bytes (aligned to `align`) for a frame. When the window's oldest
+    /// frames are in the way, the segment grows (doubles, into a fresh memfd) while it is
+    /// smaller than `max_capacity`, and evicts them once it is not; a frame bigger than
+    /// half the segment grows it first. The caller copies the frame to the returned slot,
+    /// then calls [`WindowWriter::commit`].
+    ///
+    /// Raises `ElementTooLarge` when the frame does not fit even a 4 GiB segment.
+    pub fn reserve(
+        &mut self,
+        len: u64,
+        align: u64,
+        max_capacity: u64,
+        nonce: impl Fn() -> [u8; 16],
+    ) -> Result<Reserved, Error> {
+        let mut evicted = 0;
+        if len > max_frame_bytes(self.log.capacity()) {
+            let want = (len * 2).next_power_of_two();
+            if want > MAX_CAPACITY {
+                return Err(Error::ElementTooLarge {
+                    element_bytes: len,
+                    limit_bytes: max_frame_bytes(MAX_CAPACITY),
+                    what: "the cross-trainer cache's shared-memory window".into(),
+                });
+            }
+            evicted += self.migrate(want, nonce())?;
+            self.grows += 1;
+        }
+        loop {
+            // Grants first, then holds: see the module docs (a trainer's hold is stored
+            // before the DONE message that clears its grant).
+            let held = self.grants.min().min(self.map.min_hold());
+            match self.log.try_place(len, align, held) {
+                Place::Write {
+                    pos,
+                    slot,
+                    pad,
+                    pad_slot,
+                } => {
+                    if pad > 0 {
+                        // SAFETY: try_place proved [pad_slot, pad_slot + pad) free (below
+                        // the reclaim limit plus capacity) and inside the data area.
+                        unsafe { write_pad(self.map.data(), pad_slot, pad) };
+                    }
+                    return Ok(Reserved {
+                        at: Some((pos, slot)),
+                        evicted,
+                    });
+                }
+                Place::EvictOldest if self.log.capacity() < max_capacity => {
+                    // The window has not reached its bound: grow instead of evicting.
+                    let want = (self.log.capacity() * 2).min(MAX_CAPACITY);
+                    evicted += self.migrate(want, nonce())?;
+                    self.grows += 1;
+                }
+                Place::EvictOldest => {
+                    self.log.evict_oldest();
+                    evicted += 1;
+                }
+                Place::Held => return Ok(Reserved { at: None, evicted }),
             }
         }
     }
 
+    /// Records the frame written at `pos` (from [`WindowWriter::reserve`]).
+    pub fn commit(&mut self, pos: u64, len: u64, align: u64, spec_id: u32) {
+        self.log.push(pos, len, align, spec_id);
+        self.frames_written += 1;
+        self.bytes_written += len;
+    }
+
+    /// The trainer in `slot` is gone: clears its grant and its hold word (it was that
+    /// word's only other writer).
+    pub fn release_slot(&self, slot: usize) {
+        self.grants.clear(slot);
+        if let Some(h) = self.map.header().holds.get(slot) {
+            // Release: nothing of the trainer's is read after this; pairs with min_hold.
+            h.store(NO_HOLD, Ordering::Release);
+        }
+    }
+
+    /// The slots whose hold word is set.
+    pub fn held_slots(&self) -> Vec<usize> {
+        (self.map.header().holds.iter().enumerate())
+            .filter(|(_, h)| h.load(Ordering::Relaxed) != NO_HOLD)
+            .map(|(i, _)| i)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::holds::{HoldTable, LeafMapping};
+
+    fn nonce() -> [u8; 16] {
+        [7; 16]
+    }
+
+    fn fill(w: &mut WindowWriter, len: u64, byte: u8, max_capacity: u64) -> Reserved {
+        let r = w.reserve(len, 64, max_capacity, nonce).unwrap();
+        if let Some((pos, slot)) = r.at {
+            // SAFETY: reserve handed [slot, slot + len) of the data area to us.
+            unsafe {
+                let p = w.map().data().add(slot as usize);
+                std::ptr::write_bytes(p, byte, len as usize);
+                std::ptr::write_unaligned(p as *mut u32, FRAME_MAGIC | 1);
+                std::ptr::write_unaligned(p.add(8) as *mut u64, len);
+            }
+            w.commit(pos, len, 64, 1);
+        }
+        r
+    }
+
     #[test]
-    fn reclaim_limit_is_the_minimum() {
-        assert_eq!(reclaim_limit(100, 200, [NO_HOLD, 50]), 50);
-        assert_eq!(reclaim_limit(100, 200, [NO_HOLD]), 100);
-        assert_eq!(reclaim_limit(300, 200, []), 200);
+    fn attach_checks_the_header_and_nonce() {
+        let w = WindowWriter::new(MIN_CAPACITY, nonce()).unwrap();
+        let dup = || w.map().fd().try_clone().unwrap();
+        let peer = WindowMap::attach(dup(), Some(nonce())).unwrap();
+        assert_eq!(peer.capacity(), MIN_CAPACITY);
+        assert_eq!(peer.min_hold(), NO_HOLD);
+        let e = WindowMap::attach(dup(), Some([0; 16])).err().unwrap();
+        assert!(e.to_string().contains("nonce"), "{e}");
+        // A ring fd is not a window.
+        let ring = crate::shm::segment::Mapping::create(MIN_CAPACITY, nonce()).unwrap();
+        let e = WindowMap::attach(ring.fd().try_clone().unwrap(), None)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("magic"), "{e}");
+    }
+
+    #[test]
+    fn a_peer_hold_blocks_reuse_until_lifted() {
+        let cap = MIN_CAPACITY;
+        let mut w = WindowWriter::new(cap, nonce()).unwrap();
+        let peer = WindowMap::attach(w.map().fd().try_clone().unwrap(), None).unwrap();
+        let table = HoldTable::new(peer.clone(), 3).unwrap();
+        let half = cap / 2;
+        assert_eq!(fill(&mut w, half, 1, cap).at, Some((0, 0)));
+        let hold = table.acquire(0);
+        assert_eq!(w.held_slots(), vec![3]);
+        assert_eq!(fill(&mut w, half, 2, cap).at, Some((half, half)));
+        // The third frame needs the first one's bytes, which the peer holds.
+        assert_eq!(
+            fill(&mut w, half, 3, cap),
+            Reserved {
+                at: None,
+                evicted: 1
+            }
+        );
+        drop(hold);
+        assert_eq!(fill(&mut w, half, 3, cap).at, Some((cap, 0)));
+        assert_eq!(w.generation(), 0);
+    }
+
+    #[test]
+    fn migrate_keeps_the_cached_frames_and_grows_when_allowed() {
+        let cap = MIN_CAPACITY;
+        let mut w = WindowWriter::new(cap, nonce()).unwrap();
+        let quarter = cap / 4;
+        for b in 1..=3u8 {
+            fill(&mut w, quarter, b, 4 * cap);
+        }
+        w.grants().set(0, 0);
+        let old = w.map().clone();
+        // A fourth quarter fits; a fifth needs space: the window grows (no eviction).
+        fill(&mut w, quarter, 4, 4 * cap);
+        let r = fill(&mut w, quarter, 5, 4 * cap);
+        assert_eq!(r.evicted, 0);
+        assert_eq!(
+            (w.generation(), w.grows, w.log().capacity()),
+            (1, 1, 2 * cap)
+        );
+        assert_eq!(w.grants().min(), NO_HOLD, "grants named the old segment");
+        assert_eq!(w.log().len(), 5);
+        for (i, f) in w.log().frames().iter().enumerate() {
+            let slot = f.pos & (w.log().capacity() - 1);
+            // SAFETY: a cached frame inside the data area.
+            let byte = unsafe { *w.map().data().add((slot + 100) as usize) };
+            assert_eq!(byte, i as u8 + 1);
+        }
+        // The old segment stays intact for whoever still maps it.
+        // SAFETY: the old mapping lives (we hold an Arc) and no one writes it any more.
+        assert_eq!(unsafe { *old.data().add(100) }, 1);
+        // Abandoning keeps the size; a too-big element grows up to its double.
+        assert_eq!(w.abandon(nonce()).unwrap(), 0);
+        assert_eq!((w.generation(), w.abandons), (2, 1));
+        let big = 3 * cap;
+        assert!(fill(&mut w, big, 9, 4 * cap).at.is_some());
+        assert_eq!(w.log().capacity(), 8 * cap);
+        let e = w
+            .reserve(MAX_CAPACITY, 64, MAX_CAPACITY, nonce)
+            .err()
+            .unwrap();
+        assert!(matches!(e, Error::ElementTooLarge { .. }), "{e}");
+    }
+
+    #[test]
+    fn private_leaf_mapping_detaches_and_keeps_its_bytes() {
+        let mut w = WindowWriter::new(MIN_CAPACITY, nonce()).unwrap();
+        fill(&mut w, 8192, 5, MIN_CAPACITY);
+        let peer = WindowMap::attach(w.map().fd().try_clone().unwrap(), None).unwrap();
+        let leaf = peer.map_private(4096, 4096).expect("page-aligned leaf");
+        assert!(peer.map_private(100, 64).is_none(), "unaligned leaf");
+        // SAFETY: the leaf maps 4096 bytes.
+        let before = unsafe { *leaf.ptr().add(10) };
+        assert_eq!(before, 5);
+        leaf.detach().unwrap();
+        // The writer may now reuse the bytes: the detached leaf keeps its copy.
+        // SAFETY: the writer owns its data area (no holds in this test).
+        unsafe { std::ptr::write_bytes(w.map().data().add(4096), 0, 4096) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { *leaf.ptr().add(10) }, 5);
     }
 }

@@ -1,5 +1,9 @@
-//! Element frames and the Python codec over them (TRANSPORT.md §6).
+//! Element frames, chunking of elements bigger than a frame, the peer's liveness, and the
+//! Python codec over frames (TRANSPORT.md §4, §6).
 
+pub mod chunk;
 #[cfg(feature = "python")]
 pub mod codec;
 pub mod frame;
+#[cfg(not(loom))]
+pub mod peer;

@@ -14,17 +14,18 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::error::Error;
+use crate::py::decode::{self, Batch};
 use crate::py::lease::{LeaseOwner, PyLease};
 use crate::shm::holds::{FrameHold, Grants, HoldTable, NO_HOLD};
+use crate::shm::ring::{check_frame, KIND_PAD};
 use crate::shm::segment::{page_bytes, random_nonce, PrivateMap};
 use crate::shm::window::{self, WindowMap, WindowWriter};
 use crate::transport::codec::{self, DecodeSpec, Encoder, SendPtr};
-use crate::transport::frame::{self, FrameHeader, FramePlan, LeafDesc, LeafKind, Spec};
+use crate::transport::frame::{self, FrameHeader, FramePlan, LeafDesc, Spec};
 use crate::transport::peer::{check_pid, dup_fd};
 
 /// Copies of at least this many bytes run with the GIL released.
@@ -45,84 +46,34 @@ fn corrupted(pos: u64, what: &str) -> PyErr {
 /// Validates the frame at `pos` of a segment's data area and returns (slot, total, kind).
 fn frame_at(map: &WindowMap, pos: u64) -> PyResult<(u64, u64, u32)> {
     let cap = map.capacity();
-    let slot = pos & (cap - 1);
-    if slot % 64 != 0 || cap - slot < 64 {
-        return Err(corrupted(pos, "frame position is not 64-byte aligned"));
-    }
-    // SAFETY: [slot, slot + 16) lies inside the data area (checked); the worker wrote the
-    // frame before it named it to us and does not reuse it while our grant or hold covers
-    // it (shm::window's reclaim protocol); unaligned-safe reads.
-    let (word0, total) = unsafe {
-        let p = map.data().add(slot as usize);
-        (
-            std::ptr::read_unaligned(p as *const u32),
-            std::ptr::read_unaligned(p.add(8) as *const u64),
-        )
-    };
-    if word0 & 0xFFFF_FF00 != crate::shm::ring::FRAME_MAGIC {
-        return Err(corrupted(pos, &format!("bad frame magic {word0:#010x}")));
-    }
-    if total < 64 || total % 64 != 0 || total > cap - slot {
-        return Err(corrupted(
-            pos,
-            &format!("frame length {total} out of range"),
-        ));
-    }
-    Ok((slot, total, word0 & 0xFF))
+    let avail = cap - (pos & (cap - 1));
+    // SAFETY: the data area holds `cap` bytes while `map` lives; the worker wrote the frame
+    // before it named it to us and does not reuse it while our grant or hold covers it
+    // (shm::holds' reclaim protocol).
+    let f = unsafe { check_frame(map.data(), cap, pos, avail) }.map_err(|e| match e {
+        Error::RingCorrupted { pos, what } => corrupted(pos, &what),
+        e => e.into(),
+    })?;
+    Ok((f.slot, f.len, f.kind))
 }
 
-/// Makes a lease for a leaf, or None to copy it.
-type LeaseFn<'a, 'py> =
-    dyn FnMut(Python<'py>, &LeafDesc) -> PyResult<Option<Bound<'py, PyLease>>> + 'a;
-
-/// Decodes one DATA frame into an element. `lease(desc)` may return a buffer object for a
-/// leaf (a zero-copy view is made of it); None copies the leaf.
+/// Decodes one DATA frame into an element (`lease` as in `decode::decode_data`).
 fn decode_frame<'py>(
     py: Python<'py>,
     bytes: &[u8],
     pos: u64,
     specs: &HashMap<u32, DecodeSpec>,
-    lease: &mut LeaseFn<'_, 'py>,
-) -> PyResult<Py<PyAny>> {
+    lease: &mut decode::LeaseFn<'_, 'py>,
+) -> PyResult<Bound<'py, PyAny>> {
     let header = FrameHeader::parse(bytes)?;
-    if header.kind != frame::KIND_DATA {
-        return Err(corrupted(
-            pos,
-            &format!("frame kind {} is not DATA", header.kind),
-        ));
-    }
     let spec = specs
         .get(&header.spec_id)
         .ok_or_else(|| corrupted(pos, &format!("unknown spec id {}", header.spec_id)))?;
-    let spec_leaves: Vec<&frame::LeafSpec> = spec.leaves.iter().collect();
-    let descs = frame::parse_leaves(bytes, &header, &spec_leaves, pos)?;
-    let api = codec::api(py)?;
-    let mut vals = Vec::with_capacity(descs.len());
-    for (i, d) in descs.iter().enumerate() {
-        let payload = &bytes[d.offset as usize..(d.offset + d.nbytes) as usize];
-        let v = match d.kind {
-            LeafKind::Scalar => {
-                let dtype = spec.dtypes[i].as_ref().expect("scalar leaf has a dtype");
-                api.frombuffer
-                    .bind(py)
-                    .call1((PyBytes::new(py, payload), dtype.bind(py)))?
-                    .get_item(0)?
-                    .unbind()
-            }
-            LeafKind::Array => match lease(py, d)? {
-                Some(buf) => {
-                    let dtype = spec.dtypes[i].as_ref().expect("array has dtype");
-                    let arr = api.frombuffer.bind(py).call1((buf, dtype.bind(py)))?;
-                    arr.call_method1(intern!(py, "reshape"), (PyTuple::new(py, &d.dims)?,))?
-                        .unbind()
-                }
-                None => codec::copy_leaf(py, spec, i, d, payload, pos)?,
-            },
-            _ => codec::copy_leaf(py, spec, i, d, payload, pos)?,
-        };
-        vals.push(v);
-    }
-    spec.build(py, &mut vals.into_iter())
+    let mut batch = Batch::default();
+    decode::decode_data(py, bytes, pos, header.spec_id, spec, &mut batch, lease)?;
+    let out = PyList::empty(py);
+    decode::flush_batch(py, spec, &mut batch, &out)?;
+    out.get_item(0)
 }
 
 // ------------------------------------------------------------------------------------------
@@ -335,7 +286,7 @@ impl PyWindowWriter {
             let bytes = unsafe {
                 std::slice::from_raw_parts(s.window.map().data().add(slot as usize), f.len as usize)
             };
-            let mut copy = |_: Python<'py>, _: &LeafDesc| Ok(None);
+            let mut copy = |_: Python<'py>, _: &LeafDesc, _: &[u8]| Ok(None);
             out.append(decode_frame(py, bytes, f.pos, &s.decode_specs, &mut copy)?)?;
         }
         Ok(out)
@@ -588,7 +539,7 @@ impl PyWindowReader {
             let mut pads = 0;
             let (slot, total) = loop {
                 let (slot, total, kind) = frame_at(&s.map, p)?;
-                if kind == crate::shm::ring::KIND_PAD {
+                if kind == KIND_PAD {
                     // One PAD at the wrap, or before a page-aligned frame, never two in a row.
                     pads += 1;
                     if pads > 1 {
@@ -627,7 +578,8 @@ impl PyWindowReader {
             );
             let mut leased = 0u64;
             let mut lease = |py: Python<'py>,
-                             d: &LeafDesc|
+                             d: &LeafDesc,
+                             _: &[u8]|
              -> PyResult<Option<Bound<'py, PyLease>>> {
                 if !zero_copy || d.nbytes < threshold || (slot + d.offset) % page != 0 {
                     return Ok(None);

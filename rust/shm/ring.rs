@@ -344,7 +344,6 @@ impl Consumer {
                 return Ok(None);
             }
             let pos = self.next_read;
-            let slot = pos & (self.cap - 1);
             let avail = self.cached_write - pos;
             if avail > self.cap {
                 return Err(corrupted(
@@ -352,47 +351,16 @@ impl Consumer {
                     "write_pos is more than a ring ahead of read_pos",
                 ));
             }
-            if slot % FRAME_ALIGN != 0 || avail < MIN_FRAME || self.cap - slot < MIN_FRAME {
-                return Err(corrupted(
-                    pos,
-                    "frame position is not a published 64-byte frame",
-                ));
-            }
-            // SAFETY: [slot, slot + 64) lies inside the data area (checked above) and below
-            // write_pos (avail >= 64), which we loaded with Acquire, so the producer finished
-            // writing it; reads are unaligned-safe.
-            let (word0, total) = unsafe {
-                let p = self.region.data().add(slot as usize);
-                (
-                    std::ptr::read_unaligned(p as *const u32),
-                    std::ptr::read_unaligned(p.add(8) as *const u64),
-                )
-            };
-            if word0 & 0xFFFF_FF00 != FRAME_MAGIC {
-                return Err(corrupted(pos, &format!("bad frame magic {word0:#010x}")));
-            }
-            if total < MIN_FRAME
-                || total % FRAME_ALIGN != 0
-                || total > avail
-                || total > self.cap - slot
-            {
-                return Err(corrupted(
-                    pos,
-                    &format!("frame length {total} outside the {avail} published bytes"),
-                ));
-            }
-            let kind = word0 & 0xFF;
-            self.next_read = pos + total;
-            if kind == KIND_PAD {
-                self.mark_free(pos + total);
+            // SAFETY: the data area holds `cap` bytes for the region's life; [pos, pos +
+            // avail) lies below write_pos, which we loaded with Acquire, so the producer
+            // finished writing it.
+            let f = unsafe { check_frame(self.region.data(), self.cap, pos, avail) }?;
+            self.next_read = pos + f.len;
+            if f.kind == KIND_PAD {
+                self.mark_free(pos + f.len);
                 continue;
             }
-            return Ok(Some(FrameRef {
-                pos,
-                slot,
-                len: total,
-                kind,
-            }));
+            return Ok(Some(f));
         }
     }
 
@@ -468,6 +436,56 @@ impl Consumer {
         let _ = woken == Woken::TimedOut;
         self.has_data()
     }
+}
+
+/// Checks the frame at position `pos` of a data area of `cap` bytes (a power of two), of
+/// which `avail` bytes from `pos` on are written (at most `cap`): 64-byte aligned, the frame
+/// magic, and a length that is a multiple of 64 inside both `avail` and the data area
+/// (frames never straddle the end). Shared by the ring's consumer and the cache window's
+/// reader; every length read from shared memory is untrusted.
+///
+/// Raises `RingCorrupted` naming what is wrong.
+///
+/// # Safety
+/// `data` must point to `cap` readable bytes, of which `[pos, pos + avail)` (slot-wise) no
+/// one writes during the call.
+pub unsafe fn check_frame(
+    data: *const u8,
+    cap: u64,
+    pos: u64,
+    avail: u64,
+) -> Result<FrameRef, Error> {
+    let slot = pos & (cap - 1);
+    if slot % FRAME_ALIGN != 0 || avail < MIN_FRAME || cap - slot < MIN_FRAME {
+        return Err(corrupted(
+            pos,
+            "frame position is not a published 64-byte frame",
+        ));
+    }
+    // SAFETY: [slot, slot + 64) lies inside the data area and inside the written bytes
+    // (checked above; the caller's contract); reads are unaligned-safe.
+    let (word0, total) = unsafe {
+        let p = data.add(slot as usize);
+        (
+            std::ptr::read_unaligned(p as *const u32),
+            std::ptr::read_unaligned(p.add(8) as *const u64),
+        )
+    };
+    if word0 & 0xFFFF_FF00 != FRAME_MAGIC {
+        return Err(corrupted(pos, &format!("bad frame magic {word0:#010x}")));
+    }
+    if total < MIN_FRAME || total % FRAME_ALIGN != 0 || total > avail || total > cap - slot {
+        return Err(corrupted(
+            pos,
+            &format!("frame length {total} outside the {avail} published bytes"),
+        ));
+    }
+    Ok(FrameRef {
+        pos,
+        slot,
+        len: total,
+        kind: word0 & 0xFF,
+    })
 }
 
 fn corrupted(pos: u64, what: &str) -> Error {

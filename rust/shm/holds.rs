@@ -349,7 +349,7 @@ impl HoldTable {
         let released: Vec<_> = leaves.iter().filter_map(|l| l.take_hold()).collect();
         let mut g = self.lock();
         g.active = false;
-        // Release: the trainer's reads of the frames happened before (SYNC(hold)).
+        // SYNC(hold): Acquire in min_hold; the detaches' reads of the frames come first.
         self.words.holds()[self.slot].store(NO_HOLD, Ordering::Release);
         drop(g);
         drop(released);
@@ -371,7 +371,7 @@ impl HoldTable {
             g.leaves
                 .iter()
                 .filter_map(|w| w.upgrade())
-                .filter(|l| l.pos < limit && !l.detached.load(Ordering::Acquire))
+                .filter(|l| l.pos < limit && !l.is_detached())
                 .collect()
         };
         let mut released = Vec::new();
@@ -419,11 +419,13 @@ impl WindowLeaf {
     }
 
     pub fn is_detached(&self) -> bool {
+        // SYNC(detached): AcqRel swap in WindowLeaf::detach.
         self.detached.load(Ordering::Acquire)
     }
 
     /// Makes the leaf's pages private memory (once); true if it did so now.
     fn detach(&self) -> bool {
+        // SYNC(detached): Acquire in WindowLeaf::is_detached; one detach per leaf.
         if self.detached.swap(true, Ordering::AcqRel) {
             return false;
         }

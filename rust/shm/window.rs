@@ -381,7 +381,8 @@ impl WindowWriter {
     pub fn release_slot(&self, slot: usize) {
         self.grants.clear(slot);
         if let Some(h) = self.map.header().holds.get(slot) {
-            // Release: nothing of the trainer's is read after this; pairs with min_hold.
+            // SYNC(hold): Acquire in holds::min_hold (the trainer, its only other writer,
+            // is gone).
             h.store(NO_HOLD, Ordering::Release);
         }
     }

@@ -5,6 +5,7 @@ CRC32C of those 8 bytes (uint32 LE), the data, and the masked CRC32C of the data
 a file is records back to back, optionally inside one GZIP or ZLIB stream.
 """
 
+import sys
 from os import PathLike
 from types import TracebackType
 from typing import Any, Self, final
@@ -15,6 +16,8 @@ __all__ = [
     "RingLease",
     "ShmRingConsumer",
     "ShmRingProducer",
+    "ShmWindowReader",
+    "ShmWindowWriter",
     "TFRecordReader",
     "TFRecordWriter",
     "crc32c",
@@ -260,5 +263,138 @@ class RingLease:
     """A writeable buffer over one leaf of a ring frame; numpy views of it keep the frame
     from being reused. Created by `ShmRingConsumer.get_many`."""
 
-    def __buffer__(self, flags: int, /) -> memoryview: ...
+    # CPython 3.12+ exposes the buffer slot (`__getbuffer__` in rust/py/lease.rs) as
+    # `__buffer__`; on 3.11 the slot exists without the Python-level method.
+    if sys.version_info >= (3, 12):
+        def __buffer__(self, flags: int, /) -> memoryview: ...
+
     def __len__(self) -> int: ...
+
+@final
+class ShmWindowWriter:
+    """The worker's end of the cross-trainer cache window: one sealed memfd segment holding
+    the cached elements as frames, written once and read by every same-host trainer (each
+    through a `ShmWindowReader`). Never blocks: when a trainer's hold or grant is in the way
+    `append` reports it and the caller decides (grace period, then `abandon`).
+
+    Thread-compatible: one thread at a time (a concurrent call raises RuntimeError "in
+    use"), except `grant`/`ungrant`, which any thread may call.
+
+    Args:
+        capacity_bytes: Data bytes, a power of two in [64 KiB, 4 GiB] (grown for an element
+            bigger than half of it).
+
+    Raises:
+        ValueError: `capacity_bytes` is not a supported size.
+        dataservice.errors.ResourceExhaustedError: The memory cannot be reserved.
+    """
+
+    def __new__(cls, capacity_bytes: int) -> Self: ...
+    def append(self, element: Any, seq: int, max_capacity: int) -> tuple[int, int | None]:
+        """Appends `element` as a frame with sequence number `seq` (its global index),
+        growing the segment (doubling, into a fresh memfd) while it is smaller than
+        `max_capacity` bytes and evicting the oldest frames once it is not.
+
+        Returns:
+            (evicted, frame_bytes): how many of the oldest frames were evicted, and the new
+            frame's size in bytes, or None when a trainer's hold or grant is in the way
+            (nothing was written).
+        Raises:
+            dataservice.errors.ElementTooLargeError: The element does not fit even a 4 GiB
+                segment.
+        """
+    def evict(self, n: int) -> None:
+        """Evicts the `n` oldest cached frames."""
+    def abandon(self) -> int:
+        """Leaves the segment to the trainers holding views into it and moves the window
+        into a fresh one of the same size; returns how many of the oldest frames did not
+        fit."""
+    def span(self, offset: int, n: int) -> tuple[int, int, list[int], int]:
+        """(generation, pos, spec_ids, reclaim_below) of the cached frames `offset ..
+        offset + n` (oldest first).
+
+        Raises:
+            RuntimeError: The range is not cached.
+        """
+    def spec_bytes(self, spec_id: int) -> bytes:
+        """The encoded spec `spec_id` (for `ShmWindowReader.add_spec`)."""
+    def decode(self, offset: int, n: int) -> list[Any]:
+        """The cached elements `offset .. offset + n`, decoded (every leaf copied)."""
+    def grant(self, slot: int, pos: int) -> None:
+        """Marks trainer slot `slot` as decoding a reply that starts at position `pos`."""
+    def ungrant(self, slot: int) -> None:
+        """The trainer in `slot` finished decoding its reply (any thread)."""
+    def release_slot(self, slot: int) -> None:
+        """The trainer in `slot` is gone: clears its grant and its hold word."""
+    def fileno(self) -> int:
+        """The current segment's memfd (owned by this object; send a copy)."""
+    def segment(self) -> tuple[int, int, bytes]:
+        """(generation, fd, nonce) of the current segment."""
+    @property
+    def capacity_bytes(self) -> int: ...
+    def stats(self) -> dict[str, Any]:
+        """`generation`, `abandons`, `grows`, `capacity_bytes`, `frames_written`,
+        `bytes_written`, `cached_frames`, `window_span_bytes`, `min_hold` (None if no
+        hold), `held_slots` (list of slots)."""
+
+@final
+class ShmWindowReader:
+    """A trainer's end of the cross-trainer cache window: maps the worker's segment
+    (read-only but for its hold word) and decodes the frames the worker's replies name.
+    Numpy leaves of at least `copy_threshold_bytes` become writeable views of private
+    (copy-on-write) mappings of the segment, held by this trainer's hold slot; smaller
+    leaves, and every leaf once this trainer's holds span more than `max_pinned_fraction`
+    of the segment, are copied. One thread at a time.
+
+    Args:
+        fd: The segment's memfd (duplicated here).
+        slot: This connection's hold slot (from the handshake), in [0, 64).
+        generation: The segment's generation (from the handshake).
+        nonce: The 16 bytes from the handshake.
+        control_fd: The connection's socket, duplicated so that the worker sees the
+            hang-up only after `close()` detached the views.
+        zero_copy: False copies every leaf.
+        copy_threshold_bytes: Smallest leaf handed out as a view (bytes).
+        max_pinned_fraction: Share of the segment this trainer's holds may span.
+
+    Raises:
+        dataservice.errors.FailedPreconditionError: `fd` is not a window segment of this
+            layout, the nonce differs, or `slot` is out of range.
+    """
+
+    def __new__(
+        cls,
+        fd: int,
+        slot: int,
+        generation: int,
+        nonce: bytes | None = None,
+        control_fd: int | None = None,
+        zero_copy: bool = True,
+        copy_threshold_bytes: int = 65536,
+        max_pinned_fraction: float = 0.25,
+    ) -> Self: ...
+    @property
+    def generation(self) -> int: ...
+    def set_segment(self, fd: int, generation: int, nonce: bytes | None = None) -> None:
+        """Switches to the worker's fresh segment `fd`; views into the old one are detached
+        (copied into private memory) first."""
+    def add_spec(self, spec_id: int, body: bytes) -> None:
+        """Registers the encoded spec `spec_id` (from the worker's reply)."""
+    def read(
+        self, pos: int, count: int, first_seq: int, reclaim_below: int | None = None
+    ) -> tuple[list[Any], int]:
+        """Decodes `count` DATA frames from position `pos` on (PADs skipped), the first
+        with sequence number `first_seq`. Frames below `reclaim_below` are copied, and live
+        views of such frames are detached.
+
+        Returns:
+            (elements, frame bytes).
+        Raises:
+            dataservice.errors.DataLossError: The segment's bytes are not the frames named.
+        """
+    def stats(self) -> dict[str, Any]:
+        """`elements`, `leased`, `copied_on_pressure`, `detached`, `segments`,
+        `generation`, `min_hold` (None if no hold)."""
+    def close(self) -> None:
+        """Detaches the views still alive and gives the hold slot up; the views stay valid.
+        Idempotent."""

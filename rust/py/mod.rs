@@ -1,10 +1,11 @@
 //! Thin #[pyclass] wrappers over the pure-Rust modules: they convert Python <-> Rust and
-//! forward; the GIL is released while they block. `lease` is shared by `ring` and
-//! `window`, which do not use each other.
+//! forward; the GIL is released while they block. `lease` and `decode` are shared by
+//! `consumer` and `window`; no two of `producer`, `consumer`, `window` use each other.
 
+pub mod consumer;
 pub mod decode;
 pub mod lease;
-pub mod ring;
+pub mod producer;
 pub mod tfrecord;
 pub mod window;
 
@@ -41,4 +42,20 @@ pub(crate) fn nonce(n: Option<&[u8]>) -> PyResult<Option<[u8; 16]>> {
         })
     })
     .transpose()
+}
+
+/// What a forked child's misuse of a ring end is called (`peer::check_pid`).
+pub(crate) const RING_END: &str = "a ring end";
+
+/// [`try_lock`] for a ring end (one thread per end).
+pub(crate) fn ring_lock<'a, T>(
+    m: &'a Mutex<Option<T>>,
+    what: &str,
+) -> PyResult<MutexGuard<'a, Option<T>>> {
+    try_lock(m, what, "one thread per ring end")
+}
+
+/// `RingState` "`what` is closed".
+pub(crate) fn closed(what: &str) -> PyErr {
+    Error::RingState(format!("{what} is closed")).into()
 }

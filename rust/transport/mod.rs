@@ -7,3 +7,5 @@ pub mod codec;
 pub mod frame;
 #[cfg(not(loom))]
 pub mod peer;
+#[cfg(not(loom))]
+pub mod writer;

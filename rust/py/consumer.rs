@@ -1,0 +1,411 @@
+//! Python class `ShmRingConsumer` of `dataservice._core`: the trainer's end of a
+//! shared-memory ring (TRANSPORT.md), over [`crate::shm::ring`], [`crate::shm::detach`] and
+//! [`crate::transport::chunk`], decoding through [`crate::py::decode`]. One thread at a time
+//! (a concurrent call raises `RuntimeError("... in use")` instead of blocking with the GIL
+//! held). Every wait runs in slices of at most 50 ms with the GIL released; between slices
+//! the caller's signals are checked (Ctrl-C works) and the producer's liveness.
+
+use std::os::fd::RawFd;
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::error::Error;
+use crate::py::decode::{self, Batch};
+use crate::py::lease::{LeaseOwner, PyLease};
+use crate::py::{closed, ring_lock as lock, RING_END};
+use crate::shm::detach::{detach_pinned, StallBreaker};
+use crate::shm::ring::{Consumer, Region};
+use crate::shm::segment::Mapping;
+use crate::transport::chunk::Reassembly;
+use crate::transport::codec::DecodeSpec;
+use crate::transport::frame::{self, FrameHeader, Spec};
+use crate::transport::peer::{check_pid, deadline, dup_fd, wait_slice, Peer};
+
+struct ConsumerState {
+    ring: Consumer,
+    mapping: Arc<Mapping>,
+    spec: Option<(u32, DecodeSpec)>,
+    expect_seq: u64,
+    peer: Peer,
+    pid: u32,
+    zero_copy: bool,
+    copy_threshold: u64,
+    max_pinned: u64,
+    chunks: Reassembly,
+    /// An ERROR frame's (type, message), reported after the elements before it.
+    error: Option<(String, String)>,
+    end: bool,
+    elements: u64,
+    leased: u64,
+    detaches: u64,
+    /// Frame bytes of the elements decoded since the last `get_many` returned.
+    data_bytes: u64,
+}
+
+fn corrupted(pos: u64, what: &str) -> PyErr {
+    Error::RingCorrupted {
+        pos,
+        what: what.to_string(),
+    }
+    .into()
+}
+
+impl ConsumerState {
+    fn take_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.data_bytes)
+    }
+
+    fn spec(&self, pos: u64) -> PyResult<(u32, &DecodeSpec)> {
+        match &self.spec {
+            Some((id, s)) => Ok((*id, s)),
+            None => Err(corrupted(pos, "data frame before any spec")),
+        }
+    }
+
+    fn flush_batch(
+        &mut self,
+        py: Python<'_>,
+        batch: &mut Batch,
+        out: &Bound<'_, PyList>,
+    ) -> PyResult<()> {
+        if batch.len() == 0 {
+            return Ok(());
+        }
+        let (_, spec) = self.spec(self.ring.next_read())?;
+        decode::flush_batch(py, spec, batch, out)
+    }
+
+    fn handle_spec(&mut self, py: Python<'_>, bytes: &[u8], pos: u64) -> PyResult<()> {
+        let header = FrameHeader::parse(bytes)?;
+        let mut r = frame::Reader::new(bytes, frame::HEADER_BYTES);
+        let n = r.u32()? as usize;
+        let spec = Spec::decode(r.bytes(n)?)?;
+        let ds = DecodeSpec::new(py, spec, pos)?;
+        self.spec = Some((header.spec_id, ds));
+        Ok(())
+    }
+
+    /// Reads frames into `out` until `max` elements, an END/ERROR, or no more data.
+    /// Returns true if it stopped at END or ERROR.
+    fn drain<'py>(
+        &mut self,
+        py: Python<'py>,
+        max: usize,
+        out: &Bound<'py, PyList>,
+    ) -> PyResult<bool> {
+        let mut batch = Batch::default();
+        let mut stop = false;
+        while out.len() + batch.len() < max {
+            let Some(f) = self.ring.next_frame()? else {
+                break;
+            };
+            let _keep = self.ring.region().clone();
+            // SAFETY: next_frame validated [slot, slot+len) inside the data area and below
+            // the Acquire-loaded write_pos; `_keep` keeps the mapping alive for this
+            // iteration, and the frame is not freed (reclaim push) until we are done reading
+            // it (leased views hold their own lease). No detach runs inside drain.
+            let bytes: &[u8] =
+                unsafe { std::slice::from_raw_parts(self.ring.frame_ptr(&f), f.len as usize) };
+            let header = FrameHeader::parse(bytes)?;
+            if header.seq != self.expect_seq {
+                return Err(corrupted(
+                    f.pos,
+                    &format!(
+                        "frame seq {} where {} was expected",
+                        header.seq, self.expect_seq
+                    ),
+                ));
+            }
+            self.expect_seq += 1;
+            if self.chunks.in_progress() && f.kind != frame::KIND_CHUNK {
+                return Err(corrupted(f.pos, "chunked element interrupted"));
+            }
+            match f.kind {
+                frame::KIND_DATA => {
+                    self.data_bytes += f.len;
+                    let frame_end = f.pos + f.len;
+                    // The frame's lease, made at its first leased leaf (copy on pressure:
+                    // only while pinned bytes stay under the cap), or None to copy it all.
+                    let mut owner: Option<Option<LeaseOwner>> = None;
+                    let (zero_copy, threshold, max_pinned) =
+                        (self.zero_copy, self.copy_threshold, self.max_pinned);
+                    let ring = &mut self.ring;
+                    let mut lease = |py: Python<'py>,
+                                     d: &frame::LeafDesc,
+                                     payload: &[u8]|
+                     -> PyResult<Option<Bound<'py, PyLease>>> {
+                        if !zero_copy || d.nbytes < threshold {
+                            return Ok(None);
+                        }
+                        let owner = owner.get_or_insert_with(|| {
+                            let (pinned_start, _) = ring.reclaim.pinned();
+                            (frame_end - pinned_start <= max_pinned)
+                                .then(|| LeaseOwner::Frame(Arc::new(ring.lease(frame_end))))
+                        });
+                        match owner {
+                            Some(o) => Ok(Some(Bound::new(
+                                py,
+                                PyLease::new(o.clone_ref(), payload.as_ptr(), payload.len()),
+                            )?)),
+                            None => Ok(None),
+                        }
+                    };
+                    let r = match &self.spec {
+                        Some((id, spec)) => {
+                            decode::decode_data(py, bytes, f.pos, *id, spec, &mut batch, &mut lease)
+                        }
+                        None => Err(corrupted(f.pos, "data frame before any spec")),
+                    };
+                    let leased = owner.is_some_and(|o| o.is_some());
+                    if !leased {
+                        self.ring.mark_free(frame_end);
+                    }
+                    self.leased += r?;
+                }
+                frame::KIND_SPEC => {
+                    self.flush_batch(py, &mut batch, out)?;
+                    self.handle_spec(py, bytes, f.pos)?;
+                    self.ring.mark_free(f.pos + f.len);
+                }
+                frame::KIND_CHUNK => {
+                    self.data_bytes += f.len;
+                    let copy = self.chunks.accept(bytes, f.pos)?;
+                    py.detach(move || copy.run());
+                    if let Some(buf) = self.chunks.finish(header.flags, f.pos)? {
+                        let whole = buf.as_slice();
+                        let (zero_copy, threshold) = (self.zero_copy, self.copy_threshold);
+                        let mut lease =
+                            |py: Python<'py>,
+                             d: &frame::LeafDesc,
+                             payload: &[u8]|
+                             -> PyResult<Option<Bound<'py, PyLease>>> {
+                                if !zero_copy || d.nbytes < threshold {
+                                    return Ok(None);
+                                }
+                                let owner = LeaseOwner::Heap(buf.clone());
+                                let lease = PyLease::new(owner, payload.as_ptr(), payload.len());
+                                Ok(Some(Bound::new(py, lease)?))
+                            };
+                        let (id, spec) = self.spec(f.pos)?;
+                        self.leased += decode::decode_data(
+                            py, whole, f.pos, id, spec, &mut batch, &mut lease,
+                        )?;
+                    }
+                    self.ring.mark_free(f.pos + f.len);
+                }
+                frame::KIND_END => {
+                    self.ring.mark_free(f.pos + f.len);
+                    self.end = true;
+                    stop = true;
+                    break;
+                }
+                frame::KIND_ERROR => {
+                    let e = frame::parse_error_body(&bytes[frame::HEADER_BYTES..], f.pos)?;
+                    self.ring.mark_free(f.pos + f.len);
+                    self.error = Some(e);
+                    stop = true;
+                    break;
+                }
+                _ => return Err(corrupted(f.pos, &format!("unknown frame kind {}", f.kind))),
+            }
+        }
+        self.flush_batch(py, &mut batch, out)?;
+        self.ring.flush_free();
+        Ok(stop)
+    }
+
+    /// The stall breaker (TRANSPORT.md §5): the producer waits for space held by leases
+    /// while we have nothing to read, so copy the pinned pages away and free them.
+    fn detach(&mut self, py: Python<'_>) -> PyResult<()> {
+        let (mapping, ring) = (&self.mapping, &mut self.ring);
+        if let Some(fresh) = py.detach(|| detach_pinned(mapping, ring))? {
+            self.mapping = fresh;
+            self.detaches += 1;
+        }
+        Ok(())
+    }
+}
+
+/// `get_many`'s result: (elements, frame bytes, end_of_sequence, worker error).
+type GetMany<'py> = (Bound<'py, PyList>, u64, bool, Option<(String, String)>);
+
+/// The consumer (trainer) end of a ring: maps a received memfd. One consumer thread.
+///
+/// Args:
+///     fd: The ring's memfd (duplicated here; the caller may close its copy).
+///     control_fd: The handshake socket, watched for HUP (duplicated here).
+///     pid: The producer's pid (a pidfd is watched).
+///     nonce: The handshake's nonce; the ring's header must carry the same.
+///     zero_copy: Hand out numpy leaves >= `copy_threshold_bytes` as views of the ring.
+///     max_pinned_fraction: Lease only while the held span stays under this share of the
+///         ring; beyond it frames are copied (copy on pressure).
+///
+/// Raises:
+///     FailedPreconditionError: The fd is not a ring of this layout.
+#[pyclass(name = "ShmRingConsumer", module = "dataservice._core")]
+pub struct PyRingConsumer {
+    state: Mutex<Option<ConsumerState>>,
+    capacity: u64,
+}
+
+#[pymethods]
+impl PyRingConsumer {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (fd, control_fd = None, pid = None, nonce = None, zero_copy = true, copy_threshold_bytes = 65536, max_pinned_fraction = 0.5))]
+    fn new(
+        py: Python<'_>,
+        fd: RawFd,
+        control_fd: Option<RawFd>,
+        pid: Option<i32>,
+        nonce: Option<&[u8]>,
+        zero_copy: bool,
+        copy_threshold_bytes: u64,
+        max_pinned_fraction: f64,
+    ) -> PyResult<Self> {
+        let nonce = super::nonce(nonce)?;
+        let owned = dup_fd(fd)?;
+        let mapping = py.detach(|| Mapping::attach(owned, nonce))?;
+        let region: Arc<dyn Region> = mapping.clone();
+        let ring = Consumer::new(region);
+        let capacity = ring.capacity();
+        mapping
+            .header()
+            .consumer
+            .consumer_pid
+            .store(std::process::id(), crate::sync::Ordering::Relaxed);
+        let fraction = max_pinned_fraction.clamp(0.0, 1.0);
+        Ok(PyRingConsumer {
+            capacity,
+            state: Mutex::new(Some(ConsumerState {
+                ring,
+                mapping,
+                spec: None,
+                expect_seq: 0,
+                peer: Peer::new(control_fd, pid, "producer")?,
+                pid: std::process::id(),
+                zero_copy,
+                copy_threshold: copy_threshold_bytes.max(1),
+                max_pinned: (capacity as f64 * fraction) as u64,
+                chunks: Reassembly::default(),
+                error: None,
+                end: false,
+                elements: 0,
+                leased: 0,
+                detaches: 0,
+                data_bytes: 0,
+            })),
+        })
+    }
+
+    #[getter]
+    fn capacity_bytes(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Takes up to `max_elements` elements, waiting (GIL released) up to `timeout_ms` for
+    /// the first one (None: no limit).
+    ///
+    /// Returns:
+    ///     (elements, nbytes, end_of_sequence, error): `nbytes` is the size of the
+    ///     elements' frames; `error` is a worker-side (type name, message), reported once
+    ///     the elements before it were returned. An empty list with end_of_sequence False
+    ///     means the time ran out.
+    /// Raises:
+    ///     UnavailableError: The producer died; every element published before was returned.
+    ///     DataLossError: The ring's bytes are not valid frames.
+    #[pyo3(signature = (max_elements = 256, timeout_ms = None))]
+    fn get_many<'py>(
+        &self,
+        py: Python<'py>,
+        max_elements: usize,
+        timeout_ms: Option<u64>,
+    ) -> PyResult<GetMany<'py>> {
+        let mut g = lock(&self.state, "ring consumer")?;
+        let s = g.as_mut().ok_or_else(|| closed("ring consumer"))?;
+        check_pid(s.pid, RING_END)?;
+        let out = PyList::empty(py);
+        let max = max_elements.max(1);
+        let deadline = deadline(timeout_ms);
+        let mut stall = StallBreaker::default();
+        loop {
+            if s.end {
+                return Ok((out, s.take_bytes(), true, None));
+            }
+            if let Some(e) = s.error.clone() {
+                if out.is_empty() {
+                    return Ok((out, s.take_bytes(), true, Some(e)));
+                }
+                return Ok((out, s.take_bytes(), false, None));
+            }
+            let stopped = s.drain(py, max, &out)?;
+            s.elements += out.len() as u64;
+            if stopped {
+                if s.end {
+                    return Ok((out, s.take_bytes(), true, None));
+                }
+                continue; // report the error (now, or after these elements)
+            }
+            if !out.is_empty() {
+                return Ok((out, s.take_bytes(), false, None));
+            }
+            // Nothing to read: is the producer stuck behind our leases?
+            let (pinned_start, pinned_end) = s.ring.reclaim.pinned();
+            let pinned = pinned_end > pinned_start;
+            if stall.should_detach(pinned, s.ring.producer_waiting()) {
+                s.detach(py)?;
+                continue;
+            }
+            let Some(slice) = wait_slice(deadline) else {
+                return Ok((out, s.take_bytes(), false, None));
+            };
+            let slice = StallBreaker::slice(pinned, slice);
+            let ring = &mut s.ring;
+            if py.detach(|| ring.wait_for_data(slice)) {
+                continue;
+            }
+            py.check_signals()?;
+            if let Err(e) = s.peer.check() {
+                if s.ring.has_data() {
+                    continue; // drain what was published before the death
+                }
+                return Err(e.into());
+            }
+        }
+    }
+
+    /// Counters: elements, leased frames, detaches, pinned bytes.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = lock(&self.state, "ring consumer")?;
+        let d = PyDict::new(py);
+        if let Some(s) = g.as_ref() {
+            let (a, b) = s.ring.reclaim.pinned();
+            d.set_item("elements", s.elements)?;
+            d.set_item("leased", s.leased)?;
+            d.set_item("detaches", s.detaches)?;
+            d.set_item("pinned_bytes", b - a)?;
+            let h = s.mapping.header();
+            d.set_item(
+                "empty_waits",
+                h.consumer_counters
+                    .waits
+                    .load(crate::sync::Ordering::Relaxed),
+            )?;
+        }
+        Ok(d)
+    }
+
+    /// Frees this end; views handed out stay valid (they hold the mapping). Idempotent.
+    fn close(&self) -> PyResult<()> {
+        let mut g = lock(&self.state, "ring consumer")?;
+        if let Some(s) = g.take() {
+            s.mapping.header().consumer.state.store(
+                crate::shm::layout::STATE_CLOSED,
+                crate::sync::Ordering::Release,
+            );
+        }
+        Ok(())
+    }
+}

@@ -22,7 +22,7 @@ fn _core(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     m.add_class::<py::producer::PyRingProducer>()?;
     m.add_class::<py::consumer::PyRingConsumer>()?;
     m.add_class::<py::lease::PyLease>()?;
-    m.add_class::<py::window::PyWindowWriter>()?;
-    m.add_class::<py::window::PyWindowReader>()?;
+    m.add_class::<py::window_writer::PyWindowWriter>()?;
+    m.add_class::<py::window_reader::PyWindowReader>()?;
     Ok(())
 }

@@ -4,6 +4,8 @@
 //! batch), small leaves are copied (`transport::codec`), and large numpy leaves become views
 //! of a `RingLease` when the caller's `lease` function hands one out.
 
+use std::collections::HashMap;
+
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
@@ -157,4 +159,29 @@ pub(crate) fn flush_batch(
         c.clear();
     }
     Ok(())
+}
+
+/// Decodes the DATA frame `bytes` at position `pos` of the cache window into one element,
+/// its spec looked up in `specs` (`lease` as in [`decode_data`]).
+///
+/// Raises `DataLossError` (RingCorrupted) for an unknown spec id or an invalid frame.
+pub(crate) fn decode_element<'py>(
+    py: Python<'py>,
+    bytes: &[u8],
+    pos: u64,
+    specs: &HashMap<u32, DecodeSpec>,
+    lease: &mut LeaseFn<'_, 'py>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let header = FrameHeader::parse(bytes)?;
+    let spec = specs.get(&header.spec_id).ok_or_else(|| {
+        corrupted(
+            pos,
+            &format!("cache window: unknown spec id {}", header.spec_id),
+        )
+    })?;
+    let mut batch = Batch::default();
+    decode_data(py, bytes, pos, header.spec_id, spec, &mut batch, lease)?;
+    let out = PyList::empty(py);
+    flush_batch(py, spec, &mut batch, &out)?;
+    out.get_item(0)
 }

@@ -1,13 +1,15 @@
 //! Thin #[pyclass] wrappers over the pure-Rust modules: they convert Python <-> Rust and
 //! forward; the GIL is released while they block. `lease` and `decode` are shared by
-//! `consumer` and `window`; no two of `producer`, `consumer`, `window` use each other.
+//! `consumer` and the window classes; no two of `producer`, `consumer`, `window_writer`,
+//! `window_reader` use each other.
 
 pub mod consumer;
 pub mod decode;
 pub mod lease;
 pub mod producer;
 pub mod tfrecord;
-pub mod window;
+pub mod window_reader;
+pub mod window_writer;
 
 use std::sync::{Mutex, MutexGuard, TryLockError};
 

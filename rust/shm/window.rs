@@ -41,12 +41,13 @@
 //! the write, while pages it did not write follow the file, which is why the hold must stay
 //! until the view is gone.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::Error;
-use crate::shm::holds::{Grants, HoldWords, Place, WindowLog};
-use crate::shm::ring::{FRAME_MAGIC, KIND_PAD};
-use crate::shm::segment::{Segment, SegmentHeader};
+use crate::shm::holds::{FrameHold, Grants, HoldTable, HoldWords, Place, WindowLeaf, WindowLog};
+use crate::shm::ring::{check_frame, FRAME_MAGIC, KIND_PAD};
+use crate::shm::segment::{page_bytes, Segment, SegmentHeader};
 use crate::sync::{AtomicU64, Ordering};
 
 pub use crate::shm::holds::{HOLD_SLOTS, NO_HOLD};
@@ -396,10 +397,153 @@ impl WindowWriter {
     }
 }
 
+fn corrupted(pos: u64, what: &str) -> Error {
+    Error::RingCorrupted {
+        pos,
+        what: format!("cache window: {what}"),
+    }
+}
+
+/// A trainer's mapping of one window segment and its holds there (its hold slot's
+/// [`HoldTable`]). Thread-compatible; the hold table is thread-safe.
+pub struct SegmentReader {
+    map: Arc<WindowMap>,
+    table: Arc<HoldTable>,
+}
+
+impl SegmentReader {
+    /// Maps the segment `fd` (received from the worker) and takes hold slot `slot`.
+    ///
+    /// Raises `LayoutMismatch` for a slot out of range or a segment that is not a window of
+    /// this layout (or whose nonce differs from `nonce`).
+    pub fn attach(fd: OwnedFd, slot: usize, nonce: Option<[u8; 16]>) -> Result<Self, Error> {
+        if slot >= HOLD_SLOTS {
+            return Err(Error::LayoutMismatch {
+                what: format!("hold slot {slot} out of range"),
+            });
+        }
+        let map = WindowMap::attach(fd, nonce)?;
+        let table = HoldTable::new(map.clone(), slot)?;
+        Ok(SegmentReader { map, table })
+    }
+
+    pub fn map(&self) -> &Arc<WindowMap> {
+        &self.map
+    }
+
+    pub fn table(&self) -> &Arc<HoldTable> {
+        &self.table
+    }
+
+    /// The frame with sequence number `seq` at `pos` (after at most one PAD: at the wrap,
+    /// or before a page-aligned frame): its position and bytes. The worker's grant (set
+    /// before its reply, cleared by the trainer's DONE after decoding) keeps it from being
+    /// rewritten while the caller reads it.
+    ///
+    /// Raises `RingCorrupted` ("cache window: ...") when the bytes are not that frame.
+    pub fn frame(&self, pos: u64, seq: u64) -> Result<(u64, &[u8]), Error> {
+        let cap = self.map.capacity();
+        let mut p = pos;
+        let mut pads = 0;
+        let f = loop {
+            let avail = cap - (p & (cap - 1));
+            // SAFETY: the data area holds `cap` bytes while `map` lives; the worker wrote
+            // the frame before naming it and does not reuse it while the grant or a hold
+            // covers it (shm::holds' reclaim protocol).
+            let f =
+                unsafe { check_frame(self.map.data(), cap, p, avail) }.map_err(|e| match e {
+                    Error::RingCorrupted { pos, what } => corrupted(pos, &what),
+                    e => e,
+                })?;
+            if f.kind != KIND_PAD {
+                break f;
+            }
+            pads += 1;
+            if pads > 1 {
+                return Err(corrupted(p, "two PAD frames in a row"));
+            }
+            p += f.len;
+        };
+        // SAFETY: check_frame validated [slot, slot + len) inside the data area; the grant
+        // keeps it unchanged while `self` is borrowed by the caller's decode.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(self.map.data().add(f.slot as usize), f.len as usize)
+        };
+        let got = crate::transport::frame::FrameHeader::parse(bytes)?.seq;
+        if got != seq {
+            return Err(corrupted(
+                p,
+                &format!("frame seq {got} where {seq} was expected"),
+            ));
+        }
+        Ok((p, bytes))
+    }
+
+    /// The lease policy for the frame of `len` bytes at `pos`: its leaves may be leased
+    /// while this trainer's holds span at most `max_pinned` bytes and the frame lies at or
+    /// above `reclaim_below` (the writer reuses what is below soon); else they are copied
+    /// (copy on pressure).
+    pub fn frame_leases(
+        &self,
+        pos: u64,
+        len: u64,
+        max_pinned: u64,
+        reclaim_below: Option<u64>,
+    ) -> FrameLeases<'_> {
+        FrameLeases {
+            reader: self,
+            pos,
+            end: pos + len,
+            max_pinned,
+            reclaim_below,
+            hold: None,
+            pressure: false,
+        }
+    }
+}
+
+/// The leases of one frame's leaves (see [`SegmentReader::frame_leases`]).
+pub struct FrameLeases<'a> {
+    reader: &'a SegmentReader,
+    pos: u64,
+    end: u64,
+    max_pinned: u64,
+    reclaim_below: Option<u64>,
+    hold: Option<Arc<FrameHold>>,
+    /// True once a leaf was copied because of pressure.
+    pub pressure: bool,
+}
+
+impl FrameLeases<'_> {
+    /// A leased leaf of `nbytes` at `offset` from the frame's start (a private mapping of
+    /// the segment, the frame held until its last leaf drops), or None to copy it: not
+    /// page-aligned, copy on pressure, or the mapping failed.
+    pub fn leaf(&mut self, offset: u64, nbytes: u64) -> Option<Arc<WindowLeaf>> {
+        let map = &self.reader.map;
+        let slot = (self.pos & (map.capacity() - 1)) + offset;
+        if slot % page_bytes() != 0 {
+            return None;
+        }
+        if self.hold.is_none() {
+            let table = &self.reader.table;
+            let low = table.min().unwrap_or(self.pos).min(self.pos);
+            if self.end - low > self.max_pinned || self.reclaim_below.is_some_and(|l| self.pos < l)
+            {
+                self.pressure = true;
+                return None;
+            }
+            self.hold = Some(table.acquire(self.pos));
+        }
+        let pm = map.map_private(slot, nbytes)?;
+        let hold = self.hold.clone().expect("taken above");
+        Some(self.reader.table.lease(Box::new(pm), self.pos, hold))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shm::holds::{HoldTable, LeafMapping};
+    use crate::shm::holds::LeafMapping;
 
     fn nonce() -> [u8; 16] {
         [7; 16]
@@ -414,6 +558,7 @@ mod tests {
                 std::ptr::write_bytes(p, byte, len as usize);
                 std::ptr::write_unaligned(p as *mut u32, FRAME_MAGIC | 1);
                 std::ptr::write_unaligned(p.add(8) as *mut u64, len);
+                std::ptr::write_unaligned(p.add(16) as *mut u64, 0); // seq
             }
             w.commit(pos, len, 64, 1);
         }
@@ -519,5 +664,53 @@ mod tests {
         unsafe { std::ptr::write_bytes(w.map().data().add(4096), 0, 4096) };
         // SAFETY: as above.
         assert_eq!(unsafe { *leaf.ptr().add(10) }, 5);
+    }
+
+    #[test]
+    fn a_reader_finds_frames_across_a_pad_and_leases_page_aligned_leaves() {
+        let cap = MIN_CAPACITY;
+        let mut w = WindowWriter::new(cap, nonce()).unwrap();
+        // Frames of 3/8 of the segment: the third does not fit before the end (a PAD first,
+        // after evicting the first).
+        let len = 3 * cap / 8;
+        fill(&mut w, len, 1, cap);
+        fill(&mut w, len, 2, cap);
+        let r = fill(&mut w, len, 3, cap);
+        assert_eq!(r.evicted, 1);
+        let second = r.at.unwrap().0;
+        assert_eq!(second, cap, "the third frame starts after the PAD");
+        let fd = w.map().fd().try_clone().unwrap();
+        assert!(
+            SegmentReader::attach(fd, HOLD_SLOTS, None).is_err(),
+            "slot out of range"
+        );
+        let fd = w.map().fd().try_clone().unwrap();
+        let reader = SegmentReader::attach(fd, 5, Some(nonce())).unwrap();
+        // `fill` gives every frame seq 0.
+        let (pos, bytes) = reader.frame(2 * len, 0).unwrap();
+        assert_eq!((pos, bytes.len() as u64), (second, len));
+        let e = reader.frame(2 * len, 7).err().unwrap();
+        assert!(e.to_string().contains("frame seq 0 where 7"), "{e}");
+        let e = reader.frame(100, 0).err().unwrap();
+        assert!(e.to_string().contains("cache window"), "{e}");
+        // Leases: page-aligned only, held while alive, copied under pressure.
+        let mut leases = reader.frame_leases(pos, len, cap, None);
+        assert!(leases.leaf(64, 4096).is_none(), "not page-aligned");
+        let leaf = leases.leaf(4096, 4096).expect("leased");
+        assert_eq!(w.map().min_hold(), second);
+        assert_eq!(w.held_slots(), vec![5]);
+        // SAFETY: the leaf maps 4096 bytes of the frame.
+        assert_eq!(unsafe { *leaf.ptr().add(10) }, 3);
+        let mut pressured = reader.frame_leases(pos, len, cap, Some(pos + 1));
+        assert!(pressured.leaf(4096, 4096).is_none() && pressured.pressure);
+        let mut pinned = reader.frame_leases(pos, len, cap / 4, None);
+        assert!(pinned.leaf(4096, 4096).is_none() && pinned.pressure);
+        drop(leaves_of(leases));
+        drop(leaf);
+        assert_eq!(w.map().min_hold(), NO_HOLD);
+    }
+
+    fn leaves_of(l: FrameLeases<'_>) -> Option<Arc<FrameHold>> {
+        l.hold
     }
 }

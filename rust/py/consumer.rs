@@ -18,22 +18,21 @@ use crate::py::{closed, ring_lock as lock, RING_END};
 use crate::shm::detach::{detach_pinned, StallBreaker};
 use crate::shm::ring::{Consumer, Region};
 use crate::shm::segment::Mapping;
-use crate::transport::chunk::Reassembly;
 use crate::transport::codec::DecodeSpec;
-use crate::transport::frame::{self, FrameHeader, Spec};
+use crate::transport::frame;
 use crate::transport::peer::{check_pid, deadline, dup_fd, wait_slice, Peer};
+use crate::transport::reader::FrameStream;
 
 struct ConsumerState {
     ring: Consumer,
     mapping: Arc<Mapping>,
     spec: Option<(u32, DecodeSpec)>,
-    expect_seq: u64,
+    stream: FrameStream,
     peer: Peer,
     pid: u32,
     zero_copy: bool,
     copy_threshold: u64,
     max_pinned: u64,
-    chunks: Reassembly,
     /// An ERROR frame's (type, message), reported after the elements before it.
     error: Option<(String, String)>,
     end: bool,
@@ -77,16 +76,6 @@ impl ConsumerState {
         decode::flush_batch(py, spec, batch, out)
     }
 
-    fn handle_spec(&mut self, py: Python<'_>, bytes: &[u8], pos: u64) -> PyResult<()> {
-        let header = FrameHeader::parse(bytes)?;
-        let mut r = frame::Reader::new(bytes, frame::HEADER_BYTES);
-        let n = r.u32()? as usize;
-        let spec = Spec::decode(r.bytes(n)?)?;
-        let ds = DecodeSpec::new(py, spec, pos)?;
-        self.spec = Some((header.spec_id, ds));
-        Ok(())
-    }
-
     /// Reads frames into `out` until `max` elements, an END/ERROR, or no more data.
     /// Returns true if it stopped at END or ERROR.
     fn drain<'py>(
@@ -98,30 +87,10 @@ impl ConsumerState {
         let mut batch = Batch::default();
         let mut stop = false;
         while out.len() + batch.len() < max {
-            let Some(f) = self.ring.next_frame()? else {
+            let Some(rf) = self.stream.next(&mut self.ring)? else {
                 break;
             };
-            let _keep = self.ring.region().clone();
-            // SAFETY: next_frame validated [slot, slot+len) inside the data area and below
-            // the Acquire-loaded write_pos; `_keep` keeps the mapping alive for this
-            // iteration, and the frame is not freed (reclaim push) until we are done reading
-            // it (leased views hold their own lease). No detach runs inside drain.
-            let bytes: &[u8] =
-                unsafe { std::slice::from_raw_parts(self.ring.frame_ptr(&f), f.len as usize) };
-            let header = FrameHeader::parse(bytes)?;
-            if header.seq != self.expect_seq {
-                return Err(corrupted(
-                    f.pos,
-                    &format!(
-                        "frame seq {} where {} was expected",
-                        header.seq, self.expect_seq
-                    ),
-                ));
-            }
-            self.expect_seq += 1;
-            if self.chunks.in_progress() && f.kind != frame::KIND_CHUNK {
-                return Err(corrupted(f.pos, "chunked element interrupted"));
-            }
+            let (f, header, bytes) = (rf.frame, rf.header, rf.bytes());
             match f.kind {
                 frame::KIND_DATA => {
                     self.data_bytes += f.len;
@@ -166,14 +135,15 @@ impl ConsumerState {
                 }
                 frame::KIND_SPEC => {
                     self.flush_batch(py, &mut batch, out)?;
-                    self.handle_spec(py, bytes, f.pos)?;
-                    self.ring.mark_free(f.pos + f.len);
+                    let (spec_id, spec) = rf.spec()?;
+                    self.spec = Some((spec_id, DecodeSpec::new(py, spec, f.pos)?));
+                    self.ring.mark_free(rf.end());
                 }
                 frame::KIND_CHUNK => {
                     self.data_bytes += f.len;
-                    let copy = self.chunks.accept(bytes, f.pos)?;
+                    let copy = self.stream.chunks.accept(bytes, f.pos)?;
                     py.detach(move || copy.run());
-                    if let Some(buf) = self.chunks.finish(header.flags, f.pos)? {
+                    if let Some(buf) = self.stream.chunks.finish(header.flags, f.pos)? {
                         let whole = buf.as_slice();
                         let (zero_copy, threshold) = (self.zero_copy, self.copy_threshold);
                         let mut lease =
@@ -202,7 +172,7 @@ impl ConsumerState {
                     break;
                 }
                 frame::KIND_ERROR => {
-                    let e = frame::parse_error_body(&bytes[frame::HEADER_BYTES..], f.pos)?;
+                    let e = rf.error()?;
                     self.ring.mark_free(f.pos + f.len);
                     self.error = Some(e);
                     stop = true;
@@ -283,13 +253,12 @@ impl PyRingConsumer {
                 ring,
                 mapping,
                 spec: None,
-                expect_seq: 0,
+                stream: FrameStream::default(),
                 peer: Peer::new(control_fd, pid, "producer")?,
                 pid: std::process::id(),
                 zero_copy,
                 copy_threshold: copy_threshold_bytes.max(1),
                 max_pinned: (capacity as f64 * fraction) as u64,
-                chunks: Reassembly::default(),
                 error: None,
                 end: false,
                 elements: 0,

@@ -7,5 +7,6 @@ pub mod codec;
 pub mod frame;
 #[cfg(not(loom))]
 pub mod peer;
+pub mod reader;
 #[cfg(not(loom))]
 pub mod writer;

@@ -1,5 +1,5 @@
-//! The one DATA-frame decoder of `_core`, used by the ring's consumer (`py::ring`) and the
-//! cache window's reader (`py::window`): leaf descriptors are parsed and checked by
+//! The one DATA-frame decoder of `_core`, used by the ring's consumer (`py::consumer`) and
+//! the cache window's classes (`py::window_reader`, `py::window_writer`): leaf descriptors are parsed and checked by
 //! `transport::frame`, numpy scalars are gathered column-wise (one `frombuffer` per leaf per
 //! batch), small leaves are copied (`transport::codec`), and large numpy leaves become views
 //! of a `RingLease` when the caller's `lease` function hands one out.

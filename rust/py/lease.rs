@@ -1,7 +1,7 @@
 //! Python class `RingLease` of `dataservice._core`: a writeable buffer over one leaf of a
 //! ring frame, of a reassembled chunked element, or of the cache window; numpy views made
-//! from it keep it, and so the memory under them, alive. Shared by `py::ring` and
-//! `py::window`, which depend on it and not on each other.
+//! from it keep it, and so the memory under them, alive. Shared by `py::consumer`
+//! and `py::window_reader`, which depend on it and not on each other.
 
 use std::sync::Arc;
 

@@ -5,7 +5,7 @@
 //! The producer ([`Encoder`]) reads payloads through the buffer protocol without a copy
 //! (C-contiguous arrays; others are made contiguous first). The consumer ([`Decoder`]) builds
 //! numpy scalars column-wise (one `frombuffer` per leaf per batch), copies small leaves and
-//! hands out large ones as views kept alive by a lease (see `rust/py/ring.rs`).
+//! hands out large ones as views kept alive by a lease (see `rust/py/decode.rs`).
 
 use std::collections::HashMap;
 

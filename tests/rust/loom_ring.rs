@@ -1,6 +1,6 @@
 //! loom models of the ring protocol (TRANSPORT.md §8): publish/consume across a PAD wrap, the
 //! eventcount (no lost wake-up, both directions), and lease releases out of order. Run:
-//!   RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 \
+//!   .ci/loom, or: RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 \
 //!     cargo test --release --no-default-features --test loom_ring
 //! Payload bytes are modelled as Relaxed atomics next to the heap ring, so a missing
 //! Release/Acquire pairing shows up as a stale read.

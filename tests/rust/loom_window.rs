@@ -2,7 +2,7 @@
 //! TRANSPORT.md §8): a trainer's hold (and the worker's grant before it) keeps the writer
 //! off a frame until the trainer has read it, whether the trainer drops its view or gives
 //! the slot up (deactivate detaches the view first). Run:
-//!   RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 \
+//!   .ci/loom, or: RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 \
 //!     cargo test --release --no-default-features --test loom_window
 //! Frame bytes are modelled as loom `UnsafeCell`s: loom reports any read of them by the
 //! trainer and write by the writer that are not ordered by happens-before, which is what a

@@ -68,13 +68,13 @@ class SlowWait:
         start: float | None = None,
     ) -> None:
         self._logger = logger
-        self._describe = describe
+        self.describe = describe  # may be replaced while waiting (the latest reason)
         self.start = time.monotonic() if start is None else start
         self._next_warning = self.start + FIRST_WARNING_S
         self.warnings = 0
 
     def _text(self) -> str:
-        return self._describe() if callable(self._describe) else self._describe
+        return self.describe() if callable(self.describe) else self.describe
 
     def check(self, now: float | None = None) -> bool:
         """Logs the warning if it is due; returns whether it logged."""

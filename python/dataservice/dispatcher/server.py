@@ -38,10 +38,13 @@ log = logging.getLogger(__name__)
 _MAX_SPLITS_PER_RPC = 4096
 BUFFERS_SUBDIR = "dataset_buffers"  # of work_dir: buffer_store.py
 _ROUND_BLOCK = 64  # coordinated reads: rounds assigned per block
-# A maintenance tick late by more than this (or half the shortest timeout, if
-# less) means the dispatcher itself stalled (SIGSTOP, a paused VM, swapping):
-# everyone gets the grace of a restart, see `_grant_stall_grace_locked`.
+# A maintenance tick late by more than this (and 4 periods) means the
+# dispatcher itself stalled (SIGSTOP, a paused VM, swapping): everyone gets the
+# grace of a restart (`_grant_stall_grace_locked`). One late by more than
+# _DEAF_S (and a period) is credited (`_credit_deaf_time_locked`); shorter
+# scheduling delays are ignored, so that a dead worker is still noticed on time.
 _STALL_S = 2.0
+_DEAF_S = 0.25
 
 
 @dataclass
@@ -1127,14 +1130,8 @@ class DispatchServer:
             )
             / 1000
         )
-        stall_s = max(
-            2 * period_s,
-            min(
-                _STALL_S,
-                cfg.worker_timeout_ms_or_default / 2000,
-                cfg.client_timeout_ms_or_default / 2000,
-            ),
-        )
+        stall_s = max(_STALL_S, 4 * period_s)
+        deaf_s = max(_DEAF_S, period_s)
         next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
         # Workers that held tasks before a restart get worker_timeout_ms to come back.
         with self._mu:
@@ -1147,7 +1144,7 @@ class DispatchServer:
             late_s = now - last_tick - period_s
             last_tick = now
             try:
-                if late_s > period_s:
+                if late_s > deaf_s:
                     with self._mu:
                         if late_s > stall_s:
                             self._grant_stall_grace_locked(late_s, now)

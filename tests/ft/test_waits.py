@@ -212,3 +212,39 @@ def test_rpc_retries_say_what_they_wait_for(short_waits, caplog, monkeypatch) ->
     # at about 0.5 s and 2.5 s, not a third before 5 s
     assert len(warned) == 2, [r.getMessage() for r in caplog.records]
     assert "retrying for up to 5000 ms" in warned[0].getMessage()
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinated_consumer_says_which_round_and_worker_it_waits_for(
+    short_waits, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Coordinated reads with one of two consumers reading: the reader warns,
+    naming the round, the worker and the job, until the dispatcher's
+    client_timeout_ms ends the wait with DeadlineExceededError (C-27)."""
+    caplog.set_level(logging.INFO)
+    dispatcher = ds.DispatchServer(ds.DispatcherConfig(client_timeout_ms=5_000))
+    worker = ds.WorkerServer(ds.WorkerConfig(dispatcher.target, heartbeat_interval_ms=100))
+    try:
+        dataset = ds.Dataset.range(10).repeat().apply(
+            ds.distribute(
+                ds.ShardingPolicy.OFF,
+                dispatcher.target,
+                job_name="coordinated",
+                consumer_index=0,
+                num_consumers=2,
+            )
+        )
+        got = 0
+        with pytest.raises(ds.errors.DeadlineExceededError):
+            for _ in dataset:
+                got += 1
+        warned = _warnings(caplog, "consumer 0 of 2 of iteration")
+        assert 1 <= len(warned) <= 3, [r.getMessage() for r in warned]
+        text = warned[0].getMessage()
+        assert "'coordinated'" in text and f"from the worker {worker.address}" in text, text
+        assert f"is waiting for round {got} " in text, (got, text)
+        gaps = [b.created - a.created for a, b in zip(warned, warned[1:], strict=False)]
+        assert all(g >= REPEAT_S * 0.9 for g in gaps), gaps
+    finally:
+        worker.stop()
+        dispatcher.stop()

@@ -225,13 +225,17 @@ def test_a_coordinated_consumer_says_which_round_and_worker_it_waits_for(
     dispatcher = ds.DispatchServer(ds.DispatcherConfig(client_timeout_ms=5_000))
     worker = ds.WorkerServer(ds.WorkerConfig(dispatcher.target, heartbeat_interval_ms=100))
     try:
-        dataset = ds.Dataset.range(10).repeat().apply(
-            ds.distribute(
-                ds.ShardingPolicy.OFF,
-                dispatcher.target,
-                job_name="coordinated",
-                consumer_index=0,
-                num_consumers=2,
+        dataset = (
+            ds.Dataset.range(10)
+            .repeat()
+            .apply(
+                ds.distribute(
+                    ds.ShardingPolicy.OFF,
+                    dispatcher.target,
+                    job_name="coordinated",
+                    consumer_index=0,
+                    num_consumers=2,
+                )
             )
         )
         got = 0
@@ -245,6 +249,54 @@ def test_a_coordinated_consumer_says_which_round_and_worker_it_waits_for(
         assert f"is waiting for round {got} " in text, (got, text)
         gaps = [b.created - a.created for a, b in zip(warned, warned[1:], strict=False)]
         assert all(g >= REPEAT_S * 0.9 for g in gaps), gaps
+    finally:
+        worker.stop()
+        dispatcher.stop()
+
+
+@pytest.mark.timeout(60)
+def test_consumer_names_the_worker_it_cannot_fetch_from(
+    short_waits, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker advertising an address this client cannot reach (C-09: the
+    wrong `worker_address`): next()'s warning names that address and why
+    its fetches fail."""
+    caplog.set_level(logging.INFO)
+    wrong = f"127.0.0.1:{_free_port()}"
+    dispatcher = ds.DispatchServer()
+    worker = ds.WorkerServer(
+        ds.WorkerConfig(dispatcher.target, worker_address=wrong, heartbeat_interval_ms=100)
+    )
+    errors_seen: list[BaseException] = []
+    try:
+        it = iter(
+            ds.Dataset.range(5).apply(
+                ds.distribute(
+                    ds.ShardingPolicy.OFF, dispatcher.target, data_transfer_protocol="grpc"
+                )
+            )
+        )
+
+        def read() -> None:
+            try:
+                next(it)
+            except BaseException as err:  # the close() below ends the wait
+                errors_seen.append(err)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        wait_until(
+            lambda: _warnings(caplog, "fetches keep failing from"),
+            timeout_s=15,
+            what="a warning naming the unreachable worker",
+        )
+        text = _warnings(caplog, "fetches keep failing from")[0].getMessage()
+        assert f"an element from the workers {wrong}" in text, text
+        assert f"fetches keep failing from {wrong} (UnavailableError" in text, text
+        it.close()
+        reader.join(10)
+        assert not reader.is_alive()
+        assert errors_seen and isinstance(errors_seen[0], ds.errors.CancelledError)
     finally:
         worker.stop()
         dispatcher.stop()

@@ -119,6 +119,7 @@ class _TaskState:
     max_unconsumed_bytes: int = _RESULT_BUFFER_BYTES  # the transfer client's bound
     tried: bool = False  # its first connection attempt is over (made or failed)
     worker_uid: str = ""  # the worker process the last fetched elements came from
+    fetch_error: str = ""  # why the last fetch failed; "" once one succeeds (for warnings)
 
 
 @dataclass
@@ -445,6 +446,7 @@ class _Reader:
                 ) as err:
                     # The worker may be restarting, or lost: the heartbeat decides.
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
+                    state.fetch_error = f"{type(err).__name__}: {err}"
                     if client is not None:
                         client.close()
                         client = None
@@ -455,6 +457,7 @@ class _Reader:
                 if self._outstanding is not None:
                     self._outstanding.release()
                 backoff = rpc_util.Backoff(0.05, 1.0)
+                state.fetch_error = ""
                 with self._cv:
                     if result.worker_uid and result.worker_uid != state.worker_uid:
                         if state.worker_uid:
@@ -719,6 +722,15 @@ class _Reader:
         if live:
             shown = ", ".join(live[:8]) + (f" and {len(live) - 8} more" if len(live) > 8 else "")
             what = f"an element from the workers {shown}"
+            failing = sorted(
+                {
+                    f"{s.endpoint.worker_address} ({s.fetch_error})"
+                    for s in self._tasks.values()
+                    if s.fetch_error and not s.finished and not s.removed
+                }
+            )
+            if failing:
+                what += "; fetches keep failing from " + ", ".join(failing[:4])
         else:
             what = (
                 "a worker: no worker runs a task of it yet (is a worker registered with "

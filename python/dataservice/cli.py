@@ -339,19 +339,24 @@ def _wait_for_dispatcher(address: str, timeout_ms: int) -> None:
     """Blocks until a TCP/HTTP2 connection to the dispatcher is up.
 
     Raises:
-        UnavailableError: Not reachable within `timeout_ms` milliseconds.
+        UnavailableError: Not reachable within `timeout_ms` milliseconds; the
+            message names the address.
     """
     import grpc  # type: ignore[import-untyped,unused-ignore]
 
-    from dataservice.errors import UnavailableError
+    from dataservice.rpc import util as rpc_util
 
-    channel = grpc.insecure_channel(_strip_scheme(address))
+    target = _strip_scheme(address)
+    channel = grpc.insecure_channel(target)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_ms / 1000)
     except grpc.FutureTimeoutError:
-        raise UnavailableError(
-            f"cannot reach the dispatcher at {address} within {timeout_ms} ms "
-            "(--dispatcher-timeout-ms)"
+        raise rpc_util.unreachable_error(
+            "worker: connecting to the dispatcher (--dispatcher, bounded by "
+            "--dispatcher-unreachable-timeout-ms)",
+            target,
+            timeout_ms,
+            "no connection",
         ) from None
     finally:
         channel.close()
@@ -413,9 +418,18 @@ def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(str(e))
 
     def make() -> tuple[_Server, str]:
+        from dataservice.rpc import util as rpc_util
         from dataservice.worker.server import WorkerServer
 
-        _wait_for_dispatcher(config.dispatcher_address, config.dispatcher_timeout_ms_or_default)
+        # A dispatcher that never answered is likely a wrong address: fail in
+        # seconds (the server's own registration bound), not dispatcher_timeout_ms.
+        _wait_for_dispatcher(
+            config.dispatcher_address,
+            min(
+                config.dispatcher_timeout_ms_or_default,
+                rpc_util.unreachable_timeout_ms(config.dispatcher_unreachable_timeout_ms),
+            ),
+        )
         server = WorkerServer(
             config,
             start=True,

@@ -143,6 +143,7 @@ class WorkerConfig:
         protocol: "grpc".
         heartbeat_interval_ms: Time between heartbeats to the dispatcher (ms).
         dispatcher_timeout_ms: How long to retry an unreachable dispatcher (ms).
+            (Once registered, the worker keeps serving its tasks meanwhile.)
         data_transfer_protocol: None/"auto" (shared memory to same-host clients,
             gRPC otherwise), "grpc" or "shm".
         shm_ring_bytes: Size of each shared-memory ring (bytes).
@@ -161,6 +162,11 @@ class WorkerConfig:
             client, for its part, maps memory only from a worker of its own
             uid or root, so this lets other users in when the worker runs as
             root; otherwise they read over gRPC.
+        dispatcher_unreachable_timeout_ms: How long to retry a dispatcher that
+            never answered this worker (refused, unresolvable host, no route:
+            likely a wrong address) before the worker stops with an error
+            naming it (ms). Default $DATASERVICE_UNREACHABLE_TIMEOUT_MS, else
+            8 s; at most `dispatcher_timeout_ms`.
 
     Raises:
         ValueError: On a bad field; the message names it.
@@ -180,6 +186,7 @@ class WorkerConfig:
     auth_token_file: str | None = None
     insecure: bool = False
     shm_allowed_uids: list[int] | None = None
+    dispatcher_unreachable_timeout_ms: int | None = None
 
     def __post_init__(self) -> None:
         _check_auth(self.auth_token, self.auth_token_file)
@@ -198,6 +205,7 @@ class WorkerConfig:
         _check_protocol(self.protocol)
         _check_positive("heartbeat_interval_ms", self.heartbeat_interval_ms)
         _check_positive("dispatcher_timeout_ms", self.dispatcher_timeout_ms)
+        _check_positive("dispatcher_unreachable_timeout_ms", self.dispatcher_unreachable_timeout_ms)
         _check_positive("shm_ring_bytes", self.shm_ring_bytes)
         _check_positive("cross_trainer_cache_size_bytes", self.cross_trainer_cache_size_bytes)
         if self.data_transfer_protocol not in (None, "auto", "grpc", "shm"):

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import auth, errors
+from dataservice import _waits, auth, errors
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
@@ -119,6 +119,7 @@ class _TaskState:
     max_unconsumed_bytes: int = _RESULT_BUFFER_BYTES  # the transfer client's bound
     tried: bool = False  # its first connection attempt is over (made or failed)
     worker_uid: str = ""  # the worker process the last fetched elements came from
+    fetch_error: str = ""  # why the last fetch failed; "" once one succeeds (for warnings)
 
 
 @dataclass
@@ -180,6 +181,8 @@ class _Reader:
         self.stats = _Stats()
         # coordinated reads (the consumer's thread only):
         self.iteration_id = 0
+        self.job_id = 0
+        self._last_heartbeat_ok = time.monotonic()  # the heartbeat thread's; read for warnings
         self.coordination_timeout_s = 60.0
         self._round = 0
         self._round_tasks: dict[int, int] = {}
@@ -227,6 +230,7 @@ class _Reader:
         )
         self.client_id = iteration.iteration_client_id
         self.iteration_id = iteration.iteration_id
+        self.job_id = job.job_id
         self.coordination_timeout_s = info.client_timeout_ms / 1000
         if iteration.already_finished:
             self.release()
@@ -268,6 +272,7 @@ class _Reader:
                     request, timeout=10.0, metadata=self._metadata
                 )
                 last_ok = time.monotonic()
+                self._last_heartbeat_ok = last_ok
                 self._on_heartbeat(response)
             except grpc.RpcError as err:
                 if err.code() in rpc_util.RETRYABLE:  # type: ignore[attr-defined]
@@ -351,7 +356,11 @@ class _Reader:
                         f"data transfer protocol {protocol!r} cannot reach worker "
                         f"{endpoint.worker_address}: {err}"
                     ) from err
-                log.warning(
+                # Once per worker and protocol: a restarting worker refuses every
+                # reconnect, and each would log the same line.
+                _waits.warn_once(
+                    log,
+                    ("fallback", protocol, endpoint.worker_address),
                     "%s transfer to %s unavailable (%s); falling back",
                     protocol,
                     endpoint.worker_address,
@@ -437,6 +446,7 @@ class _Reader:
                 ) as err:
                     # The worker may be restarting, or lost: the heartbeat decides.
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
+                    state.fetch_error = f"{type(err).__name__}: {err}"
                     if client is not None:
                         client.close()
                         client = None
@@ -447,6 +457,7 @@ class _Reader:
                 if self._outstanding is not None:
                     self._outstanding.release()
                 backoff = rpc_util.Backoff(0.05, 1.0)
+                state.fetch_error = ""
                 with self._cv:
                     if result.worker_uid and result.worker_uid != state.worker_uid:
                         if state.worker_uid:
@@ -595,7 +606,24 @@ class _Reader:
         round_index = self._round
         dead = 0
         backoff = rpc_util.Backoff(0.05, 0.5)
+        task_of_round = [0]
+        slow = _waits.SlowWait(
+            log,
+            lambda: (
+                f"consumer {self.options.consumer_index} of {self.options.num_consumers} of "
+                f"{self._what_iteration()} is waiting for round {round_index} "
+                + (
+                    f"from the worker {self._endpoints[task_of_round[0]].worker_address} "
+                    "(every consumer must read every round)"
+                    if task_of_round[0] in self._endpoints
+                    else "(no worker has a task for it yet)"
+                )
+                + self._dispatcher_silence()
+            ),
+            start=start,
+        )
         while True:
+            slow.check()
             if self._stop.is_set():
                 raise errors.CancelledError("the iterator was closed")
             with self._cv:
@@ -612,6 +640,7 @@ class _Reader:
                     "have stopped reading (every consumer must read every round)"
                 )
             task_id = self._round_task(round_index, dead)
+            task_of_round[0] = task_id
             dead = 0
             if not task_id:
                 backoff.sleep(time.monotonic() + 0.5, self._stop)
@@ -630,6 +659,7 @@ class _Reader:
                 backoff.sleep(time.monotonic() + 0.5, self._stop)
                 continue
             if result.elements:
+                slow.done(f"round {round_index} of {self._what_iteration()} arrived")
                 self._round += 1
                 with self._cv:
                     self.stats.elements += 1
@@ -662,8 +692,58 @@ class _Reader:
             return element
         return self._next_chunk()
 
+    def _what_iteration(self) -> str:
+        name = f" {self.options.job_name!r}" if self.options.job_name else ""
+        return (
+            f"iteration {self.iteration_id} of job {self.job_id}{name} "
+            f"(dispatcher {self.options.dispatcher_address})"
+        )
+
+    def _dispatcher_silence(self) -> str:
+        """ "; no answer from the dispatcher for N s" once heartbeats go unanswered."""
+        silent_s = time.monotonic() - self._last_heartbeat_ok
+        if silent_s < max(2.0, 4 * self.heartbeat_s):
+            return ""
+        return (
+            f"; the dispatcher at {self.options.dispatcher_address} has not answered "
+            f"heartbeats for {silent_s:.0f} s (given up after client_timeout_ms="
+            f"{self.options.client_timeout_ms})"
+        )
+
+    def _describe_wait_locked(self) -> str:
+        """What next() waits for: which iteration, which workers (for SlowWait)."""
+        live = sorted(
+            {
+                s.endpoint.worker_address
+                for s in self._tasks.values()
+                if not s.finished and not s.removed
+            }
+        )
+        if live:
+            shown = ", ".join(live[:8]) + (f" and {len(live) - 8} more" if len(live) > 8 else "")
+            what = f"an element from the workers {shown}"
+            failing = sorted(
+                {
+                    f"{s.endpoint.worker_address} ({s.fetch_error})"
+                    for s in self._tasks.values()
+                    if s.fetch_error and not s.finished and not s.removed
+                }
+            )
+            if failing:
+                what += "; fetches keep failing from " + ", ".join(failing[:4])
+        else:
+            what = (
+                "a worker: no worker runs a task of it yet (is a worker registered with "
+                "the dispatcher, and on this host for local reads?)"
+            )
+        return (
+            f"consumer of {self._what_iteration()} is waiting for {what}"
+            + self._dispatcher_silence()
+        )
+
     def _next_chunk(self) -> Any:
         start = time.monotonic()
+        slow = _waits.SlowWait(log, self._describe_wait_locked, start=start)
         with self._cv:
             if not self._consumer_asked:
                 self._consumer_asked = True
@@ -695,6 +775,8 @@ class _Reader:
                 if self._tasks and all(s.finished or s.removed for s in self._tasks.values()):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
                 self._cv.wait(0.1)
+                slow.check()
+        slow.done(f"consumer of {self._what_iteration()}: an element arrived")
         return self.next()
 
     def close(self) -> None:

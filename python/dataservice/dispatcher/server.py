@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import auth, errors
+from dataservice import _waits, auth, errors
 from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 _MAX_SPLITS_PER_RPC = 4096
 BUFFERS_SUBDIR = "dataset_buffers"  # of work_dir: buffer_store.py
 _ROUND_BLOCK = 64  # coordinated reads: rounds assigned per block
+# A maintenance tick late by more than this (and 4 periods) means the
+# dispatcher itself stalled (SIGSTOP, a paused VM, swapping): everyone gets the
+# grace of a restart (`_grant_stall_grace_locked`). One late by more than
+# _DEAF_S (and a period) is credited (`_credit_deaf_time_locked`); shorter
+# scheduling delays are ignored, so that a dead worker is still noticed on time.
+_STALL_S = 2.0
+_DEAF_S = 0.25
 
 
 @dataclass
@@ -168,6 +175,9 @@ class DispatchServer:
         self._job_last_used: dict[st.JobId, float] = {}
         self._split_providers: dict[st.IterationId, Any] = {}
         self._dataset_objects: dict[str, Any] = {}
+        self._restart_time = time.monotonic()
+        # The maintenance thread's: iterations with consumers and no worker.
+        self._starved: dict[st.IterationId, _waits.SlowWait] = {}
         if start:
             self.start()
 
@@ -1120,23 +1130,118 @@ class DispatchServer:
             )
             / 1000
         )
+        stall_s = max(_STALL_S, 4 * period_s)
+        deaf_s = max(_DEAF_S, period_s)
         next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
         # Workers that held tasks before a restart get worker_timeout_ms to come back.
         with self._mu:
             self._restart_time = time.monotonic()
+        last_tick = time.monotonic()
         while not self._stop_event.wait(period_s):
+            # One `now` per tick, taken before any check: a stall after it only
+            # makes the checks more lenient, a stall before it shows as the gap.
+            now = time.monotonic()
+            late_s = now - last_tick - period_s
+            last_tick = now
             try:
-                self._check_workers()
-                self._check_clients()
-                if time.monotonic() >= next_gc:
+                if late_s > deaf_s:
+                    with self._mu:
+                        if late_s > stall_s:
+                            self._grant_stall_grace_locked(late_s, now)
+                        else:  # a short hiccup: the time it did not listen does not count
+                            self._credit_deaf_time_locked(late_s, now)
+                self._check_workers(now)
+                self._check_clients(now)
+                self._warn_starved_iterations(now)
+                if now >= next_gc:
                     self._collect_jobs()
                     next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
             except Exception:  # keep the dispatcher alive; the log has the bug
                 log.exception("dispatcher maintenance failed")
 
-    def _check_workers(self) -> None:
+    def _grant_stall_grace_locked(self, stalled_s: float, now: float) -> None:
+        """The dispatcher itself could not run for `stalled_s` seconds (frozen
+        by SIGSTOP, a paused VM, swapping): the heartbeats it missed meanwhile
+        say nothing about its workers and clients. Give them what a restart
+        gives (`_recover`): a fresh `client_timeout_ms` for every iteration
+        client, `worker_timeout_ms` for every worker and for the tasks of
+        workers not registered, `job_gc_timeout_ms` for every job."""
+        log.warning(
+            "dispatcher at %s was stalled for %.1f s (frozen or starved of CPU): its %d workers "
+            "and %d iteration clients get their full timeouts again, as after a restart",
+            self.target,
+            stalled_s,
+            len(self._workers),
+            len(self._client_seen),
+        )
+        for worker in self._workers.values():
+            worker.last_heartbeat = max(worker.last_heartbeat, now)
+        for client_id in self._client_seen:
+            self._client_seen[client_id] = max(self._client_seen[client_id], now)
+        for job_id in self._job_last_used:
+            self._job_last_used[job_id] = max(self._job_last_used[job_id], now)
+        self._restart_time = max(self._restart_time, now)
+
+    def _credit_deaf_time_locked(self, deaf_s: float, now: float) -> None:
+        """Moves every last-seen time `deaf_s` seconds later (at most to
+        `now`): heartbeats that could not be heard while the dispatcher did
+        not run are not held against the workers and clients."""
+        for worker in self._workers.values():
+            worker.last_heartbeat = min(now, worker.last_heartbeat + deaf_s)
+        for client_id, seen in self._client_seen.items():
+            self._client_seen[client_id] = min(now, seen + deaf_s)
+        for job_id, used in self._job_last_used.items():
+            self._job_last_used[job_id] = min(now, used + deaf_s)
+
+    def _warn_starved_iterations(self, now: float) -> None:
+        """Warns (`_waits.SlowWait`: after 10 s, then every 30 s) about each
+        iteration that has consumers but no worker running it."""
+        waits: list[_waits.SlowWait] = []
+        with self._mu:
+            starved: dict[st.IterationId, str] = {}
+            for iteration in self._state.unfinished_iterations():
+                if not iteration.clients or iteration.iteration_id in self._iteration_errors:
+                    continue
+                job = self._state.jobs[iteration.job_id]
+                if job.garbage_collected or any(not t.removed for t in iteration.tasks.values()):
+                    continue
+                if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
+                    continue
+                name = f" {job.job_name!r}" if job.job_name else ""
+                if not self._workers:
+                    why = "no worker is registered"
+                else:
+                    why = f"none of its {len(self._workers)} registered workers serves it" + (
+                        f" (target_workers={job.target_workers} reads workers on the "
+                        f"consumers' hosts {sorted(iteration.consumer_hosts)} only)"
+                        if job.reads_local_workers_only
+                        else ""
+                    )
+                starved[iteration.iteration_id] = (
+                    f"dispatcher at {self.target}: iteration {iteration.iteration_id} of job "
+                    f"{job.job_id}{name} (repetition {iteration.repetition}) has "
+                    f"{len(iteration.clients)} consumers waiting and no worker: {why}"
+                )
+        for iteration_id in list(self._starved):
+            if iteration_id not in starved:
+                self._starved.pop(iteration_id).done(
+                    f"dispatcher: iteration {iteration_id} has a worker again"
+                )
+        for iteration_id, text in starved.items():
+            wait = self._starved.get(iteration_id)
+            if wait is None:
+                wait = self._starved[iteration_id] = _waits.SlowWait(log, text, start=now)
+            wait.describe = text  # the latest reason
+            waits.append(wait)
+        for wait in waits:  # logged outside the lock
+            wait.check(now)
+
+    def _check_workers(self, now: float | None = None) -> None:
+        """Drops the workers whose heartbeats stopped (as of `now`, default the
+        current monotonic time), and tasks journaled for workers that never
+        came back after a restart."""
         timeout_s = self._config.worker_timeout_ms_or_default / 1000
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         with self._mu:
             for address, worker in list(self._workers.items()):
                 # A timeout below the worker's own heartbeat interval would drop
@@ -1164,9 +1269,10 @@ class DispatchServer:
         for task in self._state.tasks_of_worker(address):
             self._apply_locked(st.RemoveTask(task.task_id))
 
-    def _check_clients(self) -> None:
+    def _check_clients(self, now: float | None = None) -> None:
+        """Releases the iteration clients whose heartbeats stopped (as of `now`)."""
         timeout_s = self._config.client_timeout_ms_or_default / 1000
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         with self._mu:
             for client_id, seen in list(self._client_seen.items()):
                 if now - seen > timeout_s:

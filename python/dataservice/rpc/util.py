@@ -7,6 +7,8 @@ bigger than gRPC's 4 MiB default arrive in one message.
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 import threading
 import time
@@ -17,9 +19,17 @@ import grpc
 
 from dataservice import auth, errors
 
+log = logging.getLogger(__name__)
+
 MAX_MESSAGE_BYTES = 2**31 - 1
 AUTH_ENV = auth.AUTH_ENV
 ERROR_TYPE_KEY = "ds-error-type"
+UNREACHABLE_ENV = "DATASERVICE_UNREACHABLE_TIMEOUT_MS"
+DEFAULT_UNREACHABLE_TIMEOUT_MS = 8_000  # with DNS and start-up, an error within 10 s
+
+# Addresses that answered an RPC of this process (see `was_reached`).
+_REACHED_MU = threading.Lock()
+_REACHED: set[str] = set()  # guarded by _REACHED_MU
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -188,37 +198,141 @@ class Backoff:
             time.sleep(delay)
 
 
+def mark_reached(address: str) -> None:
+    """Notes that `address` answered an RPC in this process (see `was_reached`)."""
+    with _REACHED_MU:
+        _REACHED.add(address)
+
+
+def was_reached(address: str) -> bool:
+    """Whether `address` ever answered an RPC of this process: a server that
+    answered once and now refuses is restarting (retried up to the caller's
+    full timeout); one that never answered is likely a wrong address (given
+    up after `unreachable_timeout_ms()`)."""
+    with _REACHED_MU:
+        return address in _REACHED
+
+
+def unreachable_timeout_ms(value: int | None = None) -> int:
+    """The bound on retrying an address that never answered: `value`, else
+    $DATASERVICE_UNREACHABLE_TIMEOUT_MS, else 8 s.
+
+    Raises:
+        ValueError: Not a positive int (the message names the variable).
+    """
+    if value is not None:
+        return value
+    raw = os.environ.get(UNREACHABLE_ENV)
+    if not raw:
+        return DEFAULT_UNREACHABLE_TIMEOUT_MS
+    try:
+        ms = int(raw)
+    except ValueError:
+        ms = 0
+    if ms <= 0:
+        raise ValueError(f"${UNREACHABLE_ENV} must be a positive int (milliseconds), got {raw!r}")
+    return ms
+
+
+def server_answered(err: grpc.RpcError) -> bool:
+    """Whether a failed RPC's status came from the server (it was reached):
+    any status but UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED, or one of
+    those raised by our own servicer (it tags its errors with their type)."""
+    code = err.code() if hasattr(err, "code") else None
+    if code not in RETRYABLE:
+        return True
+    metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    return any(key == ERROR_TYPE_KEY for key, _ in metadata or ())
+
+
+def unreachable_error(
+    what: str, address: str, waited_ms: int, details: str
+) -> errors.UnavailableError:
+    """The error for an address that never answered: names it and what was called."""
+    host, _, port = address.rpartition(":")
+    hint = "check the address and that the server is running"
+    if host in ("localhost", "127.0.0.1", "::1", "[::1]"):
+        hint = (
+            f"{host!r} is this machine: nothing here answers on port {port} (a server on "
+            "another host needs that host's name)"
+        )
+    return errors.UnavailableError(
+        f"{what}: cannot reach {address}: it never answered within {waited_ms} ms ({details}); "
+        f"{hint}"
+    )
+
+
 def call_with_retries(
-    fn: Callable[[], T],
+    fn: Callable[..., T],
     *,
     address: str,
     what: str,
     timeout_ms: int,
     stop: threading.Event | None = None,
+    attempt_timeout_s: float | None = None,
+    unreachable_ms: int | None = None,
 ) -> T:
     """Calls `fn` (one RPC), retrying UNAVAILABLE / DEADLINE_EXCEEDED with
-    backoff for up to `timeout_ms` milliseconds.
+    backoff for up to `timeout_ms` milliseconds, or `unreachable_timeout_ms()`
+    (8 s by default) if `address` never answered in this process (refused,
+    unresolvable, no route: most likely a wrong address). A wait past
+    `_waits.FIRST_WARNING_S` logs a WARNING naming `what` and `address`.
+
+    Args:
+        fn: Makes one attempt; called as `fn(timeout_s)` with the attempt's
+            gRPC deadline if `attempt_timeout_s` is given (at most that, less
+            near the end of the wait), else as `fn()`.
 
     Raises:
-        UnavailableError: Still unreachable after `timeout_ms`; names `address`.
+        UnavailableError: Still unreachable after the bound; names `address`.
         CancelledError: `stop` was set while retrying.
         DataServiceError: The RPC failed for another reason (matching subclass).
     """
-    deadline = time.monotonic() + timeout_ms / 1000
+    from dataservice import _waits
+
+    start = time.monotonic()
+    deadline = start + timeout_ms / 1000
+    fast_ms = min(timeout_ms, unreachable_timeout_ms(unreachable_ms))
+    fast_deadline = start + fast_ms / 1000
     backoff = Backoff()
+    last = [""]
+    slow = _waits.SlowWait(
+        log,
+        lambda: f"{what}: no answer from {address} ({last[0]}); retrying for up to {timeout_ms} ms",
+        start=start,
+    )
     while True:
+        reached = was_reached(address)
+        end = deadline if reached else fast_deadline
         try:
-            return fn()
+            if attempt_timeout_s is None:
+                result = fn()
+            else:
+                fn_timeout_s = min(attempt_timeout_s, max(0.05, end - time.monotonic()))
+                result = fn(fn_timeout_s)
         except grpc.RpcError as err:
+            if server_answered(err):
+                mark_reached(address)
             if err.code() not in RETRYABLE:  # type: ignore[attr-defined]
+                slow.done(f"{what}: {address} answered")
                 raise to_error(err, address, what) from None
-            if time.monotonic() >= deadline:
+            details = f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+            last[0] = details
+            now = time.monotonic()
+            if not was_reached(address) and now >= fast_deadline:
+                raise unreachable_error(what, address, fast_ms, details) from None
+            if now >= deadline:
                 raise errors.UnavailableError(
-                    f"{what}: could not reach {address} within {timeout_ms} ms ({err.details()})"  # type: ignore[attr-defined]
+                    f"{what}: could not reach {address} within {timeout_ms} ms ({details})"
                 ) from None
             if stop is not None and stop.is_set():
                 raise errors.CancelledError(f"{what} to {address} cancelled") from None
-            backoff.sleep(deadline, stop)
+            slow.check(now)
+            backoff.sleep(deadline if was_reached(address) else fast_deadline, stop)
+            continue
+        mark_reached(address)
+        slow.done(f"{what}: {address} answered")
+        return result
 
 
 def call_dispatcher(
@@ -230,14 +344,18 @@ def call_dispatcher(
     metadata: list[tuple[str, str]] | None,
     timeout_ms: int,
     stop: threading.Event | None = None,
+    unreachable_ms: int | None = None,
 ) -> Any:
     """`stub.<method>(request)` on the dispatcher, retried as `call_with_retries`
-    for up to `timeout_ms` (each attempt bounded at 10 s)."""
+    for up to `timeout_ms` (`unreachable_ms` for a dispatcher that never
+    answered; each attempt bounded at 10 s)."""
     fn = getattr(stub, method)
     return call_with_retries(
-        lambda: fn(request, timeout=10.0, metadata=metadata),
+        lambda timeout_s: fn(request, timeout=timeout_s, metadata=metadata),
         address=address,
         what=f"{method} to the dispatcher",
         timeout_ms=timeout_ms,
         stop=stop,
+        attempt_timeout_s=10.0,
+        unreachable_ms=unreachable_ms,
     )

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import _proc, auth, errors
+from dataservice import _proc, _waits, auth, errors
 from dataservice.config import WorkerConfig
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
@@ -424,7 +424,8 @@ class WorkerServer:
 
         Raises:
             UnavailableError: The dispatcher could not be reached to register
-                within `dispatcher_timeout_ms`; the worker has stopped.
+                within `dispatcher_timeout_ms` (`dispatcher_unreachable_timeout_ms`
+                if its address never answered); the worker has stopped.
         """
         self._stopped.wait()
         if self._registration_error is not None:
@@ -452,59 +453,111 @@ class WorkerServer:
         )
 
     def _heartbeat_loop(self) -> None:
+        """Heartbeats every `heartbeat_interval_ms` until `stop()`.
+
+        Registration (the first answered heartbeat) is retried for up to
+        `dispatcher_timeout_ms`, or `dispatcher_unreachable_timeout_ms` while
+        the dispatcher's address never answered (likely a wrong address); then
+        the worker stops and `join()` raises. Once registered it retries
+        unanswered heartbeats while serving its tasks. An unanswered stretch
+        longer than `_waits.FIRST_WARNING_S` logs a WARNING (then one every
+        `_waits.REPEAT_WARNING_S`).
+        """
         interval_s = self._config.heartbeat_interval_ms_or_default / 1000
+        timeout_ms = self._config.dispatcher_timeout_ms_or_default
+        unreachable_ms = min(
+            timeout_ms,
+            rpc_util.unreachable_timeout_ms(self._config.dispatcher_unreachable_timeout_ms),
+        )
+        address = self._dispatcher_address
         registered = False
         first_try = time.monotonic()
         last_refusal_log = -auth.REFUSAL_LOG_INTERVAL_S
         backoff = rpc_util.Backoff(0.05, interval_s)
+        unanswered: _waits.SlowWait | None = None
         while not self._stop_event.is_set():
             try:
-                self._heartbeat()
+                attempt_s = 10.0
+                if not registered and not rpc_util.was_reached(address):
+                    attempt_s = max(
+                        0.05, min(10.0, first_try + unreachable_ms / 1000 - time.monotonic())
+                    )
+                self._heartbeat(attempt_s)
+                rpc_util.mark_reached(address)
                 registered = True
+                if unanswered is not None:
+                    unanswered.done(
+                        f"worker {self._address}: the dispatcher at {address} answers again"
+                    )
+                    unanswered = None
                 backoff = rpc_util.Backoff(0.05, interval_s)
                 self._wake.wait(interval_s)
                 self._wake.clear()
             except grpc.RpcError as err:
-                timeout_ms = self._config.dispatcher_timeout_ms_or_default
+                if rpc_util.server_answered(err):
+                    rpc_util.mark_reached(address)
                 if err.code() not in rpc_util.RETRYABLE and not registered:  # type: ignore[attr-defined]
                     # Refused (e.g. not in the dispatcher's worker list): no point retrying.
                     self._registration_error = rpc_util.to_error(
-                        err, self._dispatcher_address, "worker registration"
+                        err, address, "worker registration"
                     )
                     log.error(
                         "worker %s: the dispatcher at %s refused it: %s",
                         self._address,
-                        self._dispatcher_address,
+                        address,
                         self._registration_error,
                     )
                     threading.Thread(target=self.stop, daemon=True).start()
                     return
-                if not registered and time.monotonic() - first_try > timeout_ms / 1000:
-                    self._registration_error = errors.UnavailableError(
-                        f"worker {self._address} could not register with the dispatcher at "
-                        f"{self._dispatcher_address} within {timeout_ms} ms: {err.details()}"  # type: ignore[attr-defined]
-                    )
-                    log.error("%s", self._registration_error)
-                    threading.Thread(target=self.stop, daemon=True).start()
-                    return
+                details = f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+                now = time.monotonic()
+                if not registered:
+                    reached = rpc_util.was_reached(address)
+                    if not reached and now - first_try > unreachable_ms / 1000:
+                        self._registration_error = rpc_util.unreachable_error(
+                            f"worker {self._address} registering with the dispatcher",
+                            address,
+                            unreachable_ms,
+                            details,
+                        )
+                    elif now - first_try > timeout_ms / 1000:
+                        self._registration_error = errors.UnavailableError(
+                            f"worker {self._address} could not register with the dispatcher at "
+                            f"{address} within {timeout_ms} ms: {details}"
+                        )
+                    if self._registration_error is not None:
+                        log.error("%s", self._registration_error)
+                        threading.Thread(target=self.stop, daemon=True).start()
+                        return
                 if registered and err.code() == grpc.StatusCode.UNAUTHENTICATED:  # type: ignore[attr-defined]
                     # E.g. the dispatcher restarted with another token.
-                    now = time.monotonic()
                     if now - last_refusal_log > auth.REFUSAL_LOG_INTERVAL_S:
                         last_refusal_log = now
                         log.warning(
                             "worker %s: %s",
                             self._address,
-                            auth.refused_message(self._dispatcher_address, "heartbeat"),
+                            auth.refused_message(address, "heartbeat"),
                         )
-                elif registered:
-                    log.debug("heartbeat to %s failed: %s", self._dispatcher_address, err)
-                backoff.sleep(time.monotonic() + interval_s, self._stop_event)
+                else:
+                    doing = "heartbeats (its tasks go on)" if registered else "registration"
+                    text = (
+                        f"worker {self._address}: no answer from the dispatcher at {address} "
+                        f"to its {doing} ({details}); retrying"
+                    )
+                    if unanswered is None:
+                        unanswered = _waits.SlowWait(
+                            log, text, start=now if registered else first_try
+                        )
+                    unanswered.describe = text  # the latest error
+                    unanswered.check(now)
+                    if registered:
+                        log.debug("heartbeat to %s failed: %s", address, err)
+                backoff.sleep(now + interval_s, self._stop_event)
             except Exception:
                 log.exception("worker heartbeat failed")
                 self._stop_event.wait(interval_s)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, timeout_s: float = 10.0) -> None:
         with self._mu:
             current = list(self._tasks)
         # Tasks are reported finished by their consumers once they have *consumed*
@@ -522,7 +575,7 @@ class WorkerServer:
         stub = self._stub
         if stub is None:
             return
-        response = stub.WorkerHeartbeat(request, timeout=10.0, metadata=self._metadata)
+        response = stub.WorkerHeartbeat(request, timeout=timeout_s, metadata=self._metadata)
         if self._incarnation and response.incarnation_id != self._incarnation:
             # The dispatcher restarted without its state: ids it hands out now
             # (datasets, tasks) may reuse old ones. Drop everything of the old

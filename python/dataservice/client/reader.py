@@ -61,6 +61,9 @@ class ReadOptions:
     trainer_id: str = ""  # set: read through the job's cross-trainer cache
     compression: str | None = "AUTO"  # "AUTO", None or "ZSTD" (distribute's argument)
     zero_copy: bool = True  # shared memory: large arrays may be views of the ring
+    # After the iteration lost its workers: how long next() waits for one to
+    # come back before raising WorkerCrashedError (ms); None: forever (tf.data).
+    worker_loss_timeout_ms: int | None = 60_000
 
 
 class _FairSemaphore:
@@ -122,11 +125,22 @@ class _TaskState:
 
 
 @dataclass
+class _LostWorker:
+    """A worker process this iteration lost (from the dispatcher's heartbeat)."""
+
+    report: Any  # pb.WorkerLossReport
+    seen_at: float  # time.monotonic() when this consumer heard of it
+
+
+@dataclass
 class _Stats:
     elements: int = 0
     bytes: int = 0
     wait_s: float = 0.0
     workers: dict[str, _WorkerStats] = field(default_factory=dict)
+    # (task_id, worker_uid) -> elements fetched from that worker process's task
+    received: dict[tuple[int, str], int] = field(default_factory=dict)
+    lost: dict[tuple[str, str, int, int], _LostWorker] = field(default_factory=dict)
 
 
 class _Reader:
@@ -175,6 +189,8 @@ class _Reader:
         self._chunk_nbytes = 0
         self._tasks: dict[int, _TaskState] = {}
         self._iteration_finished = False
+        self._no_live_task_since: float | None = None  # since when no task can produce
+        self._fallback_warned: set[str] = set()  # worker addresses (one warning each)
         self._error: BaseException | None = None
         self._heartbeat_thread: threading.Thread | None = None
         self.stats = _Stats()
@@ -296,6 +312,7 @@ class _Reader:
             return
         live = {t.task_id for t in response.tasks}
         to_start = []
+        self._note_lost_workers(response.lost_workers)
         with self._cv:
             for info in response.tasks:
                 known = self._tasks.get(info.task_id)
@@ -316,6 +333,10 @@ class _Reader:
                 if task_id not in live and not state.finished:
                     state.removed = True
             self._iteration_finished = response.iteration_finished
+            if live or response.iteration_finished:
+                self._no_live_task_since = None
+            elif self._no_live_task_since is None:
+                self._no_live_task_since = time.monotonic()
             self._cv.notify_all()
         for state in to_start:
             state.thread = threading.Thread(
@@ -325,6 +346,82 @@ class _Reader:
                 daemon=True,
             )
             state.thread.start()
+
+    def _note_lost_workers(self, reports: Any) -> None:
+        """Records the worker processes the dispatcher says the iteration lost
+        and logs one WARNING for each new one, naming it and what was lost."""
+        new = []
+        with self._cv:
+            for r in reports:
+                key = (r.worker_address, r.worker_uid, r.pid, r.task_id)
+                if key not in self.stats.lost:
+                    lost = _LostWorker(r, time.monotonic())
+                    self.stats.lost[key] = lost
+                    new.append(self._describe_loss_locked(lost))
+        for d in new:
+            who = f"worker {d['address']} (pid {d['pid'] or 'unknown'})"
+            what = f"; {d['elements_received']} elements came from it"
+            if d["splits_handed_out"]:
+                if d["elements_lost"] is not None:
+                    what = (
+                        f"; {d['splits_lost']} of the {d['splits_handed_out']} DYNAMIC splits "
+                        f"handed to it were not delivered ({d['elements_lost']} elements lost)"
+                    )
+                else:
+                    what = (
+                        f"; up to {d['splits_handed_out']} DYNAMIC splits handed to it are lost "
+                        f"({d['elements_received']} elements came from it)"
+                    )
+                what += ": DYNAMIC sharding reads each split at most once, as tf.data service's"
+            elif d["restarting"]:
+                what += "; its task starts over on the restarted process"
+            log.warning("iteration %d lost %s: %s%s", self.iteration_id, who, d["reason"], what)
+
+    def _describe_loss_locked(self, lost: _LostWorker) -> dict[str, Any]:
+        """`stats()["lost_workers"]`'s entry for one lost worker process."""
+        r = lost.report
+        received = self.stats.received.get((r.task_id, r.worker_uid), 0) if r.worker_uid else 0
+        splits_lost: int = r.splits_handed_out
+        elements_lost: int | None = None
+        # One element per split and this consumer the only reader of the job:
+        # what did not arrive here is lost. Otherwise an upper bound.
+        if r.one_element_per_split and not self.options.job_name and r.worker_uid:
+            splits_lost = max(0, r.splits_handed_out - received)
+            elements_lost = splits_lost
+        return {
+            "address": r.worker_address,
+            "pid": r.pid or None,
+            "reason": r.reason,
+            "task_id": r.task_id,
+            "restarting": r.restarting,
+            "splits_handed_out": r.splits_handed_out,
+            "splits_lost": splits_lost,
+            "elements_received": received,
+            "elements_lost": elements_lost,
+        }
+
+    def _check_worker_loss_locked(self, wait_start: float) -> None:
+        """Raises WorkerCrashedError once the iteration lost workers, none of
+        its tasks can produce, and next() waited `worker_loss_timeout_ms` since
+        (only time spent waiting here counts)."""
+        timeout_ms = self.options.worker_loss_timeout_ms
+        since = self._no_live_task_since
+        if timeout_ms is None or since is None or not self.stats.lost or self._iteration_finished:
+            return
+        if any(not s.finished and not s.removed for s in self._tasks.values()):
+            return
+        waited_s = time.monotonic() - max(since, wait_start)
+        if waited_s * 1000 < timeout_ms:
+            return
+        lines = []
+        for lost in self.stats.lost.values():
+            d = self._describe_loss_locked(lost)
+            lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
+        raise errors.WorkerCrashedError(
+            f"no worker is left to run iteration {self.iteration_id}: it lost its workers and "
+            f"none came back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
+            + "\n  ".join(lines)
+        )
 
     # ------------------------------------------------------------ fetching
     def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
@@ -351,7 +448,12 @@ class _Reader:
                         f"data transfer protocol {protocol!r} cannot reach worker "
                         f"{endpoint.worker_address}: {err}"
                     ) from err
-                log.warning(
+                # Once per worker: a dead worker is retried until the dispatcher
+                # drops it, and each retry would say the same.
+                with self._cv:
+                    first = endpoint.worker_address not in self._fallback_warned
+                    self._fallback_warned.add(endpoint.worker_address)
+                (log.warning if first else log.debug)(
                     "%s transfer to %s unavailable (%s); falling back",
                     protocol,
                     endpoint.worker_address,
@@ -454,6 +556,8 @@ class _Reader:
                         state.worker_uid = result.worker_uid
                     if result.elements:
                         count = len(result.elements)
+                        key = (endpoint.task_id, result.worker_uid)
+                        self.stats.received[key] = self.stats.received.get(key, 0) + count
                         per = result.nbytes // count
                         self._results.append((list(result.elements), per, state))
                         self._buffered_elements += count
@@ -694,6 +798,7 @@ class _Reader:
                     raise StopIteration
                 if self._tasks and all(s.finished or s.removed for s in self._tasks.values()):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
+                    self._check_worker_loss_locked(start)
                 self._cv.wait(0.1)
         return self.next()
 
@@ -737,6 +842,10 @@ class DataServiceIterator:
         DispatcherRestartedError: The dispatcher restarted without fault
             tolerance and lost this iteration.
         InvalidArgumentError / NotFoundError: Rejected by the dispatcher.
+        WorkerCrashedError: The iteration's workers were lost and none is left
+            to run it: at once when their supervisor (LocalCluster) gave up on
+            them, else after `worker_loss_timeout_ms` of waiting (`distribute`).
+            The message names each lost worker, its pid and how it was lost.
     """
 
     def __init__(self, options: ReadOptions, dataset_id: str, repetition: int) -> None:
@@ -789,7 +898,20 @@ class DataServiceIterator:
             {"elements": int, "bytes": int (encoded bytes received),
              "wait_ms": float (time `__next__` spent blocked),
              "workers": {worker_address: {"transfer_protocol": "grpc" | "shm",
-                                          "elements": int, "bytes": int}}}
+                                          "elements": int, "bytes": int}},
+             "lost_workers": [{"address": str, "pid": int | None, "reason": str,
+                               "task_id": int, "restarting": bool,
+                               "splits_handed_out": int, "splits_lost": int,
+                               "elements_received": int,
+                               "elements_lost": int | None}, ...]}
+
+            `lost_workers` lists each worker process the iteration lost,
+            oldest first (the client also logs one WARNING for each). Under
+            DYNAMIC sharding `splits_handed_out` is what the dispatcher handed
+            the dead process; when every split is one element and this is the
+            job's only consumer, `splits_lost` = `elements_lost` = those not
+            received here, else `splits_lost` is the upper bound
+            `splits_handed_out` and `elements_lost` None.
         """
         s = self._reader.stats
         with self._reader._cv:
@@ -805,4 +927,7 @@ class DataServiceIterator:
                     }
                     for addr, w in s.workers.items()
                 },
+                "lost_workers": [
+                    self._reader._describe_loss_locked(lost) for lost in s.lost.values()
+                ],
             }

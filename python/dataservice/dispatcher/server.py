@@ -961,13 +961,9 @@ class DispatchServer:
             response = pb.GetSplitsResponse()
             task_id = st.TaskId(request.task_id)
             task = iteration.tasks.get(task_id)
-            if (
-                iteration.finished
-                or iteration.splits_ended_by_provider.get(index, False)
-                or (task is not None and task.removed)
-            ):
-                # (A task whose worker was declared lost gets no more splits: they
-                # would be lost with it if it is gone, and go to live tasks if not.)
+            # (A task whose worker was declared lost still gets splits: only a
+            # live process asks, and it is revived when it heartbeats again.)
+            if iteration.finished or iteration.splits_ended_by_provider.get(index, False):
                 response.end_of_splits = True
                 return response
             providers = self._split_providers.get(iteration_id)

@@ -33,6 +33,9 @@ from dataservice.transfer import grpc as _grpc_transfer  # noqa: F401  (register
 log = logging.getLogger(__name__)
 
 _FETCH_WAIT_S = 1.0
+# A forced protocol that cannot reach a worker fails the read, but only after
+# this long: a worker that just died is reported first (WorkerCrashedError).
+_FORCED_CONNECT_GRACE_S = 3.0
 _START_WAIT_S = 0.5  # longest wait for the iteration's tasks to connect before the first element
 _MAX_ELEMENTS_PER_FETCH = 1024
 _MAX_BYTES_PER_FETCH = 16 << 20
@@ -191,6 +194,9 @@ class _Reader:
         self._iteration_finished = False
         self._no_live_task_since: float | None = None  # since when no task can produce
         self._fallback_warned: set[str] = set()  # worker addresses (one warning each)
+        # Workers a fetch could not reach since the last heartbeat (the
+        # dispatcher probes them at once: a dead worker is dropped in < 1 s).
+        self._unreachable: set[str] = set()
         self._error: BaseException | None = None
         self._heartbeat_thread: threading.Thread | None = None
         self.stats = _Stats()
@@ -274,10 +280,12 @@ class _Reader:
         while not self._stop.is_set():
             with self._cv:
                 finished = [t for t, s in self._tasks.items() if s.finished]
+                unreachable, self._unreachable = sorted(self._unreachable), set()
             request = pb.ClientHeartbeatRequest(
                 iteration_client_id=self.client_id,
                 incarnation_id=self.incarnation,
                 finished_tasks=finished,
+                unreachable_workers=unreachable,
             )
             try:
                 response = self._stub.ClientHeartbeat(
@@ -468,14 +476,18 @@ class _Reader:
 
     def _fetch_loop(self, state: _TaskState) -> None:
         endpoint = state.endpoint
+        forced_error: errors.UnavailableError | None = None
+        forced_at = 0.0
         try:
             client: transfer.TransferClient | None = self._connect(endpoint)
         except errors.DataServiceError as err:
-            if isinstance(err, errors.UnavailableError) and self.options.data_transfer_protocol in (
-                None,
-                "auto",
-            ):
+            if isinstance(err, errors.UnavailableError):
                 client = None  # the worker may be restarting: retried below
+                if self.options.data_transfer_protocol not in (None, "auto"):
+                    # Retried for a grace period: if the worker died, the
+                    # dispatcher's word on it (WorkerCrashedError, or the task
+                    # removed) comes first; else the forced protocol cannot work.
+                    forced_error, forced_at = err, time.monotonic()
             else:
                 self._fail(err)
                 return
@@ -521,6 +533,7 @@ class _Reader:
                     if client is None:  # reconnect (a restarted worker needs a new handshake)
                         client = self._connect(endpoint)
                         self._connected(state, client)
+                        forced_error = None
                     if self.options.trainer_id:
                         result = client.get_elements(
                             want,
@@ -537,8 +550,20 @@ class _Reader:
                     errors.CancelledError,
                     ConnectionError,  # a shared-memory socket reset by a restarting worker
                 ) as err:
-                    # The worker may be restarting, or lost: the heartbeat decides.
+                    # The worker may be restarting, or lost: the dispatcher decides
+                    # (told now, it checks whether the worker's port is still open).
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
+                    if forced_error is not None and (
+                        time.monotonic() - forced_at > _FORCED_CONNECT_GRACE_S
+                    ):
+                        if self._outstanding is not None:
+                            self._outstanding.release()
+                        self._fail(forced_error)
+                        return
+                    if isinstance(err, errors.UnavailableError | ConnectionError):
+                        with self._cv:
+                            self._unreachable.add(endpoint.worker_address)
+                        self._wake_heartbeat.set()
                     if client is not None:
                         client.close()
                         client = None

@@ -59,6 +59,11 @@ class _Worker:
     last_probe: float = 0.0  # time.monotonic() of the last liveness probe
 
 
+# A consumer's report that it cannot reach a worker is checked after this long,
+# which is what a supervisor needs to say that the worker is restarting.
+_SUPERVISOR_GRACE_S = 1.0
+
+
 def _probe_after_s(worker: _Worker) -> float:
     """How long a worker may be silent before the dispatcher checks that its
     port still accepts connections: two missed heartbeats, at least 1 s."""
@@ -910,6 +915,7 @@ class DispatchServer:
             error = self._iteration_errors.get(iteration_id)
             if error is not None:
                 raise errors.WorkerCrashedError(error)
+            self._probe_unreachable_locked(request.unreachable_workers, now)
             for task_id in request.finished_tasks:
                 task = iteration.tasks.get(st.TaskId(task_id))
                 if task is not None and not task.finished and not task.removed:
@@ -1250,6 +1256,27 @@ class DispatchServer:
                 target=self._probe, args=(worker,), name="ds-dispatcher-probe", daemon=True
             ).start()
 
+    def _probe_unreachable_locked(self, addresses: Any, now: float) -> None:
+        """A consumer could not reach these workers: probe each now (at most
+        every 0.5 s), rather than after it missed heartbeats."""
+        for address in addresses:
+            worker = self._workers.get(address)
+            if (
+                worker is None
+                or worker.restarting
+                or address in self._probing
+                or now - worker.last_probe < 0.5
+            ):
+                continue
+            worker.last_probe = now
+            self._probing.add(address)
+            threading.Thread(
+                target=self._probe,
+                args=(worker, _SUPERVISOR_GRACE_S),
+                name="ds-dispatcher-probe",
+                daemon=True,
+            ).start()
+
     def _declare_lost_locked(self, worker: _Worker, reason: str) -> None:
         """Drops a registered worker and its tasks; it may come back (as the
         same process if it was only slow, or restarted on its address)."""
@@ -1259,15 +1286,22 @@ class DispatchServer:
         self._lost_uids[worker.address] = worker.uid
         self._remove_tasks_of_locked(worker.address)
 
-    def _probe(self, worker: _Worker) -> None:
-        """Connects to a worker that missed heartbeats (a thread of its own).
+    def _probe(self, worker: _Worker, delay_s: float = 0.0) -> None:
+        """Connects to a worker that missed heartbeats or that a consumer could
+        not reach (a thread of its own).
 
         A worker process that died (exit, SIGKILL, OOM kill) leaves no socket
         on its port, so the connection is refused at once: it is declared lost
         now, not after worker_timeout_ms. A worker that is only slow, stopped
         (SIGSTOP) or behind a network that drops packets still accepts or does
-        not answer: the heartbeat timeout decides for it.
+        not answer: the heartbeat timeout decides for it. `delay_s` first
+        leaves a supervisor that restarts the worker (LocalCluster) time to
+        say so (ReportWorkerFailure with `restarting`), so its tasks are kept.
         """
+        if delay_s and self._stop_event.wait(delay_s):
+            with self._mu:
+                self._probing.discard(worker.address)
+            return
         host, _, port = worker.address.rpartition(":")
         refused = False
         try:

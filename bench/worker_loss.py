@@ -10,7 +10,9 @@ SIGKILL does a consumer learn of it?
             range(4000) with a 2 ms map; one worker is SIGKILLed after the
             consumer read 400 elements: seconds from the SIGKILL to the end of
             the epoch (the dispatcher probes the silent worker's port), and
-            the elements the consumer reports lost.
+            the elements the consumer reports lost. Also "seen": seconds from
+            the SIGKILL to the consumer's stats() listing the lost worker
+            (the rest of "epoch" is the survivor finishing the epoch).
 
 Usage: python bench/worker_loss.py [--runs N] [--only error|epoch]
 Prints min / median / max of N runs of each.
@@ -111,7 +113,7 @@ def _start_worker(dispatcher_address: str) -> tuple[subprocess.Popen[str], str]:
     raise RuntimeError(f"worker exited with code {proc.wait()} before it was ready")
 
 
-def run_epoch() -> tuple[float, int]:
+def run_epoch() -> tuple[float, float, int]:
     dispatcher = ds.DispatchServer()
     address = dispatcher.target.removeprefix("grpc://").replace("localhost", "127.0.0.1")
     procs = []
@@ -128,12 +130,14 @@ def run_epoch() -> tuple[float, int]:
         killed_at = time.monotonic()
         procs[0][0].kill()
         procs[0][0].wait()
+        _wait(lambda: reader.it.stats()["lost_workers"], 600, "the loss in stats()")
+        seen_at = time.monotonic()
         reader.join(600)
         if reader.error is not None:
             raise RuntimeError(f"the epoch failed: {reader.error!r}")
         lost = reader.it.stats()["lost_workers"]
         elements_lost = sum(e["elements_lost"] or 0 for e in lost)
-        return reader.ended_at - killed_at, elements_lost
+        return reader.ended_at - killed_at, seen_at - killed_at, elements_lost
     finally:
         for proc, _ in procs:
             if proc.poll() is None:
@@ -159,8 +163,9 @@ def main() -> None:
         print(_summary("error", times), flush=True)
     if args.only in (None, "epoch"):
         results = [run_epoch() for _ in range(args.runs)]
-        print(_summary("epoch", [t for t, _ in results]), flush=True)
-        print(f"       elements lost per run: {[lost for _, lost in results]}")
+        print(_summary("seen", [s for _, s, _ in results]), flush=True)
+        print(_summary("epoch", [t for t, _, _ in results]), flush=True)
+        print(f"       elements lost per run: {[lost for _, _, lost in results]}")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,69 @@ def test_os_exit_in_map_without_restarts_raises_naming_pid_and_exit_code(
         assert cluster.failed_workers and cluster.num_restarts == 0
 
 
+def _segfault_at(index: int):
+    def fn(x):
+        if int(x) == index:
+            import ctypes
+
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        return x
+
+    return fn
+
+
+def test_a_segfault_in_map_without_restarts_raises_naming_the_signal() -> None:
+    with ds.LocalCluster(
+        1, restart_workers=False, worker_options={"heartbeat_interval_ms": HEARTBEAT_MS}
+    ) as cluster:
+        pid = cluster.worker_pids[0]
+        data = (
+            ds.Dataset.range(1000)
+            .map(_segfault_at(100))
+            .apply(ds.distribute("off", cluster.target))
+        )
+        reader = _Reader(iter(data))
+        reader.join(30)
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert f"pid {pid}" in message and "killed by signal 11 (SIGSEGV)" in message, message
+
+
+def test_one_of_two_workers_exiting_without_restarts_leaves_the_other_serving(
+    tmp_path, caplog
+) -> None:
+    """OFF over 2 workers, restarts off: one worker's exit is no failure while
+    the other serves; the read ends with the survivor's full copy, and the
+    lost one is listed in stats() and warned about once."""
+    with ds.LocalCluster(
+        2, restart_workers=False, worker_options={"heartbeat_interval_ms": HEARTBEAT_MS}
+    ) as cluster:
+        n = 2000
+
+        def tag(x):
+            return x, os.getpid()
+
+        data = (
+            ds.Dataset.range(n)
+            .map(_exit_at(str(tmp_path), 300, 5))
+            .map(tag)
+            .apply(ds.distribute("off", cluster.target))
+        )
+        with caplog.at_level(logging.WARNING, logger="dataservice.client.reader"):
+            it = iter(data)
+            by_pid: dict[int, list[int]] = {}
+            for x, pid in it:
+                by_pid.setdefault(int(pid), []).append(int(x))
+        survivors = [p for p in cluster.worker_pids if p in by_pid and len(by_pid[p]) == n]
+        assert len(survivors) == 1, {p: len(v) for p, v in by_pid.items()}
+        assert by_pid[survivors[0]] == list(range(n))
+        lost = it.stats()["lost_workers"]
+        assert len(lost) == 1 and "exited with code 5" in lost[0]["reason"], lost
+        assert lost[0]["pid"] != survivors[0] and not lost[0]["restarting"]
+        warnings = [r for r in caplog.records if "lost worker" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_sigkill_of_the_only_worker_while_next_waits_raises_naming_the_signal(
     protocol: str,

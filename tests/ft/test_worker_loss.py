@@ -362,18 +362,26 @@ def test_sigkill_of_the_only_cli_worker_raises_after_the_worker_loss_timeout(
         dispatcher.stop()
 
 
-@pytest.mark.slow
-def test_sigstopped_worker_raises_after_worker_timeout_plus_loss_timeout(
-    servers: Servers,
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_sigstopped_worker_raises_after_the_worker_loss_timeout(
+    servers: Servers, protocol: str
 ) -> None:
-    dispatcher = _inprocess_dispatcher(worker_timeout_ms=3000)
+    """The dispatcher's worker timeout is the default 300 s: the consumer
+    waiting on a stopped worker (no heartbeat) raises after
+    worker_loss_timeout_ms all the same, naming it and its pid; the worker
+    goes on after SIGCONT."""
+    dispatcher = _inprocess_dispatcher()
     try:
         target = dispatcher.target.replace("localhost", "127.0.0.1")
         (worker,) = servers.workers(target.removeprefix("grpc://"), 1, heartbeat_interval_ms=200)
         data = (
             ds.Dataset.range(100_000)
             .map(_slow(0.001))
-            .apply(ds.distribute("off", target, worker_loss_timeout_ms=2000))
+            .apply(
+                ds.distribute(
+                    "off", target, data_transfer_protocol=protocol, worker_loss_timeout_ms=2000
+                )
+            )
         )
         reader = _Reader(iter(data))
         wait_until(lambda: reader.count >= 50, 30, "50 elements")
@@ -381,9 +389,41 @@ def test_sigstopped_worker_raises_after_worker_timeout_plus_loss_timeout(
         worker.send(signal.SIGSTOP)
         reader.join(40)
         assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
-        assert "no heartbeat" in str(reader.error) and f"pid {worker.pid}" in str(reader.error)
+        message = str(reader.error)
+        assert "no heartbeat" in message and f"pid {worker.pid}" in message, message
+        assert worker.address in message and "SIGSTOP" in message
+        took = reader.ended_at - stopped_at
+        assert 2 < took < 12, f"raised {took:.1f} s after SIGSTOP"
+        assert dispatcher.num_workers() == 1  # not dropped: it may still come back
+    finally:
+        worker.send(signal.SIGCONT)
+        dispatcher.stop()
+
+
+@pytest.mark.slow
+def test_a_sigstopped_worker_past_the_worker_timeout_raises(servers: Servers) -> None:
+    """Stopped past the dispatcher's worker timeout: the worker is dropped,
+    and the consumer raises naming it once worker_loss_timeout_ms passed."""
+    dispatcher = _inprocess_dispatcher(worker_timeout_ms=3000)
+    try:
+        target = dispatcher.target.replace("localhost", "127.0.0.1")
+        (worker,) = servers.workers(target.removeprefix("grpc://"), 1, heartbeat_interval_ms=200)
+        data = (
+            ds.Dataset.range(100_000)
+            .map(_slow(0.001))
+            .apply(ds.distribute("off", target, worker_loss_timeout_ms=5000))
+        )
+        reader = _Reader(iter(data))
+        wait_until(lambda: reader.count >= 50, 30, "50 elements")
+        stopped_at = time.monotonic()
+        worker.send(signal.SIGSTOP)
+        reader.join(40)
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert "no heartbeat" in message and f"pid {worker.pid}" in message, message
         took = reader.ended_at - stopped_at
         assert 4 < took < 20, f"raised {took:.1f} s after SIGSTOP"
+        assert dispatcher.num_workers() == 0
     finally:
         worker.send(signal.SIGCONT)
         dispatcher.stop()

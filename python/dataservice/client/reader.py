@@ -125,6 +125,10 @@ class _TaskState:
     max_unconsumed_bytes: int = _RESULT_BUFFER_BYTES  # the transfer client's bound
     tried: bool = False  # its first connection attempt is over (made or failed)
     worker_uid: str = ""  # the worker process the last fetched elements came from
+    worker_pid: int = 0  # as the dispatcher knows it (0: unknown)
+    # time.monotonic() since which the dispatcher has not heard from the
+    # task's worker (None: it heartbeats on time)
+    silent_since: float | None = None
 
 
 @dataclass
@@ -321,9 +325,16 @@ class _Reader:
         live = {t.task_id for t in response.tasks}
         to_start = []
         self._note_lost_workers(response.lost_workers)
+        now = time.monotonic()
         with self._cv:
             for info in response.tasks:
                 known = self._tasks.get(info.task_id)
+                if known is not None:
+                    known.worker_pid = info.worker_pid
+                    if not info.worker_silent_ms:
+                        known.silent_since = None
+                    elif known.silent_since is None:
+                        known.silent_since = now - info.worker_silent_ms / 1000
                 if known is not None and known.removed and not known.finished:
                     # Its worker was declared lost, then came back with the task.
                     known.removed = False
@@ -334,7 +345,9 @@ class _Reader:
                     endpoint = transfer.TaskEndpoint(
                         info.task_id, info.worker_address, info.transfer_address, info.host_id
                     )
-                    state = _TaskState(endpoint)
+                    state = _TaskState(endpoint, worker_pid=info.worker_pid)
+                    if info.worker_silent_ms:
+                        state.silent_since = now - info.worker_silent_ms / 1000
                     self._tasks[info.task_id] = state
                     to_start.append(state)
             for task_id, state in self._tasks.items():
@@ -409,25 +422,44 @@ class _Reader:
         }
 
     def _check_worker_loss_locked(self, wait_start: float) -> None:
-        """Raises WorkerCrashedError once the iteration lost workers, none of
-        its tasks can produce, and next() waited `worker_loss_timeout_ms` since
-        (only time spent waiting here counts)."""
+        """Raises WorkerCrashedError when no task can produce and next() has
+        waited `worker_loss_timeout_ms` for that to change (only time spent
+        waiting here counts, so a slow consumer never trips it): either the
+        iteration lost its workers and none came back, or every worker it
+        still has went silent (no heartbeat to the dispatcher: stopped, e.g.
+        SIGSTOP, or hung) and stayed so. A worker that is alive but slow
+        keeps heartbeating and never trips it."""
         timeout_ms = self.options.worker_loss_timeout_ms
-        since = self._no_live_task_since
-        if timeout_ms is None or since is None or not self.stats.lost or self._iteration_finished:
+        if timeout_ms is None or self._iteration_finished:
             return
-        if any(not s.finished and not s.removed for s in self._tasks.values()):
-            return
-        waited_s = time.monotonic() - max(since, wait_start)
+        live = [s for s in self._tasks.values() if not s.finished and not s.removed]
+        if live:
+            if any(s.silent_since is None for s in live):
+                return
+            since = max(s.silent_since for s in live if s.silent_since is not None)
+        else:
+            if self._no_live_task_since is None or not self.stats.lost:
+                return
+            since = self._no_live_task_since
+        now = time.monotonic()
+        waited_s = now - max(since, wait_start)
         if waited_s * 1000 < timeout_ms:
             return
         lines = []
         for lost in self.stats.lost.values():
             d = self._describe_loss_locked(lost)
             lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
+        for s in live:
+            assert s.silent_since is not None
+            lines.append(
+                f"worker {s.endpoint.worker_address} (pid {s.worker_pid or 'unknown'}): sent "
+                f"the dispatcher no heartbeat for {now - s.silent_since:.1f} s (stopped, e.g. "
+                "SIGSTOP, or hung)"
+            )
+        what = "its workers stopped answering" if live else "it lost its workers"
         raise errors.WorkerCrashedError(
-            f"no worker is left to run iteration {self.iteration_id}: it lost its workers and "
-            f"none came back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
+            f"no worker is left to run iteration {self.iteration_id}: {what} and none came "
+            f"back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
             + "\n  ".join(lines)
         )
 
@@ -823,7 +855,7 @@ class _Reader:
                     raise StopIteration
                 if self._tasks and all(s.finished or s.removed for s in self._tasks.values()):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
-                    self._check_worker_loss_locked(start)
+                self._check_worker_loss_locked(start)
                 self._cv.wait(0.1)
         return self.next()
 

@@ -435,11 +435,18 @@ class DispatchServer:
         """Appends where `task` runs to a repeated TaskInfo field (the worker's
         transfer address and host id once it has registered since a restart)."""
         worker = self._workers.get(task.worker_address)
+        silent_ms = 0
+        if worker is not None and not worker.restarting:
+            silent_s = time.monotonic() - worker.last_heartbeat
+            if silent_s > _probe_after_s(worker):
+                silent_ms = int(silent_s * 1000)
         infos.add(
             task_id=task.task_id,
             worker_address=task.worker_address,
             transfer_address=worker.transfer_address if worker else task.worker_address,
             host_id=worker.host_id if worker else "",
+            worker_silent_ms=silent_ms,
+            worker_pid=worker.pid if worker else 0,
         )
 
     def _dataset_object(self, dataset_id: str) -> Any:

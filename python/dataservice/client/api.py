@@ -438,13 +438,15 @@ def distribute(
             `element['meta'][2] is a mymodule.Box`). (Not in tf.data service,
             whose elements are tensors.)
         worker_loss_timeout_ms: How long a consumer waiting for an element
-            waits, after the iteration lost its workers (exited, killed, or
-            timed out at the dispatcher) and none is left to run it, for a
-            worker to come back before `next()` raises
-            `errors.WorkerCrashedError` naming each lost worker (ms; default
-            60,000). None waits forever, as tf.data service does. Only time
-            spent in `next()` counts: a slow consumer never trips it, nor does
-            a slow pipeline whose worker is alive. (Not in tf.data service.)
+            waits for a worker to come back, once the iteration lost its
+            workers (exited, killed, or timed out at the dispatcher) and none
+            is left to run it, or every worker left stopped heartbeating to
+            the dispatcher (SIGSTOP, hung), before `next()` raises
+            `errors.WorkerCrashedError` naming each worker, its pid and how it
+            was lost (ms; default 60,000). None waits forever, as tf.data
+            service does. Only time spent in `next()` counts: a slow consumer
+            never trips it, nor does a slow pipeline whose worker is alive
+            (it keeps heartbeating). (Not in tf.data service.)
 
     Returns:
         A function `Dataset -> Dataset` for `dataset.apply(...)`.

@@ -18,9 +18,15 @@ Lifecycle (CASES C-01, C-23, C-24):
 * Servers run in their own session, so Ctrl-C in a terminal reaches only this
   process, which then tears the cluster down.
 
-Worker restarts (`restart_workers=True`, CASES K4: repeated crashes give
-progress or a bounded failure): a worker process that exits is restarted on
-its port. One that exits without having handed out an element (a pipeline that
+Worker exits (CASES K4: a consumer gets progress or a bounded failure): a
+monitor thread polls every worker process (every 0.1 s) and tells the
+dispatcher of each exit at once (`ReportWorkerFailure`, with the pid and how
+it exited), so the consumers learn of it then, not after the dispatcher's
+worker timeout. By default (`restart_workers=True`) a worker process that
+exits is restarted on its port; the DYNAMIC splits its dead process held are
+counted lost and each consumer warns once (`stats()["lost_workers"]`). With
+`restart_workers=False` the cluster gives up on it at its first exit, as
+below. One that exits without having handed out an element (a pipeline that
 calls `os._exit`, segfaults, is OOM-killed before its consumer reached it)
 counts against `max_worker_restarts`; it is restarted after a backoff and
 starts its tasks' pipelines only when a consumer asks, so the consumer gets
@@ -61,6 +67,11 @@ RESTART_BACKOFF_S = 0.1  # before the first restart after an exit without progre
 MAX_RESTART_BACKOFF_S = 2.0  # the backoff doubles up to this
 HEALTHY_UPTIME_S = 30.0  # a worker up this long made progress, even if idle
 _MONITOR_PERIOD_S = 0.1
+_RSS_PERIOD_S = 0.5  # how often the monitor samples each worker's RSS
+try:
+    _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):
+    _PAGE_BYTES = 4096
 
 
 @dataclasses.dataclass
@@ -84,21 +95,47 @@ class _Slot:
     start_deadline: float = 0.0  # starting: when to give up waiting for the ready line
     exits: list[str] = dataclasses.field(default_factory=list)  # in a row, without progress
     pids: list[int] = dataclasses.field(default_factory=list)  # of those exits
+    last_rss_bytes: int = 0  # of the current process, sampled every _RSS_PERIOD_S
 
 
-def _describe_exit(code: int | None) -> str:
+def _describe_exit(code: int | None, last_rss_bytes: int = 0) -> str:
+    """How a process ended, from its `Popen.returncode`: "exited with code 1",
+    "was killed by signal 9 (SIGKILL), maybe by the kernel's OOM killer (last
+    RSS 1.2 GiB)"."""
     if code is None:
         return "did not report ready"
     if code < 0:
         try:
-            return f"was killed by {signal.Signals(-code).name}"
+            how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
         except ValueError:
-            return f"was killed by signal {-code}"
+            how = f"was killed by signal {-code}"
+        if -code == signal.SIGKILL:
+            how += ", maybe by the kernel's OOM killer"
+            if last_rss_bytes:
+                how += f" (last RSS {_format_bytes(last_rss_bytes)})"
+        return how
     return f"exited with code {code}"
 
 
 _NEVER_ON_COMMAND_LINE = ("auth_token", "auth_token_file")
 """Every local user can read a command line (`ps`): the token goes by environment."""
+
+
+def _format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def _rss_bytes(pid: int) -> int:
+    """The resident set size of `pid` in bytes (0 if unknown: not Linux, or gone)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _config_flags(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
@@ -171,13 +208,18 @@ class LocalCluster:
         worker_options: `WorkerConfig` fields applied to every worker, e.g.
             `{"heartbeat_interval_ms": 100, "data_transfer_protocol": "grpc"}`.
             `dispatcher_address` is set by the cluster.
-        restart_workers: Start a monitor thread that restarts a worker process
-            that died, on the same port so its address stays the same. A
-            worker that exited without handing out an element (and was up
-            less than 30 s) is restarted after a backoff (0.1 s, doubling, at
-            most 2 s) with its tasks' pipelines started only when a consumer
-            asks for them; one that handed out an element is restarted at
-            once and resets the count below.
+        restart_workers: Restart a worker process that exited (the default),
+            on the same port so its address stays the same. A worker that
+            exited without handing out an element (and was up less than 30 s)
+            is restarted after a backoff (0.1 s, doubling, at most 2 s) with
+            its tasks' pipelines started only when a consumer asks for them;
+            one that handed out an element is restarted at once and resets
+            the count below. False: the cluster gives up on a worker at its
+            first exit (as `max_worker_restarts` below, which it ignores):
+            an iteration no other worker serves fails at once with
+            `errors.WorkerCrashedError` naming the worker, its pid and its
+            exit code or signal. Either way a monitor thread sees each exit
+            within 0.1 s and tells the dispatcher at once.
         max_worker_restarts: With `restart_workers`, how many times in a row a
             worker that exits without handing out an element is restarted
             (>= 0; None: forever). At the next such exit the cluster gives up
@@ -212,7 +254,7 @@ class LocalCluster:
         *,
         dispatcher_config: DispatcherConfig | None = None,
         worker_options: Mapping[str, Any] | None = None,
-        restart_workers: bool = False,
+        restart_workers: bool = True,
         max_worker_restarts: int | None = DEFAULT_MAX_WORKER_RESTARTS,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
@@ -415,7 +457,7 @@ class LocalCluster:
         logger.info(
             "LocalCluster: dispatcher %s, workers %s", dispatcher.address, self.worker_addresses
         )
-        if self._restart_workers:
+        if self._num_workers:
             self._monitor = threading.Thread(
                 target=self._monitor_workers, name="dataservice-cluster-monitor", daemon=True
             )
@@ -424,14 +466,19 @@ class LocalCluster:
     # -------------------------------------------------------------- monitor
 
     def _monitor_workers(self) -> None:
-        """Restarts dead workers on their old port until the cluster stops, or
-        gives up on one (see `max_worker_restarts`). Never blocks on one worker:
-        each index is a small state machine polled every 0.1 s."""
+        """Sees each worker exit and tells the dispatcher; restarts dead
+        workers on their old port until the cluster stops, or gives up on one
+        (see `restart_workers`, `max_worker_restarts`). Never blocks on one
+        worker: each index is a small state machine polled every 0.1 s."""
         with self._lock:
             num = len(self._workers)
         now = time.monotonic()
         slots = [_Slot(ready_at=now) for _ in range(num)]
+        next_rss = now
         while not self._stopping.wait(_MONITOR_PERIOD_S):
+            sample_rss = time.monotonic() >= next_rss
+            if sample_rss:
+                next_rss = time.monotonic() + _RSS_PERIOD_S
             for i, slot in enumerate(slots):
                 if self._stopping.is_set():
                     return
@@ -441,6 +488,8 @@ class LocalCluster:
                     code = w.popen.poll()
                     if code is not None:
                         self._on_worker_exit(slot, w, code, was_ready=True)
+                    elif sample_rss:
+                        slot.last_rss_bytes = _rss_bytes(w.popen.pid) or slot.last_rss_bytes
                 elif slot.state == "starting":
                     self._check_started(slot, w)
                 elif slot.state == "waiting" and time.monotonic() >= slot.retry_at:
@@ -458,7 +507,24 @@ class LocalCluster:
         progressed = w.stdout.progress_seen() or (
             was_ready and now - slot.ready_at >= HEALTHY_UPTIME_S
         )
-        how = _describe_exit(code) if was_ready else f"{_describe_exit(code)} before it was ready"
+        how = _describe_exit(code, slot.last_rss_bytes)
+        if not was_ready:
+            how += " before it was ready"
+        slot.last_rss_bytes = 0
+        if not self._restart_workers:
+            slot.exits, slot.pids = [how], [w.popen.pid]
+            self._give_up(slot, w)
+            return
+        if was_ready:
+            # The dispatcher counts what the dead process held as lost now, and
+            # keeps its tasks for the restarted one (in a thread: the report may
+            # retry for seconds while other workers need watching).
+            self._report_failure_async(
+                w.address,
+                f"{w.name} at {w.address} (pid {w.popen.pid}) {how}; LocalCluster restarts it",
+                w.popen.pid,
+                restarting=True,
+            )
         if progressed:
             slot.exits, slot.pids = [], []
         else:
@@ -551,11 +617,17 @@ class LocalCluster:
         else:
             how = f"exited {times} ({', '.join(slot.exits)})"
         pids = ", ".join(str(p) for p in slot.pids if p)
-        reason = (
-            f"{w.name} at {w.address} {how} without handing out an element (pids {pids}); "
-            f"LocalCluster gave up restarting it (max_worker_restarts="
-            f"{self._max_worker_restarts})"
-        )
+        if not self._restart_workers:
+            reason = (
+                f"{w.name} at {w.address} (pid {pids}) {slot.exits[0]}; LocalCluster does "
+                "not restart workers (restart_workers=False)"
+            )
+        else:
+            reason = (
+                f"{w.name} at {w.address} {how} without handing out an element (pids {pids}); "
+                f"LocalCluster gave up restarting it (max_worker_restarts="
+                f"{self._max_worker_restarts})"
+            )
         tail = w.stderr.tail(5)
         if tail:
             reason += f"; last lines of its stderr:\n{tail}"
@@ -563,9 +635,19 @@ class LocalCluster:
         with self._lock:
             self._failed[w.address] = reason
         logger.error("LocalCluster: %s", reason)
-        self._report_failure(w.address, reason)
+        self._report_failure(w.address, reason, slot.pids[-1] if slot.pids else 0)
 
-    def _report_failure(self, address: str, reason: str) -> None:
+    def _report_failure_async(self, address: str, reason: str, pid: int, restarting: bool) -> None:
+        threading.Thread(
+            target=self._report_failure,
+            args=(address, reason, pid, restarting),
+            name="dataservice-cluster-report",
+            daemon=True,
+        ).start()
+
+    def _report_failure(
+        self, address: str, reason: str, pid: int = 0, restarting: bool = False
+    ) -> None:
         """ReportWorkerFailure to the dispatcher (retried for up to 5 s)."""
         from dataservice.rpc import service_pb2 as pb
         from dataservice.rpc import service_pb2_grpc
@@ -576,7 +658,9 @@ class LocalCluster:
         channel = rpc_util.make_channel(target)
         try:
             stub = service_pb2_grpc.DispatcherServiceStub(channel)
-            request = pb.ReportWorkerFailureRequest(worker_address=address, reason=reason)
+            request = pb.ReportWorkerFailureRequest(
+                worker_address=address, reason=reason, pid=pid, restarting=restarting
+            )
             rpc_util.call_with_retries(
                 lambda: stub.ReportWorkerFailure(request, timeout=2.0, metadata=metadata),
                 address=target,

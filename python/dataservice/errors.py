@@ -98,12 +98,15 @@ class UnimplementedError(DataServiceError):
 
 class WorkerCrashedError(DataServiceError):
     """No worker is left to produce an iteration's elements: the worker
-    processes that ran it kept exiting (a pipeline that calls `os._exit`,
-    segfaults or is killed for memory) and whoever restarts them gave up, as
-    `LocalCluster(restart_workers=True)` does after `max_worker_restarts`
-    restarts in a row of a worker that handed out no element. The message
-    names each worker, its address, pid and how it exited (the counterpart of
-    PyTorch's "DataLoader worker (pid X) exited unexpectedly").
+    processes that ran it exited (a pipeline that calls `os._exit`, segfaults
+    or is killed for memory) or were lost, and none came back. Raised at once
+    when whoever restarts them gives up (`LocalCluster` at the first exit with
+    `restart_workers=False`, else after `max_worker_restarts` restarts in a row
+    of a worker that handed out no element), otherwise once a consumer waited
+    `distribute(..., worker_loss_timeout_ms)` for a worker to come back. The
+    message names each worker, its address, pid and how it exited or was lost
+    (the counterpart of PyTorch's "DataLoader worker (pid X) exited
+    unexpectedly").
     """
 
 

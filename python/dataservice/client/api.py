@@ -153,6 +153,17 @@ def _client_timeout_ms(value: int | None) -> int:
     return int(env) if env else DEFAULT_CLIENT_TIMEOUT_MS
 
 
+DEFAULT_WORKER_LOSS_TIMEOUT_MS = 60_000
+
+
+def _worker_loss_timeout_ms(value: Any) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(
+            f"`worker_loss_timeout_ms` must be a positive int or None (wait forever), got {value!r}"
+        )
+    return value
+
+
 def _dispatcher_call(
     address: str, method: str, request: Any, timeout_ms: int, auth_token: str | None = None
 ) -> Any:
@@ -205,6 +216,7 @@ class DistributedDataset(Dataset):
         cross_trainer_cache: CrossTrainerCache | None,
         compression: str | None,
         zero_copy: bool = True,
+        worker_loss_timeout_ms: int | None = DEFAULT_WORKER_LOSS_TIMEOUT_MS,
         input_dataset: Dataset | None = None,
         dataset_id: str | None = None,
         element_spec: Any = None,
@@ -222,6 +234,7 @@ class DistributedDataset(Dataset):
         self._cross_trainer_cache = cross_trainer_cache
         self._compression = compression
         self._zero_copy = zero_copy
+        self._worker_loss_timeout_ms = worker_loss_timeout_ms
         self._input_dataset = input_dataset
         self._dataset_id = dataset_id
         self._given_spec = element_spec
@@ -346,6 +359,9 @@ class DistributedDataset(Dataset):
             client_timeout_ms=self._client_timeout_ms,
             compression=self._compression,
             zero_copy=self._zero_copy,
+            worker_loss_timeout_ms=getattr(
+                self, "_worker_loss_timeout_ms", DEFAULT_WORKER_LOSS_TIMEOUT_MS
+            ),
             trainer_id=""
             if peek or self._cross_trainer_cache is None
             else self._cross_trainer_cache.trainer_id,
@@ -389,6 +405,7 @@ def distribute(
     client_timeout_ms: int | None = None,
     zero_copy: bool = True,
     allow_pickled_elements: bool = False,
+    worker_loss_timeout_ms: int | None = DEFAULT_WORKER_LOSS_TIMEOUT_MS,
 ) -> Callable[[Dataset], Dataset]:
     """A transformation that runs a dataset on the data service, for `Dataset.apply`.
 
@@ -420,6 +437,16 @@ def distribute(
             `InvalidArgumentError` naming its path and type (e.g.
             `element['meta'][2] is a mymodule.Box`). (Not in tf.data service,
             whose elements are tensors.)
+        worker_loss_timeout_ms: How long a consumer waiting for an element
+            waits for a worker to come back, once the iteration lost its
+            workers (exited, killed, or timed out at the dispatcher) and none
+            is left to run it, or every worker left stopped heartbeating to
+            the dispatcher (SIGSTOP, hung), before `next()` raises
+            `errors.WorkerCrashedError` naming each worker, its pid and how it
+            was lost (ms; default 60,000). None waits forever, as tf.data
+            service does. Only time spent in `next()` counts: a slow consumer
+            never trips it, nor does a slow pipeline whose worker is alive
+            (it keeps heartbeating). (Not in tf.data service.)
 
     Returns:
         A function `Dataset -> Dataset` for `dataset.apply(...)`.
@@ -442,6 +469,7 @@ def distribute(
     if not isinstance(zero_copy, bool):
         raise ValueError(f"`zero_copy` must be a bool, got {zero_copy!r}")
     _check_allow_pickled(allow_pickled_elements)
+    loss_timeout_ms = _worker_loss_timeout_ms(worker_loss_timeout_ms)
 
     def _apply(dataset: Dataset) -> Dataset:
         if not isinstance(dataset, Dataset):
@@ -462,6 +490,7 @@ def distribute(
             cross_trainer_cache=cross_trainer_cache,
             compression=compression,
             zero_copy=zero_copy,
+            worker_loss_timeout_ms=loss_timeout_ms,
             input_dataset=dataset,
         )
 
@@ -520,6 +549,7 @@ def from_dataset_id(
     *,
     client_timeout_ms: int | None = None,
     zero_copy: bool = True,
+    worker_loss_timeout_ms: int | None = DEFAULT_WORKER_LOSS_TIMEOUT_MS,
 ) -> Dataset:
     """Reads a registered dataset, as tf.data service's `from_dataset_id`.
 
@@ -553,6 +583,7 @@ def from_dataset_id(
         cross_trainer_cache=cross_trainer_cache,
         compression="AUTO",
         zero_copy=zero_copy,
+        worker_loss_timeout_ms=_worker_loss_timeout_ms(worker_loss_timeout_ms),
         dataset_id=dataset_id,
         element_spec=element_spec,
     )

@@ -33,6 +33,9 @@ from dataservice.transfer import grpc as _grpc_transfer  # noqa: F401  (register
 log = logging.getLogger(__name__)
 
 _FETCH_WAIT_S = 1.0
+# A forced protocol that cannot reach a worker fails the read, but only after
+# this long: a worker that just died is reported first (WorkerCrashedError).
+_FORCED_CONNECT_GRACE_S = 3.0
 _START_WAIT_S = 0.5  # longest wait for the iteration's tasks to connect before the first element
 _MAX_ELEMENTS_PER_FETCH = 1024
 _MAX_BYTES_PER_FETCH = 16 << 20
@@ -61,6 +64,9 @@ class ReadOptions:
     trainer_id: str = ""  # set: read through the job's cross-trainer cache
     compression: str | None = "AUTO"  # "AUTO", None or "ZSTD" (distribute's argument)
     zero_copy: bool = True  # shared memory: large arrays may be views of the ring
+    # After the iteration lost its workers: how long next() waits for one to
+    # come back before raising WorkerCrashedError (ms); None: forever (tf.data).
+    worker_loss_timeout_ms: int | None = 60_000
 
 
 class _FairSemaphore:
@@ -120,6 +126,18 @@ class _TaskState:
     tried: bool = False  # its first connection attempt is over (made or failed)
     worker_uid: str = ""  # the worker process the last fetched elements came from
     fetch_error: str = ""  # why the last fetch failed; "" once one succeeds (for warnings)
+    worker_pid: int = 0  # as the dispatcher knows it (0: unknown)
+    # time.monotonic() since which the dispatcher has not heard from the
+    # task's worker (None: it heartbeats on time)
+    silent_since: float | None = None
+
+
+@dataclass
+class _LostWorker:
+    """A worker process this iteration lost (from the dispatcher's heartbeat)."""
+
+    report: Any  # pb.WorkerLossReport
+    seen_at: float  # time.monotonic() when this consumer heard of it
 
 
 @dataclass
@@ -128,6 +146,9 @@ class _Stats:
     bytes: int = 0
     wait_s: float = 0.0
     workers: dict[str, _WorkerStats] = field(default_factory=dict)
+    # (task_id, worker_uid) -> elements fetched from that worker process's task
+    received: dict[tuple[int, str], int] = field(default_factory=dict)
+    lost: dict[tuple[str, str, int, int], _LostWorker] = field(default_factory=dict)
 
 
 class _Reader:
@@ -176,6 +197,10 @@ class _Reader:
         self._chunk_nbytes = 0
         self._tasks: dict[int, _TaskState] = {}
         self._iteration_finished = False
+        self._no_live_task_since: float | None = None  # since when no task can produce
+        # Workers a fetch could not reach since the last heartbeat (the
+        # dispatcher probes them at once: a dead worker is dropped in < 1 s).
+        self._unreachable: set[str] = set()
         self._error: BaseException | None = None
         self._heartbeat_thread: threading.Thread | None = None
         self.stats = _Stats()
@@ -262,10 +287,12 @@ class _Reader:
         while not self._stop.is_set():
             with self._cv:
                 finished = [t for t, s in self._tasks.items() if s.finished]
+                unreachable, self._unreachable = sorted(self._unreachable), set()
             request = pb.ClientHeartbeatRequest(
                 iteration_client_id=self.client_id,
                 incarnation_id=self.incarnation,
                 finished_tasks=finished,
+                unreachable_workers=unreachable,
             )
             try:
                 response = self._stub.ClientHeartbeat(
@@ -301,9 +328,17 @@ class _Reader:
             return
         live = {t.task_id for t in response.tasks}
         to_start = []
+        self._note_lost_workers(response.lost_workers)
+        now = time.monotonic()
         with self._cv:
             for info in response.tasks:
                 known = self._tasks.get(info.task_id)
+                if known is not None:
+                    known.worker_pid = info.worker_pid
+                    if not info.worker_silent_ms:
+                        known.silent_since = None
+                    elif known.silent_since is None:
+                        known.silent_since = now - info.worker_silent_ms / 1000
                 if known is not None and known.removed and not known.finished:
                     # Its worker was declared lost, then came back with the task.
                     known.removed = False
@@ -314,13 +349,19 @@ class _Reader:
                     endpoint = transfer.TaskEndpoint(
                         info.task_id, info.worker_address, info.transfer_address, info.host_id
                     )
-                    state = _TaskState(endpoint)
+                    state = _TaskState(endpoint, worker_pid=info.worker_pid)
+                    if info.worker_silent_ms:
+                        state.silent_since = now - info.worker_silent_ms / 1000
                     self._tasks[info.task_id] = state
                     to_start.append(state)
             for task_id, state in self._tasks.items():
                 if task_id not in live and not state.finished:
                     state.removed = True
             self._iteration_finished = response.iteration_finished
+            if live or response.iteration_finished:
+                self._no_live_task_since = None
+            elif self._no_live_task_since is None:
+                self._no_live_task_since = time.monotonic()
             self._cv.notify_all()
         for state in to_start:
             state.thread = threading.Thread(
@@ -330,6 +371,101 @@ class _Reader:
                 daemon=True,
             )
             state.thread.start()
+
+    def _note_lost_workers(self, reports: Any) -> None:
+        """Records the worker processes the dispatcher says the iteration lost
+        and logs one WARNING for each new one, naming it and what was lost."""
+        new = []
+        with self._cv:
+            for r in reports:
+                key = (r.worker_address, r.worker_uid, r.pid, r.task_id)
+                if key not in self.stats.lost:
+                    lost = _LostWorker(r, time.monotonic())
+                    self.stats.lost[key] = lost
+                    new.append(self._describe_loss_locked(lost))
+        for d in new:
+            who = f"worker {d['address']} (pid {d['pid'] or 'unknown'})"
+            what = f"; {d['elements_received']} elements came from it"
+            if d["splits_handed_out"]:
+                if d["elements_lost"] is not None:
+                    what = (
+                        f"; {d['splits_lost']} of the {d['splits_handed_out']} DYNAMIC splits "
+                        f"handed to it were not delivered ({d['elements_lost']} elements lost)"
+                    )
+                else:
+                    what = (
+                        f"; up to {d['splits_handed_out']} DYNAMIC splits handed to it are lost "
+                        f"({d['elements_received']} elements came from it)"
+                    )
+                what += ": DYNAMIC sharding reads each split at most once, as tf.data service's"
+            elif d["restarting"]:
+                what += "; its task starts over on the restarted process"
+            log.warning("iteration %d lost %s: %s%s", self.iteration_id, who, d["reason"], what)
+
+    def _describe_loss_locked(self, lost: _LostWorker) -> dict[str, Any]:
+        """`stats()["lost_workers"]`'s entry for one lost worker process."""
+        r = lost.report
+        received = self.stats.received.get((r.task_id, r.worker_uid), 0) if r.worker_uid else 0
+        splits_lost: int = r.splits_handed_out
+        elements_lost: int | None = None
+        # One element per split and this consumer the only reader of the job:
+        # what did not arrive here is lost. Otherwise an upper bound.
+        if r.one_element_per_split and not self.options.job_name and r.worker_uid:
+            splits_lost = max(0, r.splits_handed_out - received)
+            elements_lost = splits_lost
+        return {
+            "address": r.worker_address,
+            "pid": r.pid or None,
+            "reason": r.reason,
+            "task_id": r.task_id,
+            "restarting": r.restarting,
+            "splits_handed_out": r.splits_handed_out,
+            "splits_lost": splits_lost,
+            "elements_received": received,
+            "elements_lost": elements_lost,
+        }
+
+    def _check_worker_loss_locked(self, wait_start: float) -> None:
+        """Raises WorkerCrashedError when no task can produce and next() has
+        waited `worker_loss_timeout_ms` for that to change (only time spent
+        waiting here counts, so a slow consumer never trips it): either the
+        iteration lost its workers and none came back, or every worker it
+        still has went silent (no heartbeat to the dispatcher: stopped, e.g.
+        SIGSTOP, or hung) and stayed so. A worker that is alive but slow
+        keeps heartbeating and never trips it."""
+        timeout_ms = self.options.worker_loss_timeout_ms
+        if timeout_ms is None or self._iteration_finished:
+            return
+        live = [s for s in self._tasks.values() if not s.finished and not s.removed]
+        if live:
+            if any(s.silent_since is None for s in live):
+                return
+            since = max(s.silent_since for s in live if s.silent_since is not None)
+        else:
+            if self._no_live_task_since is None or not self.stats.lost:
+                return
+            since = self._no_live_task_since
+        now = time.monotonic()
+        waited_s = now - max(since, wait_start)
+        if waited_s * 1000 < timeout_ms:
+            return
+        lines = []
+        for lost in self.stats.lost.values():
+            d = self._describe_loss_locked(lost)
+            lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
+        for s in live:
+            assert s.silent_since is not None
+            lines.append(
+                f"worker {s.endpoint.worker_address} (pid {s.worker_pid or 'unknown'}): sent "
+                f"the dispatcher no heartbeat for {now - s.silent_since:.1f} s (stopped, e.g. "
+                "SIGSTOP, or hung)"
+            )
+        what = "its workers stopped answering" if live else "it lost its workers"
+        raise errors.WorkerCrashedError(
+            f"no worker is left to run iteration {self.iteration_id}: {what} and none came "
+            f"back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
+            + "\n  ".join(lines)
+        )
 
     # ------------------------------------------------------------ fetching
     def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
@@ -375,14 +511,18 @@ class _Reader:
 
     def _fetch_loop(self, state: _TaskState) -> None:
         endpoint = state.endpoint
+        forced_error: errors.UnavailableError | None = None
+        forced_at = 0.0
         try:
             client: transfer.TransferClient | None = self._connect(endpoint)
         except errors.DataServiceError as err:
-            if isinstance(err, errors.UnavailableError) and self.options.data_transfer_protocol in (
-                None,
-                "auto",
-            ):
+            if isinstance(err, errors.UnavailableError):
                 client = None  # the worker may be restarting: retried below
+                if self.options.data_transfer_protocol not in (None, "auto"):
+                    # Retried for a grace period: if the worker died, the
+                    # dispatcher's word on it (WorkerCrashedError, or the task
+                    # removed) comes first; else the forced protocol cannot work.
+                    forced_error, forced_at = err, time.monotonic()
             else:
                 self._fail(err)
                 return
@@ -428,6 +568,7 @@ class _Reader:
                     if client is None:  # reconnect (a restarted worker needs a new handshake)
                         client = self._connect(endpoint)
                         self._connected(state, client)
+                        forced_error = None
                     if self.options.trainer_id:
                         result = client.get_elements(
                             want,
@@ -444,9 +585,21 @@ class _Reader:
                     errors.CancelledError,
                     ConnectionError,  # a shared-memory socket reset by a restarting worker
                 ) as err:
-                    # The worker may be restarting, or lost: the heartbeat decides.
+                    # The worker may be restarting, or lost: the dispatcher decides
+                    # (told now, it checks whether the worker's port is still open).
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
                     state.fetch_error = f"{type(err).__name__}: {err}"
+                    if forced_error is not None and (
+                        time.monotonic() - forced_at > _FORCED_CONNECT_GRACE_S
+                    ):
+                        if self._outstanding is not None:
+                            self._outstanding.release()
+                        self._fail(forced_error)
+                        return
+                    if isinstance(err, errors.UnavailableError | ConnectionError):
+                        with self._cv:
+                            self._unreachable.add(endpoint.worker_address)
+                        self._wake_heartbeat.set()
                     if client is not None:
                         client.close()
                         client = None
@@ -465,6 +618,8 @@ class _Reader:
                         state.worker_uid = result.worker_uid
                     if result.elements:
                         count = len(result.elements)
+                        key = (endpoint.task_id, result.worker_uid)
+                        self.stats.received[key] = self.stats.received.get(key, 0) + count
                         per = result.nbytes // count
                         self._results.append((list(result.elements), per, state))
                         self._buffered_elements += count
@@ -774,6 +929,7 @@ class _Reader:
                     raise StopIteration
                 if self._tasks and all(s.finished or s.removed for s in self._tasks.values()):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
+                self._check_worker_loss_locked(start)
                 self._cv.wait(0.1)
                 slow.check()
         slow.done(f"consumer of {self._what_iteration()}: an element arrived")
@@ -819,6 +975,10 @@ class DataServiceIterator:
         DispatcherRestartedError: The dispatcher restarted without fault
             tolerance and lost this iteration.
         InvalidArgumentError / NotFoundError: Rejected by the dispatcher.
+        WorkerCrashedError: The iteration's workers were lost and none is left
+            to run it: at once when their supervisor (LocalCluster) gave up on
+            them, else after `worker_loss_timeout_ms` of waiting (`distribute`).
+            The message names each lost worker, its pid and how it was lost.
     """
 
     def __init__(self, options: ReadOptions, dataset_id: str, repetition: int) -> None:
@@ -871,7 +1031,20 @@ class DataServiceIterator:
             {"elements": int, "bytes": int (encoded bytes received),
              "wait_ms": float (time `__next__` spent blocked),
              "workers": {worker_address: {"transfer_protocol": "grpc" | "shm",
-                                          "elements": int, "bytes": int}}}
+                                          "elements": int, "bytes": int}},
+             "lost_workers": [{"address": str, "pid": int | None, "reason": str,
+                               "task_id": int, "restarting": bool,
+                               "splits_handed_out": int, "splits_lost": int,
+                               "elements_received": int,
+                               "elements_lost": int | None}, ...]}
+
+            `lost_workers` lists each worker process the iteration lost,
+            oldest first (the client also logs one WARNING for each). Under
+            DYNAMIC sharding `splits_handed_out` is what the dispatcher handed
+            the dead process; when every split is one element and this is the
+            job's only consumer, `splits_lost` = `elements_lost` = those not
+            received here, else `splits_lost` is the upper bound
+            `splits_handed_out` and `elements_lost` None.
         """
         s = self._reader.stats
         with self._reader._cv:
@@ -887,4 +1060,7 @@ class DataServiceIterator:
                     }
                     for addr, w in s.workers.items()
                 },
+                "lost_workers": [
+                    self._reader._describe_loss_locked(lost) for lost in s.lost.values()
+                ],
             }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
 import threading
 import time
 import uuid
@@ -58,6 +59,22 @@ class _Worker:
     last_heartbeat: float
     heartbeat_interval_s: float
     index: int  # position in DispatcherConfig.worker_addresses, -1 without a list
+    pid: int = 0  # as the worker reports it (0: an older worker that does not)
+    # Its supervisor reported its process exited and restarts it on the same
+    # address (ReportWorkerFailure with `restarting`): not probed meanwhile.
+    restarting: bool = False
+    last_probe: float = 0.0  # time.monotonic() of the last liveness probe
+
+
+# A consumer's report that it cannot reach a worker is checked after this long,
+# which is what a supervisor needs to say that the worker is restarting.
+_SUPERVISOR_GRACE_S = 1.0
+
+
+def _probe_after_s(worker: _Worker) -> float:
+    """How long a worker may be silent before the dispatcher checks that its
+    port still accepts connections: two missed heartbeats, at least 1 s."""
+    return max(1.0, 2.5 * worker.heartbeat_interval_s)
 
 
 class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
@@ -178,6 +195,11 @@ class DispatchServer:
         self._restart_time = time.monotonic()
         # The maintenance thread's: iterations with consumers and no worker.
         self._starved: dict[st.IterationId, _waits.SlowWait] = {}
+        # Worker loss accounting (runtime only): DYNAMIC splits handed to each
+        # task's current process, and per iteration the worker processes it lost.
+        self._task_splits: dict[st.TaskId, int] = {}
+        self._worker_losses: dict[st.IterationId, list[Any]] = {}
+        self._probing: set[str] = set()  # addresses with a liveness probe in flight
         if start:
             self.start()
 
@@ -280,6 +302,8 @@ class DispatchServer:
             self._job_last_used = {}
             self._split_providers = {}
             self._dataset_objects = {}
+            self._task_splits = {}
+            self._worker_losses = {}
             self._journal = None
             if self._config.fault_tolerant_mode:
                 assert self._config.work_dir
@@ -425,11 +449,18 @@ class DispatchServer:
         """Appends where `task` runs to a repeated TaskInfo field (the worker's
         transfer address and host id once it has registered since a restart)."""
         worker = self._workers.get(task.worker_address)
+        silent_ms = 0
+        if worker is not None and not worker.restarting:
+            silent_s = time.monotonic() - worker.last_heartbeat
+            if silent_s > _probe_after_s(worker):
+                silent_ms = int(silent_s * 1000)
         infos.add(
             task_id=task.task_id,
             worker_address=task.worker_address,
             transfer_address=worker.transfer_address if worker else task.worker_address,
             host_id=worker.host_id if worker else "",
+            worker_silent_ms=silent_ms,
+            worker_pid=worker.pid if worker else 0,
         )
 
     def _dataset_object(self, dataset_id: str) -> Any:
@@ -495,6 +526,7 @@ class DispatchServer:
                         and not self._host_part_over_locked(task)
                     ):
                         self._apply_locked(st.ReviveTask(task.task_id))
+                self._forget_losses_of_locked(request.worker_uid)
                 log.info("worker %s is back (it was only slow)", address)
             if worker is None or worker.uid != request.worker_uid:
                 if worker is None:
@@ -510,6 +542,7 @@ class DispatchServer:
                     now,
                     request.heartbeat_interval_ms / 1000,
                     index,
+                    pid=request.pid,
                 )
                 self._workers[address] = worker
                 self._assign_tasks_to_worker_locked(worker)
@@ -808,6 +841,7 @@ class DispatchServer:
         """Drops the runtime state of a job that was collected or retired."""
         for iteration_id in job.iterations.values():
             self._split_providers.pop(iteration_id, None)
+            self._worker_losses.pop(iteration_id, None)
         self._job_last_used.pop(job.job_id, None)
 
     def _get_or_create_iteration(self, request: Any) -> Any:
@@ -910,6 +944,7 @@ class DispatchServer:
             error = self._iteration_errors.get(iteration_id)
             if error is not None:
                 raise errors.WorkerCrashedError(error)
+            self._probe_unreachable_locked(request.unreachable_workers, now)
             for task_id in request.finished_tasks:
                 task = iteration.tasks.get(st.TaskId(task_id))
                 if task is not None and not task.finished and not task.removed:
@@ -926,6 +961,7 @@ class DispatchServer:
             response = pb.ClientHeartbeatResponse(iteration_finished=finished)
             for task in tasks:
                 self._add_task_info_locked(response.tasks, task)
+            response.lost_workers.extend(self._worker_losses.get(iteration_id, ()))
             return response
 
     def _release_iteration_client(self, request: Any) -> Any:
@@ -969,6 +1005,10 @@ class DispatchServer:
                 )
             index = request.split_provider_index
             response = pb.GetSplitsResponse()
+            task_id = st.TaskId(request.task_id)
+            task = iteration.tasks.get(task_id)
+            # (A task whose worker was declared lost still gets splits: only a
+            # live process asks, and it is revived when it heartbeats again.)
             if iteration.finished or iteration.splits_ended_by_provider.get(index, False):
                 response.end_of_splits = True
                 return response
@@ -1003,6 +1043,8 @@ class DispatchServer:
                     break
                 splits.append(split)
             self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end, index))
+            if task is not None:
+                self._task_splits[task_id] = self._task_splits.get(task_id, 0) + len(splits)
             if splits and isinstance(splits[0], str):
                 response.str_splits.extend(splits)
             else:
@@ -1056,22 +1098,101 @@ class DispatchServer:
             return response
 
     def _report_worker_failure(self, request: Any) -> Any:
-        """Whoever restarts worker processes gave up on one (LocalCluster after
-        `max_worker_restarts`): drop it and its tasks now (no need to wait for
-        worker_timeout_ms), and fail the iterations no worker can run any more."""
+        """A worker's supervisor (LocalCluster) saw its process exit.
+
+        With `request.restarting` it restarts the worker on the same address:
+        what the dead process held is counted lost (`_record_losses_locked`) and
+        its tasks are kept for the new process. Otherwise the supervisor gave
+        up on it (restarts off, or `max_worker_restarts` used up): drop it and
+        its tasks now (no need to wait for worker_timeout_ms), and fail the
+        iterations no worker can run any more."""
         address = request.worker_address
         if not address:
             raise errors.InvalidArgumentError("ReportWorkerFailure needs a worker_address")
         reason = request.reason or f"worker {address} failed"
         with self._mu:
+            worker = self._workers.get(address)
+            uid = worker.uid if worker is not None else ""
+            pid = request.pid or (worker.pid if worker is not None else 0)
+            if request.restarting:
+                if worker is not None and request.pid and worker.pid not in (0, request.pid):
+                    # Its next process registered already: the report is late,
+                    # and what the task holds now is the new process's.
+                    log.warning("worker %s exited (late report): %s", address, reason)
+                    return pb.ReportWorkerFailureResponse()
+                log.warning("worker %s exited; its supervisor restarts it: %s", address, reason)
+                if worker is not None:
+                    worker.restarting = True
+                self._record_losses_locked(address, uid, pid, reason, restarting=True)
+                return pb.ReportWorkerFailureResponse()
             log.warning("worker %s given up by its supervisor: %s", address, reason)
             self._failed_workers[address] = reason
-            worker = self._workers.pop(address, None)
+            self._record_losses_locked(address, uid, pid, reason, restarting=False)
+            self._workers.pop(address, None)
             if worker is not None:
                 self._lost_uids[address] = worker.uid
             self._remove_tasks_of_locked(address)
             self._fail_stranded_iterations_locked()
             return pb.ReportWorkerFailureResponse()
+
+    def _record_losses_locked(
+        self, address: str, uid: str, pid: int, reason: str, *, restarting: bool
+    ) -> None:
+        """Notes, for each unfinished iteration with a live task on `address`,
+        that the worker process `uid` was lost, with the DYNAMIC splits handed
+        to it (those whose elements no consumer received are lost: tf.data
+        service's DYNAMIC mode is at-most-once). The consumers learn of it by
+        their next heartbeat (`ClientHeartbeatResponse.lost_workers`), warn
+        once, and list it in `stats()["lost_workers"]`. Splits handed to the
+        task from now on belong to its next process."""
+        for task in self._state.tasks_of_worker(address):
+            iteration = self._state.iterations[task.iteration_id]
+            job = self._state.jobs[iteration.job_id]
+            splits = self._task_splits.pop(task.task_id, 0)
+            one_per_split = False
+            if job.processing_mode == ShardingPolicy.DYNAMIC:
+                providers = self._split_providers.get(iteration.iteration_id) or []
+                dataset = self._state.datasets.get(job.dataset_id)
+                one_per_split = (
+                    len(providers) == 1
+                    and dataset is not None
+                    and dataset.cardinality > 0
+                    and providers[0].cardinality() == dataset.cardinality
+                )
+            self._worker_losses.setdefault(iteration.iteration_id, []).append(
+                pb.WorkerLossReport(
+                    worker_address=address,
+                    worker_uid=uid,
+                    pid=pid,
+                    reason=reason,
+                    task_id=task.task_id,
+                    splits_handed_out=splits,
+                    one_element_per_split=one_per_split,
+                    restarting=restarting,
+                )
+            )
+            if splits:
+                log.warning(
+                    "worker %s (pid %s) lost with %d splits of iteration %d handed to its "
+                    "task %d: %s",
+                    address,
+                    pid or "unknown",
+                    splits,
+                    iteration.iteration_id,
+                    task.task_id,
+                    reason,
+                )
+
+    def _forget_losses_of_locked(self, uid: str) -> None:
+        """A worker declared lost came back as the same process: it lost nothing."""
+        for losses in self._worker_losses.values():
+            for r in losses:
+                if r.worker_uid == uid:
+                    task_id = st.TaskId(r.task_id)
+                    self._task_splits[task_id] = (
+                        self._task_splits.get(task_id, 0) + r.splits_handed_out
+                    )
+            losses[:] = [r for r in losses if r.worker_uid != uid]
 
     def _fail_stranded_iterations_locked(self) -> None:
         """Fails (WorkerCrashedError, for its consumers) every unfinished
@@ -1242,18 +1363,29 @@ class DispatchServer:
         came back after a restart."""
         timeout_s = self._config.worker_timeout_ms_or_default / 1000
         now = time.monotonic() if now is None else now
+        to_probe: list[_Worker] = []
         with self._mu:
             for address, worker in list(self._workers.items()):
                 # A timeout below the worker's own heartbeat interval would drop
                 # healthy workers: wait for at least 3 missed heartbeats.
                 worker_timeout_s = max(timeout_s, 3 * worker.heartbeat_interval_s)
-                if now - worker.last_heartbeat > worker_timeout_s:
-                    log.warning(
-                        "worker %s lost: no heartbeat for %.1f s", address, worker_timeout_s
+                silent_s = now - worker.last_heartbeat
+                if silent_s > worker_timeout_s:
+                    self._declare_lost_locked(
+                        worker,
+                        f"worker {address} (pid {worker.pid or 'unknown'}) sent no heartbeat "
+                        f"for {worker_timeout_s:.1f} s (worker_timeout_ms): it is stopped, "
+                        "hung, or its host is down",
                     )
-                    del self._workers[address]
-                    self._lost_uids[address] = worker.uid
-                    self._remove_tasks_of_locked(address)
+                elif (
+                    silent_s > _probe_after_s(worker)
+                    and not worker.restarting
+                    and address not in self._probing
+                    and now - worker.last_probe >= max(0.5, worker.heartbeat_interval_s)
+                ):
+                    worker.last_probe = now
+                    self._probing.add(address)
+                    to_probe.append(worker)
             if now - self._restart_time > timeout_s:
                 # Tasks journaled for workers that never came back after a restart.
                 for task in list(self._state.tasks.values()):
@@ -1264,6 +1396,77 @@ class DispatchServer:
                         and not self._state.iterations[task.iteration_id].finished
                     ):
                         self._apply_locked(st.RemoveTask(task.task_id))
+        for worker in to_probe:
+            threading.Thread(
+                target=self._probe, args=(worker,), name="ds-dispatcher-probe", daemon=True
+            ).start()
+
+    def _probe_unreachable_locked(self, addresses: Any, now: float) -> None:
+        """A consumer could not reach these workers: probe each now (at most
+        every 0.5 s), rather than after it missed heartbeats."""
+        for address in addresses:
+            worker = self._workers.get(address)
+            if (
+                worker is None
+                or worker.restarting
+                or address in self._probing
+                or now - worker.last_probe < 0.5
+            ):
+                continue
+            worker.last_probe = now
+            self._probing.add(address)
+            threading.Thread(
+                target=self._probe,
+                args=(worker, _SUPERVISOR_GRACE_S),
+                name="ds-dispatcher-probe",
+                daemon=True,
+            ).start()
+
+    def _declare_lost_locked(self, worker: _Worker, reason: str) -> None:
+        """Drops a registered worker and its tasks; it may come back (as the
+        same process if it was only slow, or restarted on its address)."""
+        log.warning("worker lost: %s", reason)
+        self._record_losses_locked(worker.address, worker.uid, worker.pid, reason, restarting=False)
+        del self._workers[worker.address]
+        self._lost_uids[worker.address] = worker.uid
+        self._remove_tasks_of_locked(worker.address)
+
+    def _probe(self, worker: _Worker, delay_s: float = 0.0) -> None:
+        """Connects to a worker that missed heartbeats or that a consumer could
+        not reach (a thread of its own).
+
+        A worker process that died (exit, SIGKILL, OOM kill) leaves no socket
+        on its port, so the connection is refused at once: it is declared lost
+        now, not after worker_timeout_ms. A worker that is only slow, stopped
+        (SIGSTOP) or behind a network that drops packets still accepts or does
+        not answer: the heartbeat timeout decides for it. `delay_s` first
+        leaves a supervisor that restarts the worker (LocalCluster) time to
+        say so (ReportWorkerFailure with `restarting`), so its tasks are kept.
+        """
+        if delay_s and self._stop_event.wait(delay_s):
+            with self._mu:
+                self._probing.discard(worker.address)
+            return
+        host, _, port = worker.address.rpartition(":")
+        refused = False
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                pass
+        except ConnectionRefusedError:
+            refused = True
+        except (OSError, ValueError) as err:  # unreachable, unresolvable: not proof
+            log.debug("probe of worker %s: %s", worker.address, err)
+        with self._mu:
+            self._probing.discard(worker.address)
+            current = self._workers.get(worker.address)
+            if refused and current is worker and not worker.restarting:
+                silent_s = time.monotonic() - worker.last_heartbeat
+                self._declare_lost_locked(
+                    worker,
+                    f"worker {worker.address} (pid {worker.pid or 'unknown'}) is gone: no "
+                    f"heartbeat for {silent_s:.1f} s and its port refuses connections (the "
+                    "process exited or was killed)",
+                )
 
     def _remove_tasks_of_locked(self, address: str) -> None:
         for task in self._state.tasks_of_worker(address):

@@ -53,6 +53,7 @@ MAX_SPLIT_PROVIDERS = 1 << 16
 MAX_HEARTBEAT_INTERVAL_MS = 24 * 3600 * 1000
 MAX_ELEMENTS_PER_READ = 1 << 20
 MAX_BYTES_PER_READ = 2**31 - 1  # gRPC's message limit (rpc/util.py MAX_MESSAGE_BYTES)
+MAX_PID = 2**22  # Linux's pid_max limit (PID_MAX_LIMIT on 64-bit)
 # data/dataset.py: INFINITE_CARDINALITY = -1, UNKNOWN_CARDINALITY = -2.
 MIN_CARDINALITY = -2
 
@@ -253,6 +254,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("finished_tasks", repeated(an_id, MAX_REPEATED_IDS)),
         Field("transfer_protocols", repeated(text(MAX_PROTOCOL_CHARS), MAX_PROTOCOLS)),
         Field("heartbeat_interval_ms", int_range(0, MAX_HEARTBEAT_INTERVAL_MS)),
+        Field("pid", int_range(0, MAX_PID)),  # 0: an older worker that does not send it
     ),
     "dataservice.rpc.RegisterDatasetRequest": (
         Field("dataset", nonempty_bytes),
@@ -284,6 +286,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("iteration_client_id", an_id),
         _INCARNATION,
         Field("finished_tasks", repeated(an_id, MAX_REPEATED_IDS)),
+        Field("unreachable_workers", repeated(host_port(required=True), MAX_REPEATED_IDS)),
     ),
     "dataservice.rpc.ReleaseIterationClientRequest": (
         Field("iteration_client_id", an_id),
@@ -306,6 +309,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "dataservice.rpc.ReportWorkerFailureRequest": (
         Field("worker_address", host_port(required=True)),
         Field("reason", _reason),
+        Field("pid", int_range(0, MAX_PID)),  # 0: unknown
+        Field("restarting", boolean),
     ),
     "dataservice.rpc.GetElementsRequest": (
         Field("task_id", an_id),

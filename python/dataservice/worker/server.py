@@ -12,6 +12,7 @@ tasks it has and retries heartbeats until it comes back.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -571,6 +572,7 @@ class WorkerServer:
             current_tasks=current,
             transfer_protocols=["grpc", *transfer.server_factories()],
             heartbeat_interval_ms=self._config.heartbeat_interval_ms_or_default,
+            pid=os.getpid(),
         )
         stub = self._stub
         if stub is None:

@@ -1,0 +1,500 @@
+"""A consumer never hangs when workers die, and losses are visible (CASES K4).
+
+Whatever ends a worker process (`os._exit` in a map, SIGKILL, SIGSTOP past the
+dispatcher's worker timeout), the consumer either makes progress or raises
+`WorkerCrashedError` naming the worker, its pid and how it ended, within a
+bounded time; DYNAMIC splits the lost worker held are counted in
+`it.stats()["lost_workers"]` and the client logs one WARNING per lost worker.
+
+Kinds of servers: LocalCluster worker processes (which watch their children
+and tell the dispatcher of each exit), `dataservice worker` CLI processes with
+an in-process dispatcher (found dead by the dispatcher's probe of their port),
+and in-process `WorkerServer`s. Both transfer protocols (shared memory, gRPC).
+After each test: no new /dev/shm entry of ours, no child process left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+import dataservice as ds
+from dataservice import errors
+
+from .conftest import HEARTBEAT_MS, Servers, wait_until
+
+SHM_PREFIXES = ("dataservice", "ds-")
+PROTOCOLS = ["grpc", "shm"]
+
+
+def _our_shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    shm_before = _our_shm()
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+
+    def clean() -> bool:
+        children = {p.pid for p in psutil.Process().children(recursive=True)}
+        return not (_our_shm() - shm_before) and not (children - children_before)
+
+    try:
+        wait_until(clean, 10.0, "no new /dev/shm entry and no new child process")
+    except AssertionError:
+        children = psutil.Process().children(recursive=True)
+        raise AssertionError(
+            f"leaked: /dev/shm {sorted(_our_shm() - shm_before)}, children "
+            f"{[(p.pid, p.cmdline()[:4]) for p in children if p.pid not in children_before]}"
+        ) from None
+
+
+class _Reader:
+    """Reads an iterator on a thread, so the test can kill workers meanwhile."""
+
+    def __init__(self, it: ds.DataServiceIterator) -> None:
+        self.it = it
+        self.count = 0
+        self.error: BaseException | None = None
+        self.ended_at = 0.0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for _ in self.it:
+                self.count += 1
+        except BaseException as err:  # noqa: BLE001  (the test inspects it)
+            self.error = err
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"the consumer hung ({self.count} elements read)"
+
+
+def _exit_at(marker_dir: str, index: int, code: int):
+    """A map function whose worker process calls os._exit(code) at element
+    `index`, once per marker directory (a restarted worker goes on)."""
+
+    def fn(x):
+        if int(x) == index:
+            marker = os.path.join(marker_dir, "exited")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(code)
+        return x
+
+    return fn
+
+
+def _block_at(index: int):
+    """A map function that never returns at element `index` (the consumer waits)."""
+
+    def fn(x):
+        if int(x) == index:
+            time.sleep(3600)
+        time.sleep(0.001)  # slow enough that each element is handed out at once
+        return x
+
+    return fn
+
+
+def _slow(seconds: float):
+    def fn(x):
+        time.sleep(seconds)
+        return x
+
+    return fn
+
+
+# ------------------------------------------------------------ LocalCluster
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("mode", ["off", "distributed_epoch"])
+def test_os_exit_in_map_without_restarts_raises_naming_pid_and_exit_code(
+    protocol: str, mode: str, tmp_path
+) -> None:
+    with ds.LocalCluster(
+        1,
+        restart_workers=False,
+        worker_options={"heartbeat_interval_ms": HEARTBEAT_MS, "data_transfer_protocol": protocol},
+    ) as cluster:
+        pid = cluster.worker_pids[0]
+        data = (
+            ds.Dataset.range(10_000)
+            .map(_exit_at(str(tmp_path), 300, 7))
+            .apply(ds.distribute(mode, cluster.target, data_transfer_protocol=protocol))
+        )
+        t0 = time.monotonic()
+        reader = _Reader(iter(data))
+        reader.join(30)
+        took = time.monotonic() - t0
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert f"pid {pid}" in message and "exited with code 7" in message, message
+        assert "restart_workers=False" in message
+        assert took < 20, f"the error took {took:.1f} s"
+        assert cluster.failed_workers and cluster.num_restarts == 0
+
+
+def _segfault_at(index: int):
+    def fn(x):
+        if int(x) == index:
+            import ctypes
+
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        return x
+
+    return fn
+
+
+def test_a_segfault_in_map_without_restarts_raises_naming_the_signal() -> None:
+    with ds.LocalCluster(
+        1, restart_workers=False, worker_options={"heartbeat_interval_ms": HEARTBEAT_MS}
+    ) as cluster:
+        pid = cluster.worker_pids[0]
+        data = (
+            ds.Dataset.range(1000)
+            .map(_segfault_at(100))
+            .apply(ds.distribute("off", cluster.target))
+        )
+        reader = _Reader(iter(data))
+        reader.join(30)
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert f"pid {pid}" in message and "killed by signal 11 (SIGSEGV)" in message, message
+
+
+def test_one_of_two_workers_exiting_without_restarts_leaves_the_other_serving(
+    tmp_path, caplog
+) -> None:
+    """OFF over 2 workers, restarts off: one worker's exit is no failure while
+    the other serves; the read ends with the survivor's full copy, and the
+    lost one is listed in stats() and warned about once."""
+    with ds.LocalCluster(
+        2, restart_workers=False, worker_options={"heartbeat_interval_ms": HEARTBEAT_MS}
+    ) as cluster:
+        n = 2000
+
+        def tag(x):
+            return x, os.getpid()
+
+        data = (
+            ds.Dataset.range(n)
+            .map(_exit_at(str(tmp_path), 300, 5))
+            .map(tag)
+            .apply(ds.distribute("off", cluster.target))
+        )
+        with caplog.at_level(logging.WARNING, logger="dataservice.client.reader"):
+            it = iter(data)
+            by_pid: dict[int, list[int]] = {}
+            for x, pid in it:
+                by_pid.setdefault(int(pid), []).append(int(x))
+        survivors = [p for p in cluster.worker_pids if p in by_pid and len(by_pid[p]) == n]
+        assert len(survivors) == 1, {p: len(v) for p, v in by_pid.items()}
+        assert by_pid[survivors[0]] == list(range(n))
+        lost = it.stats()["lost_workers"]
+        assert len(lost) == 1 and "exited with code 5" in lost[0]["reason"], lost
+        assert lost[0]["pid"] != survivors[0] and not lost[0]["restarting"]
+        warnings = [r for r in caplog.records if "lost worker" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_sigkill_of_the_only_worker_while_next_waits_raises_naming_the_signal(
+    protocol: str,
+) -> None:
+    with ds.LocalCluster(
+        1,
+        restart_workers=False,
+        worker_options={"heartbeat_interval_ms": HEARTBEAT_MS, "data_transfer_protocol": protocol},
+    ) as cluster:
+        pid = cluster.worker_pids[0]
+        data = (
+            ds.Dataset.range(1000)
+            .map(_block_at(0))
+            .apply(ds.distribute("off", cluster.target, data_transfer_protocol=protocol))
+        )
+        reader = _Reader(iter(data))
+        time.sleep(1.5)  # next() is waiting: the pipeline never returns element 0
+        assert reader.count == 0 and reader.error is None
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        reader.join(30)
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert f"pid {pid}" in message, message
+        assert "killed by signal 9 (SIGKILL), maybe by the kernel's OOM killer" in message
+        assert "last RSS" in message
+        assert reader.ended_at - killed_at < 10, f"{reader.ended_at - killed_at:.1f} s"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_default_cluster_restarts_a_worker_that_exits_and_the_read_goes_on(
+    protocol: str, tmp_path, caplog
+) -> None:
+    with ds.LocalCluster(
+        1,
+        worker_options={"heartbeat_interval_ms": HEARTBEAT_MS, "data_transfer_protocol": protocol},
+    ) as cluster:
+        data = (
+            ds.Dataset.range(2000)
+            .map(_exit_at(str(tmp_path), 300, 3))
+            .apply(ds.distribute("distributed_epoch", cluster.target))  # the worker's protocol
+        )
+        with caplog.at_level(logging.WARNING, logger="dataservice.client.reader"):
+            it = iter(data)
+            got = [int(x) for x in it]
+        wait_until(lambda: cluster.num_restarts == 1, 10, "the monitor sees the restart")
+        assert 300 <= len(got) < 2000 and len(set(got)) == len(got)
+        lost = it.stats()["lost_workers"]
+        assert len(lost) == 1, lost
+        entry = lost[0]
+        assert entry["restarting"] and "exited with code 3" in entry["reason"]
+        assert entry["address"] == cluster.worker_addresses[0]
+        # One element per split, one consumer: what did not arrive is counted exactly.
+        assert entry["elements_lost"] == entry["splits_lost"] == 2000 - len(got), entry
+        warnings = [r for r in caplog.records if "lost worker" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert f"{entry['splits_lost']} of the" in warnings[0].getMessage()
+
+
+def test_a_slow_consumer_never_trips_the_worker_loss_timeout() -> None:
+    with ds.LocalCluster(1, worker_options={"heartbeat_interval_ms": HEARTBEAT_MS}) as cluster:
+        data = ds.Dataset.range(6).apply(
+            ds.distribute("off", cluster.target, worker_loss_timeout_ms=200)
+        )
+        got = []
+        for x in data:
+            got.append(int(x))
+            time.sleep(0.5)  # far longer than the timeout, between elements
+        assert got == list(range(6))
+
+
+def test_worker_loss_timeout_rejects_bad_values() -> None:
+    for bad in (0, -1, 1.5, "60", True):
+        with pytest.raises(ValueError, match="worker_loss_timeout_ms"):
+            ds.distribute("off", "localhost:1", worker_loss_timeout_ms=bad)
+    ds.distribute("off", "localhost:1", worker_loss_timeout_ms=None)  # waits forever
+
+
+# ------------------------------------------------------------ CLI workers
+
+
+def _inprocess_dispatcher(**kw) -> ds.DispatchServer:
+    return ds.DispatchServer(ds.DispatcherConfig(**kw))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_sigkill_of_one_of_two_cli_workers_ends_a_dynamic_epoch_promptly(
+    servers: Servers, protocol: str, caplog
+) -> None:
+    """The default 300 s worker timeout is in force: the dispatcher finds the
+    dead worker by its refused port, so the epoch ends within seconds, and
+    the consumer reports exactly what was lost."""
+    dispatcher = _inprocess_dispatcher()
+    try:
+        target = dispatcher.target.replace("localhost", "127.0.0.1")
+        workers = servers.workers(target.removeprefix("grpc://"), 2, heartbeat_interval_ms=1000)
+        n = 4000
+        data = (
+            ds.Dataset.range(n)
+            .map(_slow(0.002))
+            .apply(ds.distribute("distributed_epoch", target, data_transfer_protocol=protocol))
+        )
+        with caplog.at_level(logging.WARNING, logger="dataservice.client.reader"):
+            reader = _Reader(iter(data))
+            wait_until(lambda: reader.count >= 400, 60, "400 elements")
+            victim = workers[0]
+            killed_at = victim.kill()
+            reader.join(60)
+        assert reader.error is None, reader.error
+        took = reader.ended_at - killed_at
+        assert took < 12, f"the epoch ended {took:.1f} s after the kill"
+        stats = reader.it.stats()
+        lost = stats["lost_workers"]
+        assert len(lost) == 1, lost
+        entry = lost[0]
+        assert entry["address"] == victim.address and entry["pid"] == victim.pid, entry
+        assert "refuses connections" in entry["reason"]
+        assert entry["elements_lost"] is not None and entry["elements_lost"] > 0
+        assert reader.count + entry["elements_lost"] == n, (reader.count, entry)
+        warnings = [r.getMessage() for r in caplog.records if "lost worker" in r.getMessage()]
+        assert len(warnings) == 1 and victim.address in warnings[0], warnings
+    finally:
+        dispatcher.stop()
+
+
+def test_sigkill_of_the_only_cli_worker_raises_after_the_worker_loss_timeout(
+    servers: Servers,
+) -> None:
+    dispatcher = _inprocess_dispatcher()
+    try:
+        target = dispatcher.target.replace("localhost", "127.0.0.1")
+        (worker,) = servers.workers(target.removeprefix("grpc://"), 1, heartbeat_interval_ms=500)
+        data = (
+            ds.Dataset.range(1000)
+            .map(_block_at(10))
+            .apply(ds.distribute("off", target, worker_loss_timeout_ms=2000))
+        )
+        reader = _Reader(iter(data))
+        wait_until(lambda: reader.count >= 10, 30, "10 elements")
+        killed_at = worker.kill()
+        reader.join(30)
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert worker.address in message and f"pid {worker.pid}" in message, message
+        assert "worker_loss_timeout_ms" in message
+        took = reader.ended_at - killed_at
+        assert 2 <= took < 10, f"raised {took:.1f} s after the kill"
+    finally:
+        dispatcher.stop()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_sigstopped_worker_raises_after_the_worker_loss_timeout(
+    servers: Servers, protocol: str
+) -> None:
+    """The dispatcher's worker timeout is the default 300 s: the consumer
+    waiting on a stopped worker (no heartbeat) raises after
+    worker_loss_timeout_ms all the same, naming it and its pid; the worker
+    goes on after SIGCONT."""
+    dispatcher = _inprocess_dispatcher()
+    try:
+        target = dispatcher.target.replace("localhost", "127.0.0.1")
+        (worker,) = servers.workers(target.removeprefix("grpc://"), 1, heartbeat_interval_ms=200)
+        data = (
+            ds.Dataset.range(100_000)
+            .map(_slow(0.001))
+            .apply(
+                ds.distribute(
+                    "off", target, data_transfer_protocol=protocol, worker_loss_timeout_ms=2000
+                )
+            )
+        )
+        reader = _Reader(iter(data))
+        wait_until(lambda: reader.count >= 50, 30, "50 elements")
+        stopped_at = time.monotonic()
+        worker.send(signal.SIGSTOP)
+        reader.join(40)
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert "no heartbeat" in message and f"pid {worker.pid}" in message, message
+        assert worker.address in message and "SIGSTOP" in message
+        took = reader.ended_at - stopped_at
+        assert 2 < took < 12, f"raised {took:.1f} s after SIGSTOP"
+        assert dispatcher.num_workers() == 1  # not dropped: it may still come back
+    finally:
+        worker.send(signal.SIGCONT)
+        dispatcher.stop()
+
+
+@pytest.mark.slow
+def test_a_sigstopped_worker_past_the_worker_timeout_raises(servers: Servers) -> None:
+    """Stopped past the dispatcher's worker timeout: the worker is dropped,
+    and the consumer raises naming it once worker_loss_timeout_ms passed."""
+    dispatcher = _inprocess_dispatcher(worker_timeout_ms=3000)
+    try:
+        target = dispatcher.target.replace("localhost", "127.0.0.1")
+        (worker,) = servers.workers(target.removeprefix("grpc://"), 1, heartbeat_interval_ms=200)
+        data = (
+            ds.Dataset.range(100_000)
+            .map(_slow(0.001))
+            .apply(ds.distribute("off", target, worker_loss_timeout_ms=5000))
+        )
+        reader = _Reader(iter(data))
+        wait_until(lambda: reader.count >= 50, 30, "50 elements")
+        stopped_at = time.monotonic()
+        worker.send(signal.SIGSTOP)
+        reader.join(40)
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert "no heartbeat" in message and f"pid {worker.pid}" in message, message
+        took = reader.ended_at - stopped_at
+        assert 4 < took < 20, f"raised {took:.1f} s after SIGSTOP"
+        assert dispatcher.num_workers() == 0
+    finally:
+        worker.send(signal.SIGCONT)
+        dispatcher.stop()
+
+
+# ------------------------------------------------------------ in-process servers
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_in_process_worker_that_stops_mid_epoch_is_found_and_reported(
+    protocol: str,
+) -> None:
+    dispatcher = _inprocess_dispatcher()
+    workers = [
+        ds.WorkerServer(
+            ds.WorkerConfig(
+                dispatcher.target,
+                heartbeat_interval_ms=200,
+                worker_address="127.0.0.1:%port%",
+                data_transfer_protocol=protocol,
+            )
+        )
+        for _ in range(2)
+    ]
+    try:
+        n = 3000
+        data = (
+            ds.Dataset.range(n)
+            .map(_slow(0.001))
+            .apply(
+                ds.distribute(
+                    "distributed_epoch", dispatcher.target, data_transfer_protocol=protocol
+                )
+            )
+        )
+        reader = _Reader(iter(data))
+        wait_until(lambda: reader.count >= 300, 60, "300 elements")
+        stopped_at = time.monotonic()
+        workers[0].stop()  # its port closes, its heartbeats stop
+        reader.join(60)
+        assert reader.error is None, reader.error
+        assert reader.ended_at - stopped_at < 10
+        lost = reader.it.stats()["lost_workers"]
+        assert [e["address"] for e in lost] == [workers[0].address], lost
+        assert lost[0]["pid"] == os.getpid()
+        assert reader.count + lost[0]["elements_lost"] == n
+    finally:
+        for w in workers:
+            w.stop()
+        dispatcher.stop()
+
+
+def test_restart_on_the_same_address_after_being_declared_lost_serves_again(
+    servers: Servers,
+) -> None:
+    """A CLI worker SIGKILLed and started again on its port is taken back,
+    and an OFF read started after that reads everything from it."""
+    dispatcher = _inprocess_dispatcher()
+    try:
+        target = dispatcher.target.replace("localhost", "127.0.0.1")
+        addr = target.removeprefix("grpc://")
+        (worker,) = servers.workers(addr, 1, heartbeat_interval_ms=200)
+        port = worker.port
+        assert [int(x) for x in ds.Dataset.range(5).apply(ds.distribute("off", target))] == list(
+            range(5)
+        )
+        worker.kill()
+        wait_until(lambda: dispatcher.num_workers() == 0, 10, "the dispatcher drops the worker")
+        servers.worker(addr, heartbeat_interval_ms=200, extra=("--port", str(port)))
+        wait_until(lambda: dispatcher.num_workers() == 1, 20, "the worker registers again")
+        got = [int(x) for x in ds.Dataset.range(5).apply(ds.distribute("off", target))]
+        assert got == list(range(5))
+    finally:
+        dispatcher.stop()

@@ -22,10 +22,15 @@ from .conftest import Servers
 
 
 def _free_port() -> int:
-    """A port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on (bound, then closed) and that no server this
+    process talked to had: a port another test's dispatcher used answered
+    once, so a refusal there reads as a restart (the full timeout)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not any(rpc_util.was_reached(f"{h}:{port}") for h in ("127.0.0.1", "localhost")):
+            return port
 
 
 def _register(address: str) -> None:

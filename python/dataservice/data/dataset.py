@@ -55,22 +55,20 @@ independent epochs). Iterators are for one consumer thread.
 
 from __future__ import annotations
 
-import collections
 import copy
 import itertools
 import operator
 import os
-import queue
 import secrets
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from dataservice.data import structure
+from dataservice.data.runtime import BackgroundIterator, close_iterator, interleave, parallel_map
 from dataservice.data.splits import RepeatSplitProvider, SplitProvider, SplitSource, epoch_rng
 from dataservice.data.structure import TensorSpec, normalize_element
 from dataservice.errors import InvalidArgumentError
@@ -95,7 +93,7 @@ UNKNOWN_CARDINALITY = -2
 """`cardinality()` of a dataset whose length is not known without running it."""
 
 _AUTOTUNE_PREFETCH = 8  # elements buffered by prefetch(AUTOTUNE)
-_POLL_S = 0.05  # how often a blocked background thread checks whether it was stopped
+POLL_S = 0.05  # how often a blocked background thread checks whether it was stopped
 
 Element = Any
 
@@ -159,13 +157,6 @@ class IterContext:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _close(it: object) -> None:
-    """Closes an iterator if it can be closed (generators, background iterators)."""
-    close = getattr(it, "close", None)
-    if close is not None:
-        close()
 
 
 def _call(fn: Callable[..., Any], element: Element) -> Any:
@@ -323,262 +314,6 @@ def _node_epoch_rng(
         if not ctx.peek:
             state[1] = epoch + 1
     return epoch_rng(seed, epoch)
-
-
-# ------------------------------------------------------------- background iteration
-
-_END = object()
-
-
-class _Raised:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-    """Puts `item`, waiting for room until `stop` is set; False if stopped."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            pass
-    return False
-
-
-def _pump(source: Iterator[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
-    """Thread body: moves `source`'s elements into `q` until the end or `stop`."""
-    try:
-        while not stop.is_set():
-            try:
-                item = next(source)
-            except StopIteration:
-                _put(q, _END, stop)
-                return
-            except BaseException as e:  # forwarded to the consumer, raised there
-                _put(q, _Raised(e), stop)
-                return
-            if not _put(q, item, stop):
-                return
-            del item
-    finally:
-        _close(source)  # in this thread: the generator may only run in one thread
-
-
-class _BackgroundIterator:
-    """Runs an iterator in a daemon thread, up to `buffer_size` elements ahead.
-
-    The thread starts on the first `next()` (or `start()`), holds no reference to this
-    object, and stops within `_POLL_S` seconds of `close()` or of this object being
-    garbage-collected (unless it is blocked inside the source's `next()`). Errors of
-    the source are raised by `next()` at their position. One consumer thread.
-    """
-
-    def __init__(self, source: Iterator[Any], buffer_size: int, name: str) -> None:
-        self._source: Iterator[Any] | None = source
-        self._queue: queue.Queue[Any] = queue.Queue(max(1, buffer_size))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._name = name
-        self._done = False
-
-    def start(self) -> None:
-        if self._thread is None and not self._done:
-            self._thread = threading.Thread(
-                target=_pump,
-                args=(self._source, self._queue, self._stop),
-                name=f"dataservice-{self._name}",
-                daemon=True,
-            )
-            self._source = None  # owned by the thread from now on
-            self._thread.start()
-
-    def __iter__(self) -> _BackgroundIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        if self._thread is None:
-            self.start()
-        item = self._queue.get()
-        if item is _END:
-            self._done = True
-            raise StopIteration
-        if type(item) is _Raised:
-            self.close()
-            raise item.exc
-        return item
-
-    def close(self) -> None:
-        """Stops the thread (it exits within `_POLL_S` s) and drops buffered elements."""
-        self._done = True
-        self._stop.set()
-        if self._source is not None:
-            source, self._source = self._source, None
-            _close(source)
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
-
-
-def _pool_worker(tasks: queue.SimpleQueue[Any], stop: threading.Event) -> None:
-    while True:
-        task = tasks.get()
-        if task is None or stop.is_set():
-            return
-        fn, arg, fut, done = task
-        del task
-        try:
-            fut.set_result(fn(arg))
-        except BaseException as e:
-            fut.set_exception(e)
-        if done is not None:
-            done.put(fut)
-        del fn, arg, fut, done
-
-
-class _ThreadPool:
-    """`n` daemon threads running `fn(arg)` tasks into Futures; thread-compatible."""
-
-    def __init__(self, n: int, name: str) -> None:
-        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._n = n
-        for i in range(n):
-            threading.Thread(
-                target=_pool_worker,
-                args=(self._tasks, self._stop),
-                name=f"dataservice-{name}-{i}",
-                daemon=True,
-            ).start()
-
-    def submit(
-        self, fn: Callable[[Any], Any], arg: Any, done: queue.SimpleQueue[Any] | None
-    ) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._tasks.put((fn, arg, fut, done))
-        return fut
-
-    def shutdown(self) -> None:
-        """Threads exit after their current task; queued tasks are dropped."""
-        if not self._stop.is_set():
-            self._stop.set()
-            for _ in range(self._n):
-                self._tasks.put(None)
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass
-
-
-def _parallel_map(
-    source: Iterator[Element], fn: Callable[[Element], Any], n: int, deterministic: bool
-) -> Iterator[Element]:
-    """`fn` over `source` on `n` threads, at most `n` calls in flight."""
-    pool = _ThreadPool(n, "map")
-    done: queue.SimpleQueue[Any] | None = None if deterministic else queue.SimpleQueue()
-    pending: collections.deque[Future[Any]] = collections.deque()
-    in_flight = 0
-    exhausted = False
-    try:
-        while True:
-            while not exhausted and in_flight < n:
-                try:
-                    element = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                fut = pool.submit(fn, element, done)
-                del element
-                in_flight += 1
-                if deterministic:
-                    pending.append(fut)
-            if in_flight == 0:
-                return
-            fut = pending.popleft() if done is None else done.get()
-            in_flight -= 1
-            yield fut.result()
-            del fut
-    finally:
-        pool.shutdown()
-        _close(source)
-
-
-def _interleave(
-    source: Iterator[Element],
-    open_fn: Callable[[Element], Iterator[Element]],
-    cycle_length: int,
-    block_length: int,
-    parallel: bool,
-) -> Iterator[Element]:
-    """tf.data's interleave order: `block_length` elements from each of `cycle_length`
-    open iterators in turn; an exhausted one is replaced by the next input's in its slot.
-
-    With `parallel`, each open slot's iterator runs ahead in its own daemon thread; the
-    output order is the same.
-
-    Source: tensorflow/core/kernels/data/interleave_dataset_op.cc (GetNextInternal).
-    """
-    slots: list[Iterator[Element] | None] = [None] * cycle_length
-    num_open = 0
-    cycle_index = 0
-    block_index = 0
-    end_of_input = False
-    try:
-        while not end_of_input or num_open > 0:
-            current = slots[cycle_index]
-            if current is not None:
-                try:
-                    element = next(current)
-                except StopIteration:
-                    _close(current)
-                    slots[cycle_index] = None
-                    num_open -= 1
-                    cycle_index = (cycle_index + 1) % cycle_length
-                    block_index = 0
-                    continue
-                block_index += 1
-                if block_index == block_length:
-                    block_index = 0
-                    cycle_index = (cycle_index + 1) % cycle_length
-                yield element
-            elif not end_of_input:
-                try:
-                    input_element = next(source)
-                except StopIteration:
-                    end_of_input = True
-                    continue
-                inner = open_fn(input_element)
-                if parallel:
-                    background = _BackgroundIterator(inner, max(2, block_length), "interleave")
-                    background.start()
-                    inner = background
-                slots[cycle_index] = inner
-                num_open += 1
-            else:
-                cycle_index = (cycle_index + 1) % cycle_length
-                block_index = 0
-    finally:
-        for slot in slots:
-            if slot is not None:
-                _close(slot)
-        _close(source)
-
-
-# ---------------------------------------------------------------------------- Dataset
 
 
 class Dataset:
@@ -865,7 +600,7 @@ class Dataset:
                 "depends on its elements and it produced none"
             ) from None
         finally:
-            _close(it)
+            close_iterator(it)
         spec = structure.spec_of(first)
         self.__dict__["_t_element_spec"] = spec
         return spec
@@ -1201,7 +936,7 @@ class MapDataset(_UnaryDataset):
 
         source = self._input._make_iterator(ctx)
         if n > 1:
-            return _parallel_map(source, apply, n, self._deterministic)
+            return parallel_map(source, apply, n, self._deterministic)
         return self._sequential(source, apply)
 
     @staticmethod
@@ -1212,7 +947,7 @@ class MapDataset(_UnaryDataset):
             for element in source:
                 yield apply(element)
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class FilterDataset(_UnaryDataset):
@@ -1235,7 +970,7 @@ class FilterDataset(_UnaryDataset):
                 if _as_bool(_call(predicate, element), "filter"):
                     yield element
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class FlatMapDataset(_UnaryDataset):
@@ -1263,9 +998,9 @@ class FlatMapDataset(_UnaryDataset):
                 try:
                     yield from inner
                 finally:
-                    _close(inner)
+                    close_iterator(inner)
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class InterleaveDataset(_UnaryDataset):
@@ -1314,7 +1049,7 @@ class InterleaveDataset(_UnaryDataset):
             return _as_dataset(_call(fn, element), "interleave")._make_iterator(user_ctx)
 
         parallel = _parallelism(self._num_parallel_calls, "interleave") > 1
-        return _interleave(
+        return interleave(
             self._input._make_iterator(ctx), open_fn, cycle_length, self._block_length, parallel
         )
 
@@ -1356,7 +1091,7 @@ class BatchDataset(_UnaryDataset):
                 if len(chunk) < size:
                     return
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class ShuffleDataset(_UnaryDataset):
@@ -1406,7 +1141,7 @@ class ShuffleDataset(_UnaryDataset):
                 yield element
                 del element
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class RepeatDataset(_UnaryDataset):
@@ -1448,7 +1183,7 @@ class RepeatDataset(_UnaryDataset):
                     yield element
                 skip_empty = bool(getattr(it, "skip_empty_epoch", False))
             finally:
-                _close(it)
+                close_iterator(it)
             if count is None and not produced and not skip_empty:
                 return  # tf.data: repeat() of an epoch without elements ends
             epoch += 1
@@ -1488,7 +1223,7 @@ class TakeDataset(_UnaryDataset):
                 if taken >= count:
                     return
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class SkipDataset(_UnaryDataset):
@@ -1518,7 +1253,7 @@ class SkipDataset(_UnaryDataset):
                     return
             yield from source
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class EnumerateDataset(_UnaryDataset):
@@ -1540,7 +1275,7 @@ class EnumerateDataset(_UnaryDataset):
             for i, element in zip(itertools.count(self._start), source):
                 yield (np.int64(i), element)
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class ShardDataset(_UnaryDataset):
@@ -1586,7 +1321,7 @@ class ShardDataset(_UnaryDataset):
                 if i % n == index:
                     yield element
         finally:
-            _close(source)
+            close_iterator(source)
 
 
 class PrefetchDataset(_UnaryDataset):
@@ -1606,7 +1341,7 @@ class PrefetchDataset(_UnaryDataset):
         if self._buffer_size == 0:
             return source
         size = _AUTOTUNE_PREFETCH if self._buffer_size == AUTOTUNE else self._buffer_size
-        return _BackgroundIterator(source, size, "prefetch")
+        return BackgroundIterator(source, size, "prefetch")
 
 
 class AllowPickledElementsDataset(_UnaryDataset):
@@ -1692,7 +1427,7 @@ class ZipDataset(Dataset):
                 yield structure.pack_sequence_as(self._structure, values)
         finally:
             for it in iterators:
-                _close(it)
+                close_iterator(it)
 
 
 class ConcatenateDataset(Dataset):
@@ -1737,7 +1472,7 @@ class ConcatenateDataset(Dataset):
             try:
                 yield from it
             finally:
-                _close(it)
+                close_iterator(it)
 
 
 def _common_spec(a: Any, b: Any) -> Any:

@@ -25,12 +25,11 @@ from dataservice.data.dataset import (
     Dataset,
     Element,
     IterContext,
-    _close,
     _index,
-    _interleave,
     _node_epoch_rng,
     _parallelism,
 )
+from dataservice.data.runtime import close_iterator, interleave
 from dataservice.data.splits import (
     FileSplitProvider,
     IndexSplitProvider,
@@ -425,7 +424,7 @@ class GeneratorDataset(Dataset):
                     ) from None
                 yield converted
         finally:
-            _close(it)
+            close_iterator(it)
 
 
 # ---------------------------------------------------------------------------- files
@@ -583,7 +582,7 @@ class TFRecordDataset(Dataset):
         reads = self._num_parallel_reads
         if reads is not None and reads != 1:
             cycle = (os.cpu_count() or 1) if reads == AUTOTUNE else int(reads)
-            return _interleave(names, self._read, cycle, 1, parallel=True)
+            return interleave(names, self._read, cycle, 1, parallel=True)
         return self._sequential(names)
 
     def _sequential(self, names: Iterator[Any]) -> Iterator[Element]:
@@ -593,9 +592,9 @@ class TFRecordDataset(Dataset):
                 try:
                     yield from records
                 finally:
-                    _close(records)
+                    close_iterator(records)
         finally:
-            _close(names)
+            close_iterator(names)
 
     def _read(self, name: Any) -> Iterator[bytes]:
         # The Rust extension (built by maturin) is imported only when a file is read.
@@ -611,4 +610,4 @@ class TFRecordDataset(Dataset):
         try:
             yield from reader
         finally:
-            _close(reader)
+            close_iterator(reader)

@@ -19,10 +19,10 @@ from dataservice.client.reader import DataServiceIterator, ReadOptions
 from dataservice.data.dataset import (
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,
-    AllowPickledElementsDataset,
     Dataset,
     IterContext,
 )
+from dataservice.data.ops import AllowPickledElementsDataset
 from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import util as rpc_util

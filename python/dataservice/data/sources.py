@@ -25,10 +25,8 @@ from dataservice.data.dataset import (
     Dataset,
     Element,
     IterContext,
-    _index,
-    _node_epoch_rng,
-    _parallelism,
 )
+from dataservice.data.ops import as_index, node_epoch_rng, parallelism
 from dataservice.data.runtime import close_iterator, interleave
 from dataservice.data.splits import (
     FileSplitProvider,
@@ -125,7 +123,7 @@ class RangeDataset(Dataset):
             raise InvalidArgumentError(
                 f"range takes 1 to 3 arguments (stop | start, stop[, step]), got {len(args)}"
             )
-        values = [_index(a, "range argument") for a in args]
+        values = [as_index(a, "range argument") for a in args]
         if len(values) == 1:
             values = [0, values[0], 1]
         elif len(values) == 2:
@@ -458,7 +456,7 @@ class ListFilesDataset(Dataset):
         self._patterns = patterns
         self._files = tuple(files)
         self._shuffle = True if shuffle is None else bool(shuffle)
-        self._seed = None if seed is None else _index(seed, "seed")
+        self._seed = None if seed is None else as_index(seed, "seed")
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -482,7 +480,7 @@ class ListFilesDataset(Dataset):
             return (os.fsdecode(s) for s in _splits(source))
         if not self._shuffle:
             return (f for f in self._files)
-        order = _node_epoch_rng(self, self._seed, True, ctx).permutation(len(self._files))
+        order = node_epoch_rng(self, self._seed, True, ctx).permutation(len(self._files))
         files = self._files
         return (files[i] for i in order)
 
@@ -541,7 +539,7 @@ class TFRecordDataset(Dataset):
                 f"{compression_type!r}"
             )
         self._compression_type = _COMPRESSION_TYPES[key]
-        _parallelism(num_parallel_reads, "TFRecordDataset")
+        parallelism(num_parallel_reads, "TFRecordDataset")
         self._num_parallel_reads = num_parallel_reads
 
     @property

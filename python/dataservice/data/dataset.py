@@ -77,7 +77,6 @@ from dataservice.data import structure
 from dataservice.data.runtime import close_iterator
 from dataservice.data.splits import SplitProvider, SplitSource
 from dataservice.errors import InvalidArgumentError
-from dataservice.sharding import SHARD_HINT
 
 if TYPE_CHECKING:
     from dataservice.data.sources import TFRecordDataset  # noqa: F401
@@ -257,21 +256,6 @@ class Dataset:
         if any(a is not b for a, b in zip(old, new, strict=True)):
             node = self._with_inputs(new)
         return fn(node)
-
-    def _with_shard_hints_resolved(self, num_workers: int, worker_index: int) -> Dataset:
-        """This graph with `SHARD_HINT` in `shard()` replaced: num_shards -> num_workers,
-        index -> worker_index (ShardingPolicy.HINT on a worker)."""
-
-        from dataservice.data.ops import ShardDataset  # see "Modules" above
-
-        def resolve(node: Dataset) -> Dataset:
-            if isinstance(node, ShardDataset) and node._has_hint:
-                n = num_workers if node._num_shards == SHARD_HINT else node._num_shards
-                i = worker_index if node._index == SHARD_HINT else node._index
-                return ShardDataset(node._input, n, i)
-            return node
-
-        return self._map_graph(resolve)
 
     def _split_provider(self, seed: int | None) -> SplitProvider:
         """The dispatcher's provider of splits of this pipeline's one splittable source.

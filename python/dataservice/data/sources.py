@@ -9,6 +9,7 @@ dispatcher-side `SplitProvider` (see `splits.py` for what a split is for each).
 
 from __future__ import annotations
 
+import copy
 import glob
 import importlib
 import os
@@ -463,6 +464,12 @@ class ListFilesDataset(Dataset):
         """The matched file names, unshuffled."""
         return self._files
 
+    def _with_files(self, files: tuple[str, ...]) -> ListFilesDataset:
+        """A copy reading `files` (FILE sharding, `graph.with_source_files`)."""
+        new = copy.copy(self)
+        new._files = files
+        return new
+
     def _compute_cardinality(self) -> int:
         return len(self._files)
 
@@ -554,6 +561,12 @@ class TFRecordDataset(Dataset):
     def filenames(self) -> tuple[str, ...] | None:
         """The file names given as a list, or None when they come from a Dataset."""
         return self._filenames
+
+    def _with_files(self, files: tuple[str, ...]) -> TFRecordDataset:
+        """A copy reading `files` (FILE sharding, `graph.with_source_files`)."""
+        new = copy.copy(self)
+        new._filenames = files
+        return new
 
     def _compute_cardinality(self) -> int:
         return UNKNOWN_CARDINALITY

@@ -25,11 +25,12 @@ import grpc
 
 from dataservice import _proc, _waits, auth, errors
 from dataservice.config import WorkerConfig
+from dataservice.data.static_sharding import apply_static_sharding
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
-from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, apply_static_sharding
+from dataservice.sharding import STATIC_POLICIES, ShardingPolicy
 from dataservice.transfer import base as transfer
 from dataservice.transfer import codec
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache

@@ -740,10 +740,3 @@ class Dataset:
 
 
 _BASE_ELEMENT_SPEC = Dataset.__dict__["element_spec"]
-
-
-def allows_pickled_elements(dataset: Dataset) -> bool:
-    """Whether `dataset`'s graph opted in to elements that are not numpy values."""
-    from dataservice.data.ops import AllowPickledElementsDataset  # see "Modules" above
-
-    return any(isinstance(d, AllowPickledElementsDataset) for d in dataset._walk())

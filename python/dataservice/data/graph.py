@@ -13,7 +13,8 @@ Owns:
 * DYNAMIC sharding's two ends: the dispatcher's split providers (`num_split_sources`,
   `split_providers`) and a worker's iterator reading splits (`make_iterator`);
 * what the client needs before registering a pipeline (`static_element_spec`,
-  `check_splittable`).
+  `check_splittable`), and whether a pipeline opted in to elements that are not numpy
+  values (`allows_pickled_elements`, read by the worker).
 
 Every function takes and returns immutable `Dataset`s and is thread-safe.
 """
@@ -24,10 +25,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dataservice.data.dataset import Dataset, IterContext
+from dataservice.data.ops import AllowPickledElementsDataset
 from dataservice.data.sources import ListFilesDataset, TFRecordDataset
 from dataservice.data.splits import SplitProvider, SplitSource
 
 __all__ = [
+    "allows_pickled_elements",
     "check_splittable",
     "file_sources",
     "make_iterator",
@@ -145,3 +148,10 @@ def static_element_spec(dataset: Dataset) -> Any:
     """The element spec if it is known without running the pipeline, else None
     (`Dataset.element_spec` would then run it for its first element)."""
     return dataset._static_element_spec()
+
+
+def allows_pickled_elements(dataset: Dataset) -> bool:
+    """Whether `dataset`'s graph opted in to elements that are not numpy values
+    (`distribute`/`register_dataset(..., allow_pickled_elements=True)`, which add an
+    `allow_pickled_elements` op to the graph)."""
+    return any(isinstance(d, AllowPickledElementsDataset) for d in walk(dataset))

@@ -672,7 +672,7 @@ class DispatchServer:
                 if request.dataset_id not in self._datasets:
                     raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
             try:
-                self._dataset_object(request.dataset_id)._split_providers(0)
+                graph.split_providers(self._dataset_object(request.dataset_id), 0)
             except errors.DataServiceError:
                 raise
             except ValueError as err:

@@ -16,7 +16,8 @@ Owns:
   `check_splittable`), and whether a pipeline opted in to elements that are not numpy
   values (`allows_pickled_elements`, read by the worker).
 
-Every function takes and returns immutable `Dataset`s and is thread-safe.
+Every function is thread-safe and leaves the `Dataset` it is given unchanged (a rewrite
+returns a new graph, sharing the nodes it did not change).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Owns the op classes that `Dataset`'s transformation methods build (`map`, `filte
 dataset.py's docstring (`_make_iterator`, `_compute_cardinality`, `_static_element_spec`,
 split hooks), and the argument checks and calling conventions they share with the
 sources (`sources.py`): `as_index`, `parallelism`, `node_epoch_rng`. Threads are
-`runtime.py`'s. Sources are in `sources.py`; rewrites of a whole graph in `graph.py`.
+`runtime.py`'s. Sources are in `sources.py`; walks and rewrites of a whole graph in `graph.py` and
+`static_sharding.py`.
 
 Op classes are pickled by reference (module path `dataservice.data.ops`) with the
 pipeline, so a worker needs this same module layout, i.e. the same version.

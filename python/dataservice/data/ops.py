@@ -2,15 +2,16 @@
 
 Owns the op classes that `Dataset`'s transformation methods build (`map`, `filter`,
 `flat_map`, `interleave`, `batch`, `shuffle`, `repeat`, `take`, `skip`, `enumerate`,
-`shard`, `prefetch`, `zip`, `concatenate`), each implementing the op surface described in
-dataset.py's docstring (`_make_iterator`, `_compute_cardinality`, `_static_element_spec`,
-split hooks), and the argument checks and calling conventions they share with the
-sources (`sources.py`): `as_index`, `parallelism`, `node_epoch_rng`. Threads are
-`runtime.py`'s. Sources are in `sources.py`; walks and rewrites of a whole graph in `graph.py` and
-`static_sharding.py`.
+`shard`, `prefetch`, `zip`, `concatenate`, and the client's `allow_pickled_elements`
+marker), each implementing the op surface described in dataset.py's docstring
+(`_make_iterator`, `_compute_cardinality`, `_static_element_spec`, split hooks), and the
+argument checks and calling conventions they share with the sources (`sources.py`):
+`as_index`, `parallelism`, `node_epoch_rng`. Threads are `runtime.py`'s. Walks and
+rewrites of a whole graph are in `graph.py` and `static_sharding.py`.
 
 Op classes are pickled by reference (module path `dataservice.data.ops`) with the
-pipeline, so a worker needs this same module layout, i.e. the same version.
+pipeline, so a worker needs this same module layout, i.e. the same version; pipelines
+pickled when these classes were in dataset.py still load (`serialize._MOVED_CLASSES`).
 """
 
 from __future__ import annotations

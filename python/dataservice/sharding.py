@@ -7,18 +7,15 @@ The names and meanings are tf.data service's
 * DYNAMIC: the dispatcher hands out splits of the source; each element is
   produced once per epoch across all workers ("distributed_epoch").
 * FILE, DATA, FILE_OR_DATA, HINT: static sharding over a fixed worker list.
+
+Owns what a policy is and which worker a static policy's shard index names
+(`worker_index_in`). It imports nothing of the pipeline: the rewrites of a
+`Dataset` graph under a static policy are `dataservice.data.static_sharding`'s.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-import threading
-from typing import Any
-
-from dataservice import errors
-
-log = logging.getLogger(__name__)
 
 SHARD_HINT = -1
 """Placeholder for `Dataset.shard(SHARD_HINT, SHARD_HINT)`: under the HINT
@@ -95,111 +92,6 @@ STATIC_POLICIES = (
     ShardingPolicy.FILE_OR_DATA,
     ShardingPolicy.HINT,
 )
-
-
-def _file_lists(node: Any) -> tuple[str, tuple[str, ...]] | None:
-    """(attribute holding the file names, the names) of a file source, else None."""
-    from dataservice.data.sources import ListFilesDataset, TFRecordDataset
-
-    if isinstance(node, ListFilesDataset):
-        return "_files", tuple(node.files)
-    if isinstance(node, TFRecordDataset) and node.filenames is not None:
-        return "_filenames", tuple(node.filenames)
-    return None
-
-
-def _file_sources(dataset: Any) -> list[Any]:
-    """The file sources of `dataset`'s graph (`list_files`, `TFRecordDataset` of names)."""
-    return [node for node in dataset._walk() if _file_lists(node) is not None]
-
-
-def _shard_files(dataset: Any, policy: ShardingPolicy, num_workers: int, worker_index: int) -> Any:
-    """The pipeline with each file source reading only files `worker_index`,
-    `worker_index + num_workers`, ... (tf.data's FILE auto-sharding).
-
-    Raises:
-        FailedPreconditionError: A file source has fewer files than workers.
-    """
-    import copy
-
-    def rewrite(node: Any) -> Any:
-        found = _file_lists(node)
-        if found is None:
-            return node
-        attr, files = found
-        if len(files) < num_workers:
-            raise errors.FailedPreconditionError(
-                f"{policy.name} sharding: not enough files to shard: `{node._op_name}` has "
-                f"{len(files)} files for {num_workers} workers (FILE sharding needs at least "
-                "one file per worker); use ShardingPolicy.DATA, or FILE_OR_DATA (which "
-                "falls back to DATA sharding when there are fewer files than workers)"
-            )
-        new = copy.copy(node)
-        setattr(new, attr, files[worker_index::num_workers])
-        return new
-
-    return dataset._map_graph(rewrite)
-
-
-_fallback_logged: set[tuple[int, tuple[tuple[str, ...], ...]]] = set()
-_fallback_logged_mu = threading.Lock()
-
-
-def _log_data_fallback_once(num_workers: int, file_lists: list[tuple[str, ...]]) -> None:
-    key = (num_workers, tuple(file_lists))
-    with _fallback_logged_mu:
-        if key in _fallback_logged:
-            return
-        _fallback_logged.add(key)
-    counts = ", ".join(str(len(files)) for files in file_lists)
-    log.info(
-        "FILE_OR_DATA sharding: the pipeline's file source has %s files for %d workers "
-        "(FILE sharding needs at least one file per worker); using DATA sharding instead",
-        counts,
-        num_workers,
-    )
-
-
-def apply_static_sharding(
-    dataset: Any, policy: ShardingPolicy, num_workers: int, worker_index: int
-) -> Any:
-    """Rewrites `dataset` for worker `worker_index` of `num_workers` under a
-    static sharding policy, as tf.data service's auto-sharding does:
-
-    * FILE: each file source (`list_files`, `TFRecordDataset` of names) reads
-      every `num_workers`-th file from `worker_index` on;
-    * DATA: the whole stream is `shard(num_workers, worker_index)`-ed at the end;
-    * FILE_OR_DATA: FILE when every file source has at least `num_workers`
-      files, else DATA (no file source, or fewer files than workers: the
-      latter departs from tf.data, see `ShardingPolicy`);
-    * HINT: `shard(SHARD_HINT, SHARD_HINT)` becomes `shard(num_workers, worker_index)`.
-
-    Raises:
-        InvalidArgumentError: FILE sharding of a pipeline without a file source.
-        FailedPreconditionError: Fewer files than workers under FILE sharding.
-    """
-    if policy == ShardingPolicy.FILE:
-        if not _file_sources(dataset):
-            raise errors.InvalidArgumentError(
-                "FILE sharding: the pipeline is unshardable by files: it has no file source "
-                "(`list_files` or `TFRecordDataset` of file names), i.e. 0 files for "
-                f"{num_workers} workers; use ShardingPolicy.DATA or FILE_OR_DATA"
-            )
-        return _shard_files(dataset, policy, num_workers, worker_index)
-    if policy == ShardingPolicy.DATA:
-        return dataset.shard(num_workers, worker_index)
-    if policy == ShardingPolicy.FILE_OR_DATA:
-        file_lists = [
-            found[1] for node in dataset._walk() if (found := _file_lists(node)) is not None
-        ]
-        if file_lists and all(len(files) >= num_workers for files in file_lists):
-            return _shard_files(dataset, policy, num_workers, worker_index)
-        if file_lists:
-            _log_data_fallback_once(num_workers, file_lists)
-        return dataset.shard(num_workers, worker_index)
-    if policy == ShardingPolicy.HINT:
-        return dataset._with_shard_hints_resolved(num_workers, worker_index)
-    return dataset
 
 
 def worker_index_in(

@@ -19,6 +19,7 @@ from dataservice.data.dataset import (
     IterContext,
 )
 from dataservice.data.sources import TFRecordDataset
+from dataservice.data.static_sharding import resolve_shard_hints
 from dataservice.data.structure import TensorSpec
 from dataservice.errors import InvalidArgumentError
 from dataservice.sharding import SHARD_HINT
@@ -512,9 +513,9 @@ def test_shard_hint_only_resolved_by_the_service():
     assert ds.cardinality() == UNKNOWN_CARDINALITY
     with pytest.raises(InvalidArgumentError, match="HINT"):
         list(ds)
-    resolved = ds._with_shard_hints_resolved(num_workers=3, worker_index=1)
+    resolved = resolve_shard_hints(ds, num_workers=3, worker_index=1)
     assert values(resolved) == [1, 4, 7]
-    assert values(Dataset.range(10).shard(2, SHARD_HINT)._with_shard_hints_resolved(5, 1)) == [
+    assert values(resolve_shard_hints(Dataset.range(10).shard(2, SHARD_HINT), 5, 1)) == [
         1,
         3,
         5,

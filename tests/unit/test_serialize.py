@@ -316,3 +316,32 @@ def test_bytes_of_a_bare_pickle_still_deserialize():
 
     old = cloudpickle.dumps(Dataset.range(3), protocol=5)
     assert [int(x) for x in deserialize(old)] == [0, 1, 2]
+
+
+def test_a_pipeline_pickled_when_ops_were_in_dataset_py_still_loads(monkeypatch):
+    # What the journal of a dispatcher from before ops.py holds: the op classes named
+    # as `dataservice.data.dataset.<Op>`. Pickle them under that name, then load them
+    # with the classes only in ops.py.
+    import pickle
+
+    from dataservice.data import dataset as dataset_module
+    from dataservice.data import ops
+
+    moved = (ops.MapDataset, ops.BatchDataset, ops.ZipDataset, ops.RepeatDataset)
+    with monkeypatch.context() as m:
+        for cls in moved:
+            m.setattr(cls, "__module__", "dataservice.data.dataset")
+            m.setattr(dataset_module, cls.__name__, cls, raising=False)
+        pipeline = Dataset.zip((Dataset.range(5).map(double), Dataset.range(5))).batch(2)
+        old = serialize(pipeline.repeat(2))
+    assert b"dataservice.data.dataset" in parse(old).pickle
+    assert not hasattr(dataset_module, "MapDataset")
+    with pytest.raises(AttributeError, match="RepeatDataset"):
+        pickle.loads(parse(old).pickle)  # what a plain unpickler makes of it
+    loaded = deserialize(old)
+    assert type(loaded) is ops.RepeatDataset
+    assert [[a.tolist(), b.tolist()] for a, b in loaded] == [
+        [[0, 2], [0, 1]],
+        [[4, 6], [2, 3]],
+        [[8], [4]],
+    ] * 2

@@ -1,4 +1,4 @@
-"""Static sharding rewrites (`sharding.apply_static_sharding`) without servers:
+"""Static sharding rewrites (`data.static_sharding.apply_static_sharding`) without servers:
 the exact elements each worker index gets, FILE_OR_DATA's fallback to DATA
 with fewer files than workers (C-29), and what each error names."""
 
@@ -10,7 +10,8 @@ import pytest
 
 import dataservice as ds
 from dataservice import errors
-from dataservice.sharding import ShardingPolicy, apply_static_sharding
+from dataservice.data.static_sharding import apply_static_sharding
+from dataservice.sharding import ShardingPolicy
 
 FILE = ShardingPolicy.FILE
 FILE_OR_DATA = ShardingPolicy.FILE_OR_DATA

@@ -16,13 +16,14 @@ from typing import Any
 
 from dataservice import auth
 from dataservice.client.reader import DataServiceIterator, ReadOptions
+from dataservice.data import graph
 from dataservice.data.dataset import (
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,
-    AllowPickledElementsDataset,
     Dataset,
     IterContext,
 )
+from dataservice.data.ops import AllowPickledElementsDataset
 from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import util as rpc_util
@@ -185,7 +186,7 @@ def _dispatcher_call(
 def _check_splittable(dataset: Dataset) -> None:
     """Raises ValueError naming the first op of `dataset` that cannot be split
     (without building split providers, which would glob files here)."""
-    dataset._num_split_sources()
+    graph.check_splittable(dataset)
 
 
 # ---------------------------------------------------------------- the dataset
@@ -308,7 +309,7 @@ class DistributedDataset(Dataset):
         if self._given_spec is not None:
             return self._given_spec
         if self._input_dataset is not None:
-            spec = self._input_dataset._static_element_spec()
+            spec = graph.static_element_spec(self._input_dataset)
             if spec is not None:
                 return spec
         if self._dataset_id is not None:
@@ -377,7 +378,7 @@ def _register(
     timeout_ms: int,
 ) -> str:
     data = serialize_dataset(dataset)
-    spec = dataset._static_element_spec()
+    spec = graph.static_element_spec(dataset)
     request = pb.RegisterDatasetRequest(
         dataset=data,
         element_spec=pickle.dumps(spec) if spec is not None else b"",

@@ -1,4 +1,9 @@
-"""The in-process `Dataset` pipeline API (tf.data's semantics, numpy elements)."""
+"""The in-process `Dataset` pipeline API (tf.data's semantics, numpy elements).
+
+What each module owns, and how they layer, is the "Modules" paragraph of dataset.py's
+docstring. The service (dispatcher, worker, client) walks and rewrites a pipeline only
+through `graph.py` and `static_sharding.py`.
+"""
 
 from dataservice.data.dataset import (
     AUTOTUNE,

@@ -1,7 +1,10 @@
 """The lazy `Dataset` pipeline graph and its in-process semantics (tf.data's).
 
+Owns the `Dataset` base class (its public API and the op surface every node
+implements), `IterContext`, and the cardinality/`AUTOTUNE` constants.
+
 A `Dataset` is an immutable node of a graph: sources (`sources.py`) at the leaves,
-transformations above them. Nothing runs until it is iterated; every `iter(ds)` starts
+transformations (`ops.py`) above them. Nothing runs until it is iterated; every `iter(ds)` starts
 a fresh epoch. Pipelines are plain Python, serialised with cloudpickle
 (`serialize.py`) and run unchanged on workers.
 
@@ -51,30 +54,29 @@ Split hooks (DYNAMIC sharding, see `splits.py`):
 
 Datasets are thread-safe (immutable; iterating one from several threads gives
 independent epochs). Iterators are for one consumer thread.
+
+Modules. The package `data/` is layered: `structure.py`, `arena.py`, `splits.py`,
+`runtime.py` (threads) and `batching.py` know nothing of `Dataset`; this module
+defines it; `ops.py` (transformations) and `sources.py` subclass it; `graph.py` (the
+walks and rewrites the service uses) and `static_sharding.py` sit on top. Because the
+op classes subclass `Dataset`, `ops.py` and `sources.py` import this module, so the
+constructors and transformation methods below import their op class when called
+(each such import is marked `see "Modules" above`), as tf.data's `dataset_ops.py`
+does with its op modules. Code outside `data/` reaches a pipeline's graph only
+through `graph.py`, never through the `_`-names of this surface.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
-import itertools
-import operator
-import os
-import queue
-import secrets
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from dataservice.data import structure
-from dataservice.data.splits import RepeatSplitProvider, SplitProvider, SplitSource, epoch_rng
-from dataservice.data.structure import TensorSpec, normalize_element
+from dataservice.data.runtime import close_iterator
+from dataservice.data.splits import SplitProvider, SplitSource
 from dataservice.errors import InvalidArgumentError
-from dataservice.sharding import SHARD_HINT
 
 if TYPE_CHECKING:
     from dataservice.data.sources import TFRecordDataset  # noqa: F401
@@ -94,8 +96,6 @@ INFINITE_CARDINALITY = -1
 UNKNOWN_CARDINALITY = -2
 """`cardinality()` of a dataset whose length is not known without running it."""
 
-_AUTOTUNE_PREFETCH = 8  # elements buffered by prefetch(AUTOTUNE)
-_POLL_S = 0.05  # how often a blocked background thread checks whether it was stopped
 
 Element = Any
 
@@ -156,429 +156,6 @@ class IterContext:
         """The context for a dataset built by a user function (flat_map/interleave
         bodies): never any split source."""
         return IterContext(peek=self.peek)
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def _close(it: object) -> None:
-    """Closes an iterator if it can be closed (generators, background iterators)."""
-    close = getattr(it, "close", None)
-    if close is not None:
-        close()
-
-
-def _call(fn: Callable[..., Any], element: Element) -> Any:
-    """tf.data's calling convention: a plain tuple is unpacked, anything else is one arg."""
-    if type(element) is tuple:
-        return fn(*element)
-    return fn(element)
-
-
-def _index(value: Any, name: str) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}: {value!r}") from None
-
-
-def _check_callable(fn: Any, op: str) -> None:
-    if not callable(fn):
-        raise TypeError(f"`{op}` expects a function, got {type(fn).__name__}: {fn!r}")
-
-
-def _parallelism(num_parallel_calls: int | None, op: str) -> int:
-    """Threads to use: 1 (sequential) for None/1, CPU count for AUTOTUNE."""
-    if num_parallel_calls is None:
-        return 1
-    n = _index(num_parallel_calls, "num_parallel_calls")
-    if n == AUTOTUNE:
-        return max(os.cpu_count() or 1, 2)
-    if n <= 0:
-        raise InvalidArgumentError(
-            f"`{op}`: num_parallel_calls must be positive or AUTOTUNE (-1), got {n}"
-        )
-    return n
-
-
-def _as_bool(value: Any, op: str) -> bool:
-    if value is True or value is False:
-        return value
-    if isinstance(value, np.bool_):
-        return bool(value)
-    arr = np.asarray(value)
-    if arr.shape == () and arr.dtype == np.bool_:
-        return bool(arr)
-    raise InvalidArgumentError(
-        f"The `{op}` predicate must return a scalar bool, got {type(value).__name__} "
-        f"with shape {arr.shape} and dtype {arr.dtype}"
-    )
-
-
-def _as_dataset(value: Any, op: str) -> Dataset:
-    if not isinstance(value, Dataset):
-        raise TypeError(
-            f"The function given to `{op}` must return a Dataset, got {type(value).__name__}"
-        )
-    return value
-
-
-def _stack_leaves(values: list[Any], component: int) -> Any:
-    """Stacks one leaf of each element of a batch along a new axis 0."""
-    first = values[0]
-    if isinstance(first, np.ndarray):
-        shape = first.shape
-        for k, v in enumerate(values):
-            vshape = getattr(v, "shape", None)
-            if vshape != shape:
-                raise InvalidArgumentError(
-                    f"Cannot batch tensors with different shapes in component {component}. "
-                    f"First element had shape {shape} and element {k} had shape {vshape}."
-                )
-        return np.stack(values)
-    if isinstance(first, str | np.str_) and all(isinstance(v, str) for v in values):
-        return np.array(values, dtype=str)
-    if isinstance(first, np.generic | bool | int | float | complex):
-        arr = np.array(values)
-        if arr.ndim != 1:
-            raise InvalidArgumentError(
-                f"Cannot batch component {component}: its elements are not all scalars"
-            )
-        return arr
-    arr = np.empty(len(values), dtype=object)  # bytes and other objects, kept as they are
-    arr[:] = values
-    return arr
-
-
-def _stack(elements: list[Element]) -> Element:
-    """Stacks a batch of elements leaf by leaf (leaves numbered in flatten order).
-
-    Raises:
-        InvalidArgumentError: The elements' structures or a leaf's shapes differ.
-    """
-    return _stack_nested(elements, [0])
-
-
-def _stack_nested(elements: list[Element], component: list[int]) -> Element:
-    first = elements[0]
-    if not structure.is_nested(first):
-        index = component[0]
-        component[0] += 1
-        return _stack_leaves(elements, index)
-    kind = type(first)
-    if isinstance(first, dict):
-        keys = first.keys()
-        for e in elements:
-            if type(e) is not kind or e.keys() != keys:
-                structure.assert_same_structure(first, e)
-        by_key = {
-            k: _stack_nested([e[k] for e in elements], component)
-            for k in structure._sorted_keys(first)
-        }
-        if kind is dict:
-            return {k: by_key[k] for k in first}
-        return structure._sequence_like(first, [by_key[k] for k in sorted(by_key)])
-    n = len(first)
-    for e in elements:
-        if type(e) is not kind or len(e) != n:
-            structure.assert_same_structure(first, e)
-    children = [_stack_nested([e[i] for e in elements], component) for i in range(n)]
-    return structure._sequence_like(first, children)
-
-
-def _batched_spec(spec: Any, batch_dim: int | None) -> Any:
-    def leaf(s: TensorSpec) -> TensorSpec:
-        dtype: Any = s.dtype
-        if dtype is bytes:
-            dtype = np.dtype(object)
-        elif dtype is str:
-            dtype = np.dtype(str)
-        return TensorSpec((batch_dim, *s.shape), dtype)
-
-    return structure.map_structure(leaf, spec)
-
-
-def _node_epoch_rng(
-    node: Dataset, seed: int | None, reshuffle: bool, ctx: IterContext
-) -> np.random.Generator:
-    """The RNG for the next epoch of a shuffling node, tf.data's seeding rules.
-
-    seed given: reproducible; with `reshuffle` each new iterator of this node object
-    gets the next epoch's order (a `ctx.peek` iterator reuses the next one without
-    using it up), else every epoch has the same order. seed None: fresh randomness per
-    iterator with `reshuffle`, else one random seed drawn on first use. The per-node
-    state is transient (`_t_` attributes are never serialised).
-    """
-    if not reshuffle:
-        if seed is None:
-            seed = node.__dict__.setdefault("_t_fixed_seed", secrets.randbits(63))
-        return epoch_rng(seed, 0)
-    if seed is None:
-        return epoch_rng(None, 0)
-    state = node.__dict__.get("_t_epoch")
-    if state is None:
-        state = node.__dict__.setdefault("_t_epoch", [threading.Lock(), 0])
-    with state[0]:
-        epoch = state[1]
-        if not ctx.peek:
-            state[1] = epoch + 1
-    return epoch_rng(seed, epoch)
-
-
-# ------------------------------------------------------------- background iteration
-
-_END = object()
-
-
-class _Raised:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-    """Puts `item`, waiting for room until `stop` is set; False if stopped."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            pass
-    return False
-
-
-def _pump(source: Iterator[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
-    """Thread body: moves `source`'s elements into `q` until the end or `stop`."""
-    try:
-        while not stop.is_set():
-            try:
-                item = next(source)
-            except StopIteration:
-                _put(q, _END, stop)
-                return
-            except BaseException as e:  # forwarded to the consumer, raised there
-                _put(q, _Raised(e), stop)
-                return
-            if not _put(q, item, stop):
-                return
-            del item
-    finally:
-        _close(source)  # in this thread: the generator may only run in one thread
-
-
-class _BackgroundIterator:
-    """Runs an iterator in a daemon thread, up to `buffer_size` elements ahead.
-
-    The thread starts on the first `next()` (or `start()`), holds no reference to this
-    object, and stops within `_POLL_S` seconds of `close()` or of this object being
-    garbage-collected (unless it is blocked inside the source's `next()`). Errors of
-    the source are raised by `next()` at their position. One consumer thread.
-    """
-
-    def __init__(self, source: Iterator[Any], buffer_size: int, name: str) -> None:
-        self._source: Iterator[Any] | None = source
-        self._queue: queue.Queue[Any] = queue.Queue(max(1, buffer_size))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._name = name
-        self._done = False
-
-    def start(self) -> None:
-        if self._thread is None and not self._done:
-            self._thread = threading.Thread(
-                target=_pump,
-                args=(self._source, self._queue, self._stop),
-                name=f"dataservice-{self._name}",
-                daemon=True,
-            )
-            self._source = None  # owned by the thread from now on
-            self._thread.start()
-
-    def __iter__(self) -> _BackgroundIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        if self._thread is None:
-            self.start()
-        item = self._queue.get()
-        if item is _END:
-            self._done = True
-            raise StopIteration
-        if type(item) is _Raised:
-            self.close()
-            raise item.exc
-        return item
-
-    def close(self) -> None:
-        """Stops the thread (it exits within `_POLL_S` s) and drops buffered elements."""
-        self._done = True
-        self._stop.set()
-        if self._source is not None:
-            source, self._source = self._source, None
-            _close(source)
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
-
-
-def _pool_worker(tasks: queue.SimpleQueue[Any], stop: threading.Event) -> None:
-    while True:
-        task = tasks.get()
-        if task is None or stop.is_set():
-            return
-        fn, arg, fut, done = task
-        del task
-        try:
-            fut.set_result(fn(arg))
-        except BaseException as e:
-            fut.set_exception(e)
-        if done is not None:
-            done.put(fut)
-        del fn, arg, fut, done
-
-
-class _ThreadPool:
-    """`n` daemon threads running `fn(arg)` tasks into Futures; thread-compatible."""
-
-    def __init__(self, n: int, name: str) -> None:
-        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._n = n
-        for i in range(n):
-            threading.Thread(
-                target=_pool_worker,
-                args=(self._tasks, self._stop),
-                name=f"dataservice-{name}-{i}",
-                daemon=True,
-            ).start()
-
-    def submit(
-        self, fn: Callable[[Any], Any], arg: Any, done: queue.SimpleQueue[Any] | None
-    ) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._tasks.put((fn, arg, fut, done))
-        return fut
-
-    def shutdown(self) -> None:
-        """Threads exit after their current task; queued tasks are dropped."""
-        if not self._stop.is_set():
-            self._stop.set()
-            for _ in range(self._n):
-                self._tasks.put(None)
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass
-
-
-def _parallel_map(
-    source: Iterator[Element], fn: Callable[[Element], Any], n: int, deterministic: bool
-) -> Iterator[Element]:
-    """`fn` over `source` on `n` threads, at most `n` calls in flight."""
-    pool = _ThreadPool(n, "map")
-    done: queue.SimpleQueue[Any] | None = None if deterministic else queue.SimpleQueue()
-    pending: collections.deque[Future[Any]] = collections.deque()
-    in_flight = 0
-    exhausted = False
-    try:
-        while True:
-            while not exhausted and in_flight < n:
-                try:
-                    element = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                fut = pool.submit(fn, element, done)
-                del element
-                in_flight += 1
-                if deterministic:
-                    pending.append(fut)
-            if in_flight == 0:
-                return
-            fut = pending.popleft() if done is None else done.get()
-            in_flight -= 1
-            yield fut.result()
-            del fut
-    finally:
-        pool.shutdown()
-        _close(source)
-
-
-def _interleave(
-    source: Iterator[Element],
-    open_fn: Callable[[Element], Iterator[Element]],
-    cycle_length: int,
-    block_length: int,
-    parallel: bool,
-) -> Iterator[Element]:
-    """tf.data's interleave order: `block_length` elements from each of `cycle_length`
-    open iterators in turn; an exhausted one is replaced by the next input's in its slot.
-
-    With `parallel`, each open slot's iterator runs ahead in its own daemon thread; the
-    output order is the same.
-
-    Source: tensorflow/core/kernels/data/interleave_dataset_op.cc (GetNextInternal).
-    """
-    slots: list[Iterator[Element] | None] = [None] * cycle_length
-    num_open = 0
-    cycle_index = 0
-    block_index = 0
-    end_of_input = False
-    try:
-        while not end_of_input or num_open > 0:
-            current = slots[cycle_index]
-            if current is not None:
-                try:
-                    element = next(current)
-                except StopIteration:
-                    _close(current)
-                    slots[cycle_index] = None
-                    num_open -= 1
-                    cycle_index = (cycle_index + 1) % cycle_length
-                    block_index = 0
-                    continue
-                block_index += 1
-                if block_index == block_length:
-                    block_index = 0
-                    cycle_index = (cycle_index + 1) % cycle_length
-                yield element
-            elif not end_of_input:
-                try:
-                    input_element = next(source)
-                except StopIteration:
-                    end_of_input = True
-                    continue
-                inner = open_fn(input_element)
-                if parallel:
-                    background = _BackgroundIterator(inner, max(2, block_length), "interleave")
-                    background.start()
-                    inner = background
-                slots[cycle_index] = inner
-                num_open += 1
-            else:
-                cycle_index = (cycle_index + 1) % cycle_length
-                block_index = 0
-    finally:
-        for slot in slots:
-            if slot is not None:
-                _close(slot)
-        _close(source)
-
-
-# ---------------------------------------------------------------------------- Dataset
 
 
 class Dataset:
@@ -679,19 +256,6 @@ class Dataset:
         if any(a is not b for a, b in zip(old, new, strict=True)):
             node = self._with_inputs(new)
         return fn(node)
-
-    def _with_shard_hints_resolved(self, num_workers: int, worker_index: int) -> Dataset:
-        """This graph with `SHARD_HINT` in `shard()` replaced: num_shards -> num_workers,
-        index -> worker_index (ShardingPolicy.HINT on a worker)."""
-
-        def resolve(node: Dataset) -> Dataset:
-            if isinstance(node, ShardDataset) and node._has_hint:
-                n = num_workers if node._num_shards == SHARD_HINT else node._num_shards
-                i = worker_index if node._index == SHARD_HINT else node._index
-                return ShardDataset(node._input, n, i)
-            return node
-
-        return self._map_graph(resolve)
 
     def _split_provider(self, seed: int | None) -> SplitProvider:
         """The dispatcher's provider of splits of this pipeline's one splittable source.
@@ -865,7 +429,7 @@ class Dataset:
                 "depends on its elements and it produced none"
             ) from None
         finally:
-            _close(it)
+            close_iterator(it)
         spec = structure.spec_of(first)
         self.__dict__["_t_element_spec"] = spec
         return spec
@@ -884,7 +448,7 @@ class Dataset:
         Raises:
             InvalidArgumentError: `step` is 0, or not 1 to 3 arguments.
         """
-        from dataservice.data.sources import RangeDataset
+        from dataservice.data.sources import RangeDataset  # see "Modules" above
 
         return RangeDataset(*args)
 
@@ -921,14 +485,14 @@ class Dataset:
         arrays, other object arrays and other Python objects are pickled with the
         definition and copied into each worker.
         """
-        from dataservice.data.sources import TensorSliceDataset
+        from dataservice.data.sources import TensorSliceDataset  # see "Modules" above
 
         return TensorSliceDataset(value)
 
     @staticmethod
     def from_tensors(value: Any) -> Dataset:
         """A dataset with the single element `value` (lists become numpy arrays)."""
-        from dataservice.data.sources import TensorDataset
+        from dataservice.data.sources import TensorDataset  # see "Modules" above
 
         return TensorDataset(value)
 
@@ -950,7 +514,7 @@ class Dataset:
         Raises:
             TypeError: `generator` is not callable.
         """
-        from dataservice.data.sources import GeneratorDataset
+        from dataservice.data.sources import GeneratorDataset  # see "Modules" above
 
         return GeneratorDataset(generator, args, output_signature)
 
@@ -972,7 +536,7 @@ class Dataset:
         Raises:
             InvalidArgumentError: No file matched; the message names the pattern(s).
         """
-        from dataservice.data.sources import ListFilesDataset
+        from dataservice.data.sources import ListFilesDataset  # see "Modules" above
 
         return ListFilesDataset(file_pattern, shuffle, seed)
 
@@ -995,6 +559,8 @@ class Dataset:
                 nest = tuple(nest)
         else:
             nest = tuple(datasets)
+        from dataservice.data.ops import ZipDataset  # see "Modules" above
+
         return ZipDataset(nest)
 
     # ------------------------------------------------------------ transformations
@@ -1018,6 +584,8 @@ class Dataset:
             TypeError: `map_func` is not callable.
             InvalidArgumentError: `num_parallel_calls` is 0 or below -1.
         """
+        from dataservice.data.ops import MapDataset  # see "Modules" above
+
         return MapDataset(self, map_func, num_parallel_calls, deterministic)
 
     def filter(self, predicate: Callable[..., Any]) -> Dataset:
@@ -1025,10 +593,14 @@ class Dataset:
 
         Iterating raises InvalidArgumentError if the predicate returns anything else.
         """
+        from dataservice.data.ops import FilterDataset  # see "Modules" above
+
         return FilterDataset(self, predicate)
 
     def flat_map(self, map_func: Callable[..., Dataset]) -> Dataset:
         """The elements of `map_func(element)` (a Dataset) for each element, in order."""
+        from dataservice.data.ops import FlatMapDataset  # see "Modules" above
+
         return FlatMapDataset(self, map_func)
 
     def interleave(
@@ -1055,6 +627,8 @@ class Dataset:
         Raises:
             InvalidArgumentError: cycle_length or block_length <= 0 (other than AUTOTUNE).
         """
+        from dataservice.data.ops import InterleaveDataset  # see "Modules" above
+
         return InterleaveDataset(
             self, map_func, cycle_length, block_length, num_parallel_calls, deterministic
         )
@@ -1070,6 +644,8 @@ class Dataset:
             InvalidArgumentError: `batch_size` <= 0; while iterating, elements whose
                 structures or leaf shapes differ.
         """
+        from dataservice.data.ops import BatchDataset  # see "Modules" above
+
         return BatchDataset(self, batch_size, drop_remainder)
 
     def shuffle(
@@ -1089,6 +665,8 @@ class Dataset:
         Raises:
             InvalidArgumentError: `buffer_size` <= 0.
         """
+        from dataservice.data.ops import ShuffleDataset  # see "Modules" above
+
         return ShuffleDataset(self, buffer_size, seed, reshuffle_each_iteration)
 
     def repeat(self, count: int | None = None) -> Dataset:
@@ -1098,18 +676,26 @@ class Dataset:
         `range(0).repeat()` ends), unless that epoch's iterator has a truthy attribute
         `skip_empty_epoch`.
         """
+        from dataservice.data.ops import RepeatDataset  # see "Modules" above
+
         return RepeatDataset(self, count)
 
     def take(self, count: int) -> Dataset:
         """The first `count` elements (-1: all)."""
+        from dataservice.data.ops import TakeDataset  # see "Modules" above
+
         return TakeDataset(self, count)
 
     def skip(self, count: int) -> Dataset:
         """All but the first `count` elements (-1: skip everything)."""
+        from dataservice.data.ops import SkipDataset  # see "Modules" above
+
         return SkipDataset(self, count)
 
     def enumerate(self, start: int = 0) -> Dataset:
         """Elements `(i, element)` with `i` an `int64[]` counting from `start`."""
+        from dataservice.data.ops import EnumerateDataset  # see "Modules" above
+
         return EnumerateDataset(self, start)
 
     def shard(self, num_shards: int, index: int) -> Dataset:
@@ -1122,11 +708,15 @@ class Dataset:
         Raises:
             InvalidArgumentError: num_shards <= 0 or index not in [0, num_shards).
         """
+        from dataservice.data.ops import ShardDataset  # see "Modules" above
+
         return ShardDataset(self, num_shards, index)
 
     def prefetch(self, buffer_size: int) -> Dataset:
         """Produces up to `buffer_size` elements ahead on a daemon thread (AUTOTUNE: 8;
         0: no prefetching). The thread stops when the iterator is closed or dropped."""
+        from dataservice.data.ops import PrefetchDataset  # see "Modules" above
+
         return PrefetchDataset(self, buffer_size)
 
     def concatenate(self, dataset: Dataset) -> Dataset:
@@ -1135,6 +725,8 @@ class Dataset:
         Raises:
             TypeError: Both element specs are static and incompatible.
         """
+        from dataservice.data.ops import ConcatenateDataset  # see "Modules" above
+
         return ConcatenateDataset(self, dataset)
 
     def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
@@ -1148,608 +740,3 @@ class Dataset:
 
 
 _BASE_ELEMENT_SPEC = Dataset.__dict__["element_spec"]
-
-
-# ------------------------------------------------------------ unary transformations
-
-
-class _UnaryDataset(Dataset):
-    """A transformation of one input whose splits flow through it."""
-
-    _input_attrs = ("_input",)
-    _passes_splits = True
-
-    def __init__(self, input_dataset: Dataset) -> None:
-        if not isinstance(input_dataset, Dataset):
-            raise TypeError(f"Expected a Dataset, got {type(input_dataset).__name__}")
-        self._input = input_dataset
-
-    def _compute_cardinality(self) -> int:
-        return self._input.cardinality()
-
-    def _static_element_spec(self) -> Any:
-        return self._input._static_element_spec()
-
-
-class MapDataset(_UnaryDataset):
-    _op_name = "map"
-    _fn_attrs = ("_fn",)
-
-    def __init__(
-        self,
-        input_dataset: Dataset,
-        fn: Callable[..., Any],
-        num_parallel_calls: int | None,
-        deterministic: bool | None,
-    ) -> None:
-        super().__init__(input_dataset)
-        _check_callable(fn, "map")
-        _parallelism(num_parallel_calls, "map")  # validate now
-        self._fn = fn
-        self._num_parallel_calls = None if num_parallel_calls is None else int(num_parallel_calls)
-        self._deterministic = deterministic is None or bool(deterministic)
-
-    def _static_element_spec(self) -> Any:
-        return None
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        n = _parallelism(self._num_parallel_calls, "map")
-        fn = self._fn
-
-        def apply(element: Element) -> Element:
-            return normalize_element(_call(fn, element))
-
-        source = self._input._make_iterator(ctx)
-        if n > 1:
-            return _parallel_map(source, apply, n, self._deterministic)
-        return self._sequential(source, apply)
-
-    @staticmethod
-    def _sequential(
-        source: Iterator[Element], apply: Callable[[Element], Element]
-    ) -> Iterator[Element]:
-        try:
-            for element in source:
-                yield apply(element)
-        finally:
-            _close(source)
-
-
-class FilterDataset(_UnaryDataset):
-    _op_name = "filter"
-    _fn_attrs = ("_predicate",)
-
-    def __init__(self, input_dataset: Dataset, predicate: Callable[..., Any]) -> None:
-        super().__init__(input_dataset)
-        _check_callable(predicate, "filter")
-        self._predicate = predicate
-
-    def _compute_cardinality(self) -> int:
-        return UNKNOWN_CARDINALITY
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        source = self._input._make_iterator(ctx)
-        predicate = self._predicate
-        try:
-            for element in source:
-                if _as_bool(_call(predicate, element), "filter"):
-                    yield element
-        finally:
-            _close(source)
-
-
-class FlatMapDataset(_UnaryDataset):
-    _op_name = "flat_map"
-    _fn_attrs = ("_fn",)
-
-    def __init__(self, input_dataset: Dataset, fn: Callable[..., Dataset]) -> None:
-        super().__init__(input_dataset)
-        _check_callable(fn, "flat_map")
-        self._fn = fn
-
-    def _compute_cardinality(self) -> int:
-        return UNKNOWN_CARDINALITY
-
-    def _static_element_spec(self) -> Any:
-        return None
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        source = self._input._make_iterator(ctx)
-        fn = self._fn
-        user_ctx = ctx.for_user_dataset()
-        try:
-            for element in source:
-                inner = _as_dataset(_call(fn, element), "flat_map")._make_iterator(user_ctx)
-                try:
-                    yield from inner
-                finally:
-                    _close(inner)
-        finally:
-            _close(source)
-
-
-class InterleaveDataset(_UnaryDataset):
-    _op_name = "interleave"
-    _fn_attrs = ("_fn",)
-
-    def __init__(
-        self,
-        input_dataset: Dataset,
-        fn: Callable[..., Dataset],
-        cycle_length: int | None,
-        block_length: int | None,
-        num_parallel_calls: int | None,
-        deterministic: bool | None,
-    ) -> None:
-        super().__init__(input_dataset)
-        _check_callable(fn, "interleave")
-        if cycle_length is not None:
-            cycle_length = _index(cycle_length, "cycle_length")
-            if cycle_length <= 0 and cycle_length != AUTOTUNE:
-                raise InvalidArgumentError(f"cycle_length must be > 0, got {cycle_length}")
-        block_length = 1 if block_length is None else _index(block_length, "block_length")
-        if block_length <= 0:
-            raise InvalidArgumentError(f"block_length must be > 0, got {block_length}")
-        _parallelism(num_parallel_calls, "interleave")
-        self._fn = fn
-        self._cycle_length = cycle_length
-        self._block_length = block_length
-        self._num_parallel_calls = num_parallel_calls
-        self._deterministic = deterministic
-
-    def _compute_cardinality(self) -> int:
-        return UNKNOWN_CARDINALITY
-
-    def _static_element_spec(self) -> Any:
-        return None
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        cycle_length = self._cycle_length
-        if cycle_length is None or cycle_length == AUTOTUNE:
-            cycle_length = os.cpu_count() or 1
-        fn = self._fn
-        user_ctx = ctx.for_user_dataset()
-
-        def open_fn(element: Element) -> Iterator[Element]:
-            return _as_dataset(_call(fn, element), "interleave")._make_iterator(user_ctx)
-
-        parallel = _parallelism(self._num_parallel_calls, "interleave") > 1
-        return _interleave(
-            self._input._make_iterator(ctx), open_fn, cycle_length, self._block_length, parallel
-        )
-
-
-class BatchDataset(_UnaryDataset):
-    _op_name = "batch"
-
-    def __init__(self, input_dataset: Dataset, batch_size: int, drop_remainder: bool) -> None:
-        super().__init__(input_dataset)
-        batch_size = _index(batch_size, "batch_size")
-        if batch_size <= 0:
-            raise InvalidArgumentError(f"Batch size must be greater than zero, got {batch_size}")
-        self._batch_size = batch_size
-        self._drop_remainder = bool(drop_remainder)
-
-    def _compute_cardinality(self) -> int:
-        n = self._input.cardinality()
-        if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
-            return n
-        if self._drop_remainder:
-            return n // self._batch_size
-        return -(-n // self._batch_size)
-
-    def _static_element_spec(self) -> Any:
-        spec = self._input._static_element_spec()
-        if spec is None:
-            return None
-        return _batched_spec(spec, self._batch_size if self._drop_remainder else None)
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        source = self._input._make_iterator(ctx)
-        size = self._batch_size
-        try:
-            while True:
-                chunk = list(itertools.islice(source, size))
-                if not chunk or (self._drop_remainder and len(chunk) < size):
-                    return
-                yield _stack(chunk)
-                if len(chunk) < size:
-                    return
-        finally:
-            _close(source)
-
-
-class ShuffleDataset(_UnaryDataset):
-    _op_name = "shuffle"
-
-    def __init__(
-        self,
-        input_dataset: Dataset,
-        buffer_size: int,
-        seed: int | None,
-        reshuffle_each_iteration: bool,
-    ) -> None:
-        super().__init__(input_dataset)
-        buffer_size = _index(buffer_size, "buffer_size")
-        if buffer_size <= 0:
-            raise InvalidArgumentError(f"buffer_size must be greater than zero, got {buffer_size}")
-        self._buffer_size = buffer_size
-        self._seed = None if seed is None else _index(seed, "seed")
-        self._reshuffle = bool(reshuffle_each_iteration)
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        rng = _node_epoch_rng(self, self._seed, self._reshuffle, ctx)
-        return self._shuffled(self._input._make_iterator(ctx), rng)
-
-    def _shuffled(self, source: Iterator[Element], rng: np.random.Generator) -> Iterator[Element]:
-        buffer: list[Element] = []
-        size = self._buffer_size
-        exhausted = False
-        uniforms = rng.random(256)
-        u = 0
-        try:
-            while True:
-                while not exhausted and len(buffer) < size:
-                    try:
-                        buffer.append(next(source))
-                    except StopIteration:
-                        exhausted = True
-                if not buffer:
-                    return
-                if u == len(uniforms):
-                    uniforms, u = rng.random(256), 0
-                i = min(int(uniforms[u] * len(buffer)), len(buffer) - 1)
-                u += 1
-                element = buffer[i]
-                buffer[i] = buffer[-1]
-                buffer.pop()
-                yield element
-                del element
-        finally:
-            _close(source)
-
-
-class RepeatDataset(_UnaryDataset):
-    _op_name = "repeat"
-
-    def __init__(self, input_dataset: Dataset, count: int | None) -> None:
-        super().__init__(input_dataset)
-        count = None if count is None else _index(count, "count")
-        self._count = None if count is None or count < 0 else count
-
-    def _compute_cardinality(self) -> int:
-        n = self._input.cardinality()
-        if self._count is None:
-            return 0 if n == 0 else INFINITE_CARDINALITY
-        if self._count == 0:
-            return 0
-        if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
-            return n
-        return n * self._count
-
-    def _split_provider(self, seed: int | None) -> SplitProvider:
-        return RepeatSplitProvider(self._input._split_provider(seed), self._count)
-
-    def _add_split_providers(self, seed: int | None, out: list[SplitProvider]) -> None:
-        start = len(out)
-        self._input._add_split_providers(seed, out)
-        out[start:] = [RepeatSplitProvider(p, self._count) for p in out[start:]]
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        count = self._count
-        epoch = 0
-        while count is None or epoch < count:
-            it = self._input._make_iterator(ctx)
-            produced = False
-            skip_empty = False
-            try:
-                for element in it:
-                    produced = True
-                    yield element
-                skip_empty = bool(getattr(it, "skip_empty_epoch", False))
-            finally:
-                _close(it)
-            if count is None and not produced and not skip_empty:
-                return  # tf.data: repeat() of an epoch without elements ends
-            epoch += 1
-
-
-class TakeDataset(_UnaryDataset):
-    _op_name = "take"
-
-    def __init__(self, input_dataset: Dataset, count: int) -> None:
-        super().__init__(input_dataset)
-        self._count = _index(count, "count")
-
-    def _compute_cardinality(self) -> int:
-        n = self._input.cardinality()
-        count = self._count
-        if n == UNKNOWN_CARDINALITY:
-            return UNKNOWN_CARDINALITY
-        if n == INFINITE_CARDINALITY:
-            return count if count >= 0 else INFINITE_CARDINALITY
-        if count < 0:
-            return n
-        return min(n, count)
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        count = self._count
-        if count == 0:
-            return
-        source = self._input._make_iterator(ctx)
-        try:
-            if count < 0:
-                yield from source
-                return
-            taken = 0
-            for element in source:
-                taken += 1
-                yield element
-                if taken >= count:
-                    return
-        finally:
-            _close(source)
-
-
-class SkipDataset(_UnaryDataset):
-    _op_name = "skip"
-
-    def __init__(self, input_dataset: Dataset, count: int) -> None:
-        super().__init__(input_dataset)
-        self._count = _index(count, "count")
-
-    def _compute_cardinality(self) -> int:
-        n = self._input.cardinality()
-        if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
-            return n
-        return 0 if self._count < 0 else max(0, n - self._count)
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        source = self._input._make_iterator(ctx)
-        try:
-            if self._count < 0:
-                for _ in source:
-                    pass
-                return
-            for _ in range(self._count):
-                try:
-                    next(source)
-                except StopIteration:
-                    return
-            yield from source
-        finally:
-            _close(source)
-
-
-class EnumerateDataset(_UnaryDataset):
-    _op_name = "enumerate"
-
-    def __init__(self, input_dataset: Dataset, start: int) -> None:
-        super().__init__(input_dataset)
-        self._start = _index(start, "start")
-
-    def _static_element_spec(self) -> Any:
-        spec = self._input._static_element_spec()
-        if spec is None:
-            return None
-        return (TensorSpec((), np.int64), spec)
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        source = self._input._make_iterator(ctx)
-        try:
-            for i, element in zip(itertools.count(self._start), source):
-                yield (np.int64(i), element)
-        finally:
-            _close(source)
-
-
-class ShardDataset(_UnaryDataset):
-    _op_name = "shard"
-
-    def __init__(self, input_dataset: Dataset, num_shards: int, index: int) -> None:
-        super().__init__(input_dataset)
-        num_shards = _index(num_shards, "num_shards")
-        index = _index(index, "index")
-        if num_shards != SHARD_HINT and num_shards <= 0:
-            raise InvalidArgumentError(f"num_shards must be > 0 (or SHARD_HINT), got {num_shards}")
-        if index != SHARD_HINT and (
-            index < 0 or (num_shards != SHARD_HINT and index >= num_shards)
-        ):
-            raise InvalidArgumentError(
-                f"index must be in [0, num_shards) (or SHARD_HINT), got index={index}, "
-                f"num_shards={num_shards}"
-            )
-        self._num_shards = num_shards
-        self._index = index
-
-    @property
-    def _has_hint(self) -> bool:
-        return SHARD_HINT in (self._num_shards, self._index)
-
-    def _compute_cardinality(self) -> int:
-        n = self._input.cardinality()
-        if n in (INFINITE_CARDINALITY, UNKNOWN_CARDINALITY) or self._has_hint:
-            return n if not self._has_hint else UNKNOWN_CARDINALITY
-        return n // self._num_shards + (1 if self._index < n % self._num_shards else 0)
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        if self._has_hint:
-            raise InvalidArgumentError(
-                "shard(SHARD_HINT, ...) is a placeholder that only the data service's "
-                "ShardingPolicy.HINT resolves (to the number of workers and the worker "
-                "index); it cannot be iterated in-process. Use concrete num_shards/index."
-            )
-        source = self._input._make_iterator(ctx)
-        n, index = self._num_shards, self._index
-        try:
-            for i, element in enumerate(source):
-                if i % n == index:
-                    yield element
-        finally:
-            _close(source)
-
-
-class PrefetchDataset(_UnaryDataset):
-    _op_name = "prefetch"
-
-    def __init__(self, input_dataset: Dataset, buffer_size: int) -> None:
-        super().__init__(input_dataset)
-        buffer_size = _index(buffer_size, "buffer_size")
-        if buffer_size < 0 and buffer_size != AUTOTUNE:
-            raise InvalidArgumentError(
-                f"buffer_size must be >= 0 or AUTOTUNE (-1), got {buffer_size}"
-            )
-        self._buffer_size = buffer_size
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        source = self._input._make_iterator(ctx)
-        if self._buffer_size == 0:
-            return source
-        size = _AUTOTUNE_PREFETCH if self._buffer_size == AUTOTUNE else self._buffer_size
-        return _BackgroundIterator(source, size, "prefetch")
-
-
-class AllowPickledElementsDataset(_UnaryDataset):
-    """Its input's elements, which may hold leaves that are not numpy values
-    (a dataclass instance, a set, a PIL image): the service pickles those
-    instead of refusing them. Added by `distribute(..., allow_pickled_elements=True)`
-    and `register_dataset(..., allow_pickled_elements=True)`; being part of the
-    graph, it travels to the workers and changes the dataset's fingerprint."""
-
-    _op_name = "allow_pickled_elements"
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        return self._input._make_iterator(ctx)
-
-
-def allows_pickled_elements(dataset: Dataset) -> bool:
-    """Whether `dataset`'s graph opted in to elements that are not numpy values."""
-    return any(isinstance(d, AllowPickledElementsDataset) for d in dataset._walk())
-
-
-# ------------------------------------------------------------ several inputs
-
-
-class ZipDataset(Dataset):
-    """`Dataset.zip(datasets)`: tuples (nests) of one element of each input.
-
-    Under DYNAMIC sharding each input's splittable sources read their own split
-    providers, so on a worker element k pairs the k-th element of each input *on that
-    worker*: inputs are not aligned by split index across workers (tf.data service's
-    rule). It ends when any input ends; the other inputs' splits already taken by that
-    worker are not seen again in this epoch.
-    """
-
-    _op_name = "zip"
-    _passes_splits = True
-
-    def __init__(self, datasets: Any) -> None:
-        flat = structure.flatten(datasets)
-        if not flat or not all(isinstance(d, Dataset) for d in flat):
-            raise TypeError(
-                "`zip` expects Datasets or a (nested) tuple/dict of Datasets, got "
-                f"{structure._structure_repr(datasets)} with leaves "
-                f"{[type(d).__name__ for d in flat]}"
-            )
-        self._structure = datasets
-
-    def _inputs(self) -> list[Dataset]:
-        return structure.flatten(self._structure)
-
-    def _with_inputs(self, inputs: list[Dataset]) -> Dataset:
-        new = copy.copy(self)
-        new._structure = structure.pack_sequence_as(self._structure, inputs)
-        return new
-
-    def _compute_cardinality(self) -> int:
-        result = INFINITE_CARDINALITY
-        for d in self._inputs():
-            n = d.cardinality()
-            if n == UNKNOWN_CARDINALITY:
-                return UNKNOWN_CARDINALITY
-            if n != INFINITE_CARDINALITY and (result == INFINITE_CARDINALITY or n < result):
-                result = n
-        return result
-
-    def _static_element_spec(self) -> Any:
-        specs = [d._static_element_spec() for d in self._inputs()]
-        if any(s is None for s in specs):
-            return None
-        return structure.pack_sequence_as(self._structure, specs)
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        inputs = self._inputs()
-        contexts = self._route_contexts(inputs, ctx)
-        iterators = [d._make_iterator(c) for d, c in zip(inputs, contexts, strict=True)]
-        try:
-            while True:
-                values = []
-                for it in iterators:
-                    try:
-                        values.append(next(it))
-                    except StopIteration:
-                        return
-                yield structure.pack_sequence_as(self._structure, values)
-        finally:
-            for it in iterators:
-                _close(it)
-
-
-class ConcatenateDataset(Dataset):
-    """`a.concatenate(b)`: all of a, then all of b.
-
-    Under DYNAMIC sharding a's sources and b's sources read their own split providers
-    (a's first in split-source order): a worker reads a's splits until a's providers
-    run dry, then b's.
-    """
-
-    _op_name = "concatenate"
-    _input_attrs = ("_input", "_other")
-    _passes_splits = True
-
-    def __init__(self, input_dataset: Dataset, other: Dataset) -> None:
-        if not isinstance(other, Dataset):
-            raise TypeError(f"`concatenate` expects a Dataset, got {type(other).__name__}")
-        self._input = input_dataset
-        self._other = other
-        a, b = input_dataset._static_element_spec(), other._static_element_spec()
-        if a is not None and b is not None and _common_spec(a, b) is None:
-            raise TypeError(f"Incompatible dataset elements for `concatenate`: {a} and {b}")
-
-    def _compute_cardinality(self) -> int:
-        n1, n2 = self._input.cardinality(), self._other.cardinality()
-        if INFINITE_CARDINALITY in (n1, n2):
-            return INFINITE_CARDINALITY
-        if UNKNOWN_CARDINALITY in (n1, n2):
-            return UNKNOWN_CARDINALITY
-        return n1 + n2
-
-    def _static_element_spec(self) -> Any:
-        a, b = self._input._static_element_spec(), self._other._static_element_spec()
-        if a is None or b is None:
-            return None
-        return _common_spec(a, b)
-
-    def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
-        inputs = [self._input, self._other]
-        for d, c in zip(inputs, self._route_contexts(inputs, ctx), strict=True):
-            it = d._make_iterator(c)
-            try:
-                yield from it
-            finally:
-                _close(it)
-
-
-def _common_spec(a: Any, b: Any) -> Any:
-    """The most specific spec both nests fit, or None if they are incompatible."""
-    try:
-        structure.assert_same_structure(a, b)
-    except InvalidArgumentError:
-        return None
-    merged = []
-    for x, y in zip(structure.flatten(a), structure.flatten(b), strict=True):
-        m = x.most_specific_common_supertype(y)
-        if m is None:
-            return None
-        merged.append(m)
-    return structure.pack_sequence_as(a, merged)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import mmap
 import os
 import pickle
@@ -47,6 +48,39 @@ __all__ = [
 PICKLE_PROTOCOL = 5
 MIN_SHARED_BUFFER_BYTES = 1 << 20
 """Buffers this big (bytes) or bigger travel out of band and are shared on a host."""
+
+# Op classes are pickled by reference (module path). These were defined in
+# dataset.py before they moved to ops.py; a pipeline pickled then (the journal of
+# a dispatcher's `work_dir`, written before an upgrade) still names them there.
+_MOVED_CLASSES = {
+    ("dataservice.data.dataset", name): ("dataservice.data.ops", name)
+    for name in (
+        "AllowPickledElementsDataset",
+        "BatchDataset",
+        "ConcatenateDataset",
+        "EnumerateDataset",
+        "FilterDataset",
+        "FlatMapDataset",
+        "InterleaveDataset",
+        "MapDataset",
+        "PrefetchDataset",
+        "RepeatDataset",
+        "ShardDataset",
+        "ShuffleDataset",
+        "SkipDataset",
+        "TakeDataset",
+        "ZipDataset",
+        "_UnaryDataset",
+    )
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    """`pickle.Unpickler` that finds a moved class (`_MOVED_CLASSES`) where it is now."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        module, name = _MOVED_CLASSES.get((module, name), (module, name))
+        return super().find_class(module, name)
 
 
 def serialize(dataset: Dataset) -> bytes:
@@ -134,7 +168,7 @@ def load(definition: Any) -> Dataset:
             raise OSError(f"{b.path} is not the dispatcher's file of the buffer {b.sha256}")
         buffers.append(map_buffer_file(b.path, b.size_bytes))
     try:
-        obj = pickle.loads(definition.pickle, buffers=buffers)
+        obj = _Unpickler(io.BytesIO(definition.pickle), buffers=buffers).load()
     except Exception as e:
         raise InvalidArgumentError(f"Cannot deserialize a dataset: {type(e).__name__}: {e}") from e
     if not isinstance(obj, Dataset):

@@ -9,6 +9,7 @@ dispatcher-side `SplitProvider` (see `splits.py` for what a split is for each).
 
 from __future__ import annotations
 
+import copy
 import glob
 import importlib
 import os
@@ -25,12 +26,9 @@ from dataservice.data.dataset import (
     Dataset,
     Element,
     IterContext,
-    _close,
-    _index,
-    _interleave,
-    _node_epoch_rng,
-    _parallelism,
 )
+from dataservice.data.ops import as_index, node_epoch_rng, parallelism
+from dataservice.data.runtime import close_iterator, interleave
 from dataservice.data.splits import (
     FileSplitProvider,
     IndexSplitProvider,
@@ -126,7 +124,7 @@ class RangeDataset(Dataset):
             raise InvalidArgumentError(
                 f"range takes 1 to 3 arguments (stop | start, stop[, step]), got {len(args)}"
             )
-        values = [_index(a, "range argument") for a in args]
+        values = [as_index(a, "range argument") for a in args]
         if len(values) == 1:
             values = [0, values[0], 1]
         elif len(values) == 2:
@@ -425,7 +423,7 @@ class GeneratorDataset(Dataset):
                     ) from None
                 yield converted
         finally:
-            _close(it)
+            close_iterator(it)
 
 
 # ---------------------------------------------------------------------------- files
@@ -459,12 +457,18 @@ class ListFilesDataset(Dataset):
         self._patterns = patterns
         self._files = tuple(files)
         self._shuffle = True if shuffle is None else bool(shuffle)
-        self._seed = None if seed is None else _index(seed, "seed")
+        self._seed = None if seed is None else as_index(seed, "seed")
 
     @property
     def files(self) -> tuple[str, ...]:
         """The matched file names, unshuffled."""
         return self._files
+
+    def _with_files(self, files: tuple[str, ...]) -> ListFilesDataset:
+        """A copy reading `files` (FILE sharding, `graph.with_source_files`)."""
+        new = copy.copy(self)
+        new._files = files
+        return new
 
     def _compute_cardinality(self) -> int:
         return len(self._files)
@@ -483,7 +487,7 @@ class ListFilesDataset(Dataset):
             return (os.fsdecode(s) for s in _splits(source))
         if not self._shuffle:
             return (f for f in self._files)
-        order = _node_epoch_rng(self, self._seed, True, ctx).permutation(len(self._files))
+        order = node_epoch_rng(self, self._seed, True, ctx).permutation(len(self._files))
         files = self._files
         return (files[i] for i in order)
 
@@ -542,7 +546,7 @@ class TFRecordDataset(Dataset):
                 f"{compression_type!r}"
             )
         self._compression_type = _COMPRESSION_TYPES[key]
-        _parallelism(num_parallel_reads, "TFRecordDataset")
+        parallelism(num_parallel_reads, "TFRecordDataset")
         self._num_parallel_reads = num_parallel_reads
 
     @property
@@ -557,6 +561,12 @@ class TFRecordDataset(Dataset):
     def filenames(self) -> tuple[str, ...] | None:
         """The file names given as a list, or None when they come from a Dataset."""
         return self._filenames
+
+    def _with_files(self, files: tuple[str, ...]) -> TFRecordDataset:
+        """A copy reading `files` (FILE sharding, `graph.with_source_files`)."""
+        new = copy.copy(self)
+        new._filenames = files
+        return new
 
     def _compute_cardinality(self) -> int:
         return UNKNOWN_CARDINALITY
@@ -583,7 +593,7 @@ class TFRecordDataset(Dataset):
         reads = self._num_parallel_reads
         if reads is not None and reads != 1:
             cycle = (os.cpu_count() or 1) if reads == AUTOTUNE else int(reads)
-            return _interleave(names, self._read, cycle, 1, parallel=True)
+            return interleave(names, self._read, cycle, 1, parallel=True)
         return self._sequential(names)
 
     def _sequential(self, names: Iterator[Any]) -> Iterator[Element]:
@@ -593,9 +603,9 @@ class TFRecordDataset(Dataset):
                 try:
                     yield from records
                 finally:
-                    _close(records)
+                    close_iterator(records)
         finally:
-            _close(names)
+            close_iterator(names)
 
     def _read(self, name: Any) -> Iterator[bytes]:
         # The Rust extension (built by maturin) is imported only when a file is read.
@@ -611,4 +621,4 @@ class TFRecordDataset(Dataset):
         try:
             yield from reader
         finally:
-            _close(reader)
+            close_iterator(reader)

@@ -24,6 +24,7 @@ import grpc
 
 from dataservice import _waits, auth, errors
 from dataservice.config import DispatcherConfig
+from dataservice.data import graph
 from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.buffer_store import BufferStore, check_inline
@@ -671,7 +672,7 @@ class DispatchServer:
                 if request.dataset_id not in self._datasets:
                     raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
             try:
-                self._dataset_object(request.dataset_id)._split_providers(0)
+                graph.split_providers(self._dataset_object(request.dataset_id), 0)
             except errors.DataServiceError:
                 raise
             except ValueError as err:
@@ -883,7 +884,7 @@ class DispatchServer:
                 num_providers = 1
                 if job.processing_mode == ShardingPolicy.DYNAMIC:
                     dataset = self._dataset_object(job.dataset_id)
-                    num_providers = dataset._num_split_sources()
+                    num_providers = graph.num_split_sources(dataset)
                 self._apply_locked(
                     st.CreateIteration(
                         iteration_id,
@@ -1015,7 +1016,7 @@ class DispatchServer:
             providers = self._split_providers.get(iteration_id)
             if providers is None:
                 dataset = self._dataset_object(job.dataset_id)
-                providers = dataset._split_providers(iteration.seed)
+                providers = graph.split_providers(dataset, iteration.seed)
                 for i, provider in enumerate(providers):
                     # Replay after a restart: skip what was handed out already.
                     for _ in range(iteration.splits_produced.get(i, 0)):

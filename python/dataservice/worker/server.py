@@ -25,11 +25,13 @@ import grpc
 
 from dataservice import _proc, _waits, auth, errors
 from dataservice.config import WorkerConfig
+from dataservice.data import graph
+from dataservice.data.static_sharding import apply_static_sharding
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
-from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, apply_static_sharding
+from dataservice.sharding import STATIC_POLICIES, ShardingPolicy
 from dataservice.transfer import base as transfer
 from dataservice.transfer import codec
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
@@ -655,20 +657,18 @@ class WorkerServer:
 
     def _start_task(self, task: Any) -> None:
         def make_iterator(runner: TaskRunner) -> Any:
-            from dataservice.data.dataset import IterContext, allows_pickled_elements
-
             dataset = self._dataset(task.dataset_id)
-            runner.allow_pickled_elements = allows_pickled_elements(dataset)
+            runner.allow_pickled_elements = graph.allows_pickled_elements(dataset)
             policy = ShardingPolicy(task.processing_mode)
             if policy in STATIC_POLICIES:
                 dataset = apply_static_sharding(
                     dataset, policy, task.num_workers, task.worker_index
                 )
             if policy == ShardingPolicy.DYNAMIC:
-                n = dataset._num_split_sources()
+                n = graph.num_split_sources(dataset)
                 # Several sources (zip, ...): no prefetch, see _SplitFetcher.
                 sources = tuple(_SplitFetcher(self, task, i, prefetch=n == 1) for i in range(n))
-                return dataset._make_iterator(IterContext(split_sources=sources))
+                return graph.make_iterator(dataset, split_sources=sources)
             return iter(dataset)
 
         cache_bytes = (

@@ -600,7 +600,7 @@ class _Reader:
                         with self._cv:
                             self._unreachable.add(endpoint.worker_address)
                         self._wake_heartbeat.set()
-                    if client is not None:
+                    if client is not None and not client.retry_in_place:
                         client.close()
                         client = None
                     if self._outstanding is not None:
@@ -811,6 +811,12 @@ class _Reader:
             except (errors.UnavailableError, errors.NotFoundError) as err:
                 log.debug("round %d on task %d: %s", round_index, task_id, err)
                 dead = task_id
+                backoff.sleep(time.monotonic() + 0.5, self._stop)
+                continue
+            except (errors.DeadlineExceededError, errors.CancelledError) as err:
+                # The reply did not arrive (the worker sent nothing for the no-progress
+                # timeout): ask again, with the same sequence number, for the same element.
+                log.debug("round %d on task %d: %s", round_index, task_id, err)
                 backoff.sleep(time.monotonic() + 0.5, self._stop)
                 continue
             if result.elements:

@@ -584,6 +584,11 @@ class WorkerServiceStub:
                 request_serializer=dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.SerializeToString,
                 response_deserializer=dataservice_dot_rpc_dot_service__pb2.GetElementsResponse.FromString,
                 _registered_method=True)
+        self.GetElementsStream = channel.unary_stream(
+                '/dataservice.rpc.WorkerService/GetElementsStream',
+                request_serializer=dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.SerializeToString,
+                response_deserializer=dataservice_dot_rpc_dot_service__pb2.GetElementsChunk.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -595,6 +600,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetElementsStream(self, request, context):
+        """The same reply streamed in chunks of about 1 MiB, so a client can tell a slow
+        transfer (chunks keep coming) from a stuck worker (none for its no-progress
+        timeout) instead of cutting a large reply off at a fixed deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -602,6 +616,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetElements,
                     request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.FromString,
                     response_serializer=dataservice_dot_rpc_dot_service__pb2.GetElementsResponse.SerializeToString,
+            ),
+            'GetElementsStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetElementsStream,
+                    request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.FromString,
+                    response_serializer=dataservice_dot_rpc_dot_service__pb2.GetElementsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -631,6 +650,33 @@ class WorkerService:
             '/dataservice.rpc.WorkerService/GetElements',
             dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.SerializeToString,
             dataservice_dot_rpc_dot_service__pb2.GetElementsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetElementsStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dataservice.rpc.WorkerService/GetElementsStream',
+            dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.SerializeToString,
+            dataservice_dot_rpc_dot_service__pb2.GetElementsChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,8 +59,10 @@ def encode(element: Any) -> bytes:
     return b"".join(parts)
 
 
-def decode(data: bytes) -> Any:
-    """Rebuilds an element; arrays come back writeable (one copy out of `data`).
+def decode(data: bytes | bytearray) -> Any:
+    """Rebuilds an element; arrays come back writeable: one copy out of `data`, or
+    views of it when `data` is a `bytearray` (the caller hands it over: a large
+    element put together from gRPC pieces is not copied a second time).
 
     Raises:
         DataLossError: `data` is not an encoded element.
@@ -86,8 +88,9 @@ def decode(data: bytes) -> Any:
     pos += header_bytes
     if not n_buffers:
         return pickle.loads(header)
-    # One writeable copy of all payloads; each buffer is a slice of it.
-    payload = bytearray(view[pos:])
+    # One writeable copy of all payloads (or the caller's bytearray); each buffer is a
+    # slice of it.
+    payload = view[pos:] if isinstance(data, bytearray) else bytearray(view[pos:])
     if len(payload) != sum(sizes):
         raise errors.DataLossError(
             f"element payload is {len(payload)} bytes, its header says {sum(sizes)}"

@@ -2,11 +2,13 @@
 given, and serves their elements (as tf.data service's worker).
 
 The worker's gRPC server on `config.port` serves `WorkerService.GetElements`
-(the "grpc" transfer protocol). A heartbeat thread reports the worker's tasks
-every `heartbeat_interval_ms` and receives new tasks and tasks to delete; a
-worker holding a task the dispatcher no longer knows drops it (reconciles) on
-the next heartbeat. If the dispatcher goes away, the worker keeps serving the
-tasks it has and retries heartbeats until it comes back.
+and `GetElementsStream` (the "grpc" transfer protocol; elements leave the worker
+when the consumer acknowledges them, see `task_runner.UnackedReplies`). A
+heartbeat thread reports the worker's tasks every `heartbeat_interval_ms` and
+receives new tasks and tasks to delete; a worker holding a task the dispatcher
+no longer knows drops it (reconciles) on the next heartbeat. If the dispatcher
+goes away, the worker keeps serving the tasks it has and retries heartbeats
+until it comes back.
 """
 
 from __future__ import annotations
@@ -35,13 +37,19 @@ from dataservice.sharding import STATIC_POLICIES, ShardingPolicy
 from dataservice.transfer import base as transfer
 from dataservice.transfer import codec
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
-from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner, encode_elements
+from dataservice.worker.task_runner import (
+    DEFAULT_BUFFER_BYTES,
+    Reply,
+    TaskRunner,
+    encode_elements,
+)
 
 DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
 
 log = logging.getLogger(__name__)
 
 _GET_ELEMENTS_WAIT_S = 1.0
+_CHUNK_BYTES = 1 << 20  # GetElementsStream: about this many bytes per message
 _FIRST_SPLIT_BATCH = 16
 _MAX_SPLIT_BATCH = 4096  # the dispatcher grants at most 4096 a call, and half of what is left
 
@@ -223,6 +231,15 @@ class _Servicer(service_pb2_grpc.WorkerServiceServicer):
             rpc_util.abort_with(context, err)
         except Exception as err:
             log.exception("GetElements failed")
+            rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
+
+    def GetElementsStream(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            yield from self._w._get_elements_stream(request)
+        except (errors.DataServiceError, ValueError) as err:
+            rpc_util.abort_with(context, err)
+        except Exception as err:
+            log.exception("GetElementsStream failed")
             rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
 
 
@@ -699,8 +716,13 @@ class WorkerServer:
         log.info("worker %s started task %d", self._address, task.task_id)
 
     # ------------------------------------------------------------ serving
-    def _get_elements(self, request: Any) -> Any:
-        deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
+    def _find_runner(self, request: Any, deadline: float) -> TaskRunner | None:
+        """The runner of `request.task_id`, waiting until `deadline` for a task the
+        client heard of before this worker did; None if it is still unknown then.
+
+        Raises:
+            NotFoundError: The dispatcher deleted the task.
+        """
         with self._mu:
             runner = self._tasks.get(request.task_id)
             deleted = request.task_id in self._deleted
@@ -715,7 +737,7 @@ class WorkerServer:
                 if deleted:
                     break
             if runner is None and not deleted:
-                return pb.GetElementsResponse()
+                return None
         if runner is None:
             raise errors.NotFoundError(
                 f"worker {self._address} no longer runs task {request.task_id} "
@@ -724,6 +746,21 @@ class WorkerServer:
         validate.check_read_fits_task(
             request, runner.num_consumers, runner.cross_trainer_cache is not None
         )
+        return runner
+
+    def _read(
+        self, runner: TaskRunner, request: Any, deadline: float
+    ) -> tuple[list[Any], bool, tuple[str, str] | None, bool]:
+        """Takes the request's elements from its task: a cross-trainer cache read, a
+        coordinated round, or first come, first served.
+
+        Returns:
+            (raw elements, end_of_sequence, error, first_come_first_served).
+
+        Raises:
+            FailedPreconditionError: A trainer read of a task without a cache, or a
+                round every consumer already read.
+        """
         if request.trainer_id:
             cache = runner.cross_trainer_cache
             if cache is None:
@@ -736,33 +773,143 @@ class WorkerServer:
                 max(1, request.max_elements or 1),
                 max(0.0, deadline - time.monotonic()),
             )
-            elements, encode_error = encode_elements(raw)
-            if encode_error is not None:
-                end, error = True, encode_error
-        elif request.round_index >= 0:
+            return raw, end, error, False
+        if request.round_index >= 0:
             raw, end, error = runner.get_round_element(
                 request.consumer_index,
                 runner.num_consumers,
                 request.round_index,
                 max(0.0, deadline - time.monotonic()),
             )
-            elements, encode_error = encode_elements(raw)
-            if encode_error is not None:
-                end, error = True, encode_error
-        else:
-            elements, end, error = runner.get_elements(
-                max(1, request.max_elements or 1),
-                request.max_bytes or (16 << 20),
-                max(0.0, deadline - time.monotonic()),
-            )
-        if request.compression:
-            elements = [codec.compress(e, request.compression) for e in elements]
-        response = pb.GetElementsResponse(
-            elements=elements, end_of_sequence=end, worker_uid=self._uid
+            return raw, end, error, False
+        raw, end, error = runner.get_elements_raw(
+            max(1, request.max_elements or 1),
+            request.max_bytes or (16 << 20),
+            max(0.0, deadline - time.monotonic()),
         )
-        if error is not None:
-            response.error_type, response.error_message = error.type_name, error.message
-            response.error_traceback, response.error_pickle = error.traceback, error.pickled
-        if end:
+        return raw, end, error, True
+
+    def _response(self, reply: Reply | None, request: Any, with_elements: bool) -> Any:
+        """The GetElementsResponse of `reply` (None: no element ready, nothing to say)."""
+        response = pb.GetElementsResponse(worker_uid=self._uid, sequence=request.sequence)
+        if reply is None:
+            return response
+        if with_elements:
+            response.elements.extend(reply.elements)
+        response.end_of_sequence = reply.end_of_sequence
+        if reply.error is not None:
+            response.error_type, response.error_message = reply.error
+        if reply.end_of_sequence:
             self._wake.set()  # report the finished task promptly
         return response
+
+    @staticmethod
+    def _requeue_encoded(runner: TaskRunner, elements: list[bytes]) -> None:
+        if elements:
+            runner.requeue([codec.decode(e) for e in elements])
+
+    def _get_elements(self, request: Any) -> Any:
+        """GetElements: one reply in one message (see `_get_elements_stream`)."""
+        deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
+        runner = self._find_runner(request, deadline)
+        if runner is None:
+            return pb.GetElementsResponse()
+        if not request.consumer_key:
+            raw, end, error, _ = self._read(runner, request, deadline)
+            elements = [codec.compress(codec.encode(e), request.compression) for e in raw]
+            return self._response(Reply(elements, end, error), request, True)
+        turn = runner.unacked.begin(
+            request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
+        )
+        back: list[bytes] = []
+        try:
+            reply = turn.replay
+            if reply is None:
+                raw, end, error, fcfs = self._read(runner, request, deadline)
+                elements = [codec.compress(codec.encode(e), request.compression) for e in raw]
+                reply = Reply(elements, end, error, requeue_on_failure=fcfs)
+                turn.store(reply)
+            # A unary reply's delivery is not observable here: it counts as sent and
+            # stays until the consumer's next request acknowledges it.
+            return self._response(reply, request, True)
+        finally:
+            back = turn.finish(sent=True)
+            self._requeue_encoded(runner, back)
+
+    def _get_elements_stream(self, request: Any) -> Iterator[Any]:
+        """GetElementsStream: takes (or, for a retry, takes again) the request's
+        elements and streams them in messages of about `_CHUNK_BYTES`.
+
+        With a `consumer_key`, the reply stays with the consumer until its next
+        request acknowledges it (`UnackedReplies`): a retry of the same sequence
+        number gets it again, and a first come, first served reply whose stream
+        broke goes back to the front of the task's buffer. A large reply first sends
+        an empty message (and another every second of encoding), so the client's
+        no-progress timeout measures the worker's liveness, not the element's size.
+
+        Yields:
+            GetElementsChunk messages; the last has `last` set and the response.
+        """
+        deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
+        runner = self._find_runner(request, deadline)
+        if runner is None:
+            yield pb.GetElementsChunk(last=True, response=pb.GetElementsResponse())
+            return
+        turn = None
+        if request.consumer_key:
+            turn = runner.unacked.begin(
+                request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
+            )
+        raw: list[Any] = []  # taken from the task, not yet stored as a reply
+        fcfs = False
+        sent = False
+        try:
+            reply = turn.replay if turn is not None else None
+            if reply is None:
+                raw, end, error, fcfs = self._read(runner, request, deadline)
+                elements: list[bytes] = []
+                if raw:
+                    if fcfs and codec.element_nbytes(raw[0]) >= _CHUNK_BYTES:
+                        yield pb.GetElementsChunk()  # progress: encoding starts
+                    last_yield = time.monotonic()
+                    for element in raw:
+                        if fcfs and time.monotonic() - last_yield > 1.0:
+                            yield pb.GetElementsChunk()  # progress
+                            last_yield = time.monotonic()
+                        elements.append(codec.compress(codec.encode(element), request.compression))
+                reply = Reply(elements, end, error, requeue_on_failure=fcfs)
+                if turn is not None:
+                    turn.store(reply)
+                    raw = []
+            yield from self._chunks(reply, request)
+            sent = True
+        finally:
+            if turn is not None:
+                self._requeue_encoded(runner, turn.finish(sent))
+            if raw and fcfs and not sent:
+                runner.requeue(raw)  # taken, never stored nor sent completely
+
+    def _chunks(self, reply: Reply, request: Any) -> Iterator[Any]:
+        """`reply` as GetElementsChunk messages of about `_CHUNK_BYTES` each."""
+        batch: list[bytes] = []
+        batch_bytes = 0
+        for element in reply.elements:
+            n = len(element)
+            if n > _CHUNK_BYTES:
+                if batch:
+                    yield pb.GetElementsChunk(elements=batch)
+                    batch, batch_bytes = [], 0
+                for offset in range(0, n, _CHUNK_BYTES):
+                    yield pb.GetElementsChunk(
+                        element_part=element[offset : offset + _CHUNK_BYTES],
+                        element_bytes=n if offset == 0 else 0,
+                    )
+                continue
+            if batch and batch_bytes + n > _CHUNK_BYTES:
+                yield pb.GetElementsChunk(elements=batch)
+                batch, batch_bytes = [], 0
+            batch.append(element)
+            batch_bytes += n
+        yield pb.GetElementsChunk(
+            elements=batch, last=True, response=self._response(reply, request, False)
+        )

@@ -9,11 +9,18 @@ object arrays' items included, see `codec.element_nbytes`), so a slow consumer
 back-pressures the pipeline. A pipeline error, or an element that is not a
 numpy value in a pipeline that did not allow pickled elements, is delivered
 after the elements produced before it.
+
+An element leaves the worker only when its consumer has it: gRPC replies are
+kept per consumer (`UnackedReplies`) until the consumer's next request
+acknowledges them, and a reply whose transfer failed goes back to the front of
+the buffer (`requeue`), see `UnackedReplies` for what happens when a consumer
+goes away.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +41,10 @@ MAX_OPEN_ROUNDS = 4
 _PRODUCE_BATCH = 64  # elements per hand-off to the shared buffer (fast pipelines)
 _PRODUCE_BATCH_BYTES = 1 << 20
 _PRODUCE_BATCH_ELEMENT_S = 50e-6  # an element slower than this is handed off at once
+# A consumer that has not asked for this long is taken for gone: its entry (and the
+# reply it did not acknowledge) is dropped and counted. A live consumer re-asks within
+# seconds of a failed request, so only a consumer that stopped for good loses an entry.
+UNACKED_TTL_S = 300.0
 
 
 def encode_elements(elements: list[Any]) -> tuple[list[bytes], errors.RemoteErrorInfo | None]:
@@ -144,6 +155,7 @@ class TaskRunner:
         self._round_taken: dict[int, set[int]] = {}
         self._completed_rounds: set[int] = set()
         self._max_round = -1
+        self.unacked = UnackedReplies(task_id)
         self._thread = threading.Thread(
             target=self._produce, name=f"ds-task-{task_id}", daemon=True
         )
@@ -285,6 +297,21 @@ class TaskRunner:
                 return out, True, self._error
             return out, True, None
 
+    def requeue(self, elements: list[Any]) -> None:
+        """Puts elements taken from the buffer back at its front, in their order: a
+        transfer of them failed before the consumer had them (`UnackedReplies`), so the
+        next read (of any consumer of the task) takes them again. The buffer's bounds
+        may be exceeded by them; the producer waits until they are taken."""
+        if not elements:
+            return
+        items = [(element, codec.element_nbytes(element)) for element in elements]
+        with self._cv:
+            if self._stopped:
+                return
+            self._buffer.extendleft(reversed(items))
+            self._buffered_bytes += sum(nbytes for _, nbytes in items)
+            self._cv.notify_all()
+
     def get_elements(
         self, max_elements: int, max_bytes: int, timeout_s: float
     ) -> tuple[list[bytes], bool, errors.RemoteErrorInfo | None]:
@@ -361,3 +388,227 @@ class TaskRunner:
             self._buffer.clear()
             self._buffered_bytes = 0
             self._cv.notify_all()
+        self.unacked.close()
+
+
+@dataclasses.dataclass
+class Reply:
+    """One reply to a consumer, as sent: encoded (and compressed) elements.
+
+    Attributes:
+        elements: Encoded elements (`codec.encode`, then `codec.compress`).
+        end_of_sequence: The reply ends the task's stream.
+        error: (type name, message) of a pipeline failure, or None.
+        requeue_on_failure: A failed transfer puts the elements back at the front of
+            the task's buffer (first come, first served reads; a coordinated round's
+            or a trainer's elements are kept for that consumer's retry instead).
+    """
+
+    elements: list[bytes]
+    end_of_sequence: bool
+    error: tuple[str, str] | None
+    requeue_on_failure: bool = False
+
+
+@dataclasses.dataclass
+class _Consumer:
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    sequence: int = 0  # of the last request served
+    reply: Reply | None = None  # its reply, until acknowledged (or failed and requeued)
+    sent: bool = False  # the reply's transfer completed (on the worker's side)
+    last_seen: float = 0.0  # time.monotonic() of its last request
+
+
+class ConsumerTurn:
+    """One request's exclusive hold on its consumer's entry (`UnackedReplies.begin`).
+
+    Attributes:
+        replay: The reply to send again (the request repeats the sequence number of
+            one the consumer did not get), or None: make a new reply and `store` it.
+    """
+
+    def __init__(self, owner: UnackedReplies, key: str, entry: _Consumer) -> None:
+        self._owner = owner
+        self._key = key
+        self._entry = entry
+        self.replay: Reply | None = entry.reply
+        self._done = False
+
+    def store(self, reply: Reply) -> None:
+        """Keeps `reply` as the consumer's un-acknowledged one."""
+        self._entry.reply = reply
+        self._entry.sent = False
+
+    def finish(self, sent: bool) -> list[bytes]:
+        """Ends the turn. `sent`: the reply's transfer completed on the worker's side
+        (the consumer has it unless it dies now; it stays until acknowledged). If
+        not, a reply stored with `requeue_on_failure` is dropped and its elements
+        returned for `TaskRunner.requeue` (the consumer's retry then gets a new
+        reply, starting with them unless another consumer took them first).
+
+        Returns:
+            Encoded elements to put back into the task's buffer ([] if none).
+        """
+        if self._done:
+            return []
+        self._done = True
+        entry = self._entry
+        requeue: list[bytes] = []
+        try:
+            if sent:
+                entry.sent = True
+            elif entry.reply is not None and entry.reply.requeue_on_failure:
+                requeue = entry.reply.elements
+                entry.reply = None
+                with self._owner._mu:
+                    self._owner.requeued_elements += len(requeue)
+            entry.last_seen = time.monotonic()
+        finally:
+            entry.lock.release()
+        return requeue
+
+
+class UnackedReplies:
+    """The last reply to each consumer of one task, kept until the consumer
+    acknowledges it, so that no element is lost between the worker's buffer and
+    the consumer (a reply that misses the client's deadline, a dropped connection).
+    Thread-safe.
+
+    A consumer is a key its client chooses (one per reader and task) and numbers
+    its requests 1, 2, 3, ...: request s acknowledges the reply to s - 1 (the
+    consumer asks again only once it has a reply), and a retry repeats s and gets
+    the same reply again. One request of a consumer is served at a time (`begin`
+    waits for the previous one to end).
+
+    What happens to un-acknowledged elements:
+      - A transfer that failed on the worker's side (the stream was cancelled or
+        broke: the consumer does not have the reply): first come, first served
+        elements go back to the front of the task's buffer, for the consumer's
+        retry or, if it is gone, for the task's other consumers; a coordinated
+        round's or a cross-trainer read's reply is kept for that consumer's retry.
+      - A reply sent completely whose consumer never asks again (it finished at
+        the end of sequence, was abandoned, or died just after receiving it): it
+        reached the consumer's side, so it is not sent to anyone else; it is
+        counted (`dropped_elements`, logged) when the entry expires after
+        `ttl_s` without a request, or when the task stops.
+    """
+
+    def __init__(self, task_id: int, ttl_s: float = UNACKED_TTL_S) -> None:
+        self.task_id = task_id
+        self._ttl_s = ttl_s
+        self._mu = threading.Lock()
+        # guarded by self._mu:
+        self._consumers: dict[str, _Consumer] = {}
+        self._next_sweep = time.monotonic() + ttl_s / 4
+        self._closed = False
+        self.acked_elements = 0
+        self.resent_replies = 0
+        self.requeued_elements = 0
+        self.dropped_elements = 0
+
+    def stats(self) -> dict[str, int]:
+        """Counters: consumers with an entry, `unacked_elements` held now,
+        `acked_elements`, `resent_replies`, `requeued_elements`, `dropped_elements`."""
+        with self._mu:
+            return {
+                "consumers": len(self._consumers),
+                "unacked_elements": sum(
+                    len(c.reply.elements) for c in self._consumers.values() if c.reply
+                ),
+                "acked_elements": self.acked_elements,
+                "resent_replies": self.resent_replies,
+                "requeued_elements": self.requeued_elements,
+                "dropped_elements": self.dropped_elements,
+            }
+
+    def begin(self, key: str, sequence: int, timeout_s: float) -> ConsumerTurn:
+        """Starts serving request `sequence` of consumer `key`: waits up to `timeout_s`
+        seconds for the consumer's previous request to end, then acknowledges the
+        previous reply (`sequence` is one more) or hands it back to resend (`sequence`
+        repeats it). A key not seen before (or expired, or from before a worker
+        restart) starts at any sequence number. Call `ConsumerTurn.finish` always.
+
+        Raises:
+            DeadlineExceededError: The consumer's previous request is still being
+                answered after `timeout_s` (the client retries).
+            FailedPreconditionError: `sequence` is neither the last one nor the next
+                (a client bug), or the task has stopped.
+            InvalidArgumentError: `sequence` is not positive.
+        """
+        if sequence <= 0:
+            raise errors.InvalidArgumentError(
+                f"GetElements for task {self.task_id}: sequence must be >= 1 with a "
+                f"consumer_key, got {sequence}"
+            )
+        now = time.monotonic()
+        with self._mu:
+            if self._closed:
+                raise errors.FailedPreconditionError(f"task {self.task_id} has stopped")
+            if now >= self._next_sweep:
+                self._sweep_locked(now)
+            entry = self._consumers.get(key)
+            if entry is None:
+                entry = self._consumers[key] = _Consumer(sequence=sequence - 1, last_seen=now)
+            entry.last_seen = now
+        if not entry.lock.acquire(timeout=max(0.0, timeout_s)):
+            raise errors.DeadlineExceededError(
+                f"consumer {key} of task {self.task_id}: its previous request (sequence "
+                f"{entry.sequence}) was still being answered after {timeout_s:.1f} s; retry"
+            )
+        try:
+            if sequence == entry.sequence + 1:
+                acked = entry.reply
+                entry.reply, entry.sent, entry.sequence = None, False, sequence
+                if acked is not None:
+                    with self._mu:
+                        self.acked_elements += len(acked.elements)
+            elif sequence == entry.sequence:
+                if entry.reply is not None:
+                    with self._mu:
+                        self.resent_replies += 1
+            else:
+                raise errors.FailedPreconditionError(
+                    f"consumer {key} of task {self.task_id} sent request {sequence} after "
+                    f"request {entry.sequence}: requests must be numbered 1, 2, 3, ... (a "
+                    "retry repeats its number)"
+                )
+            with self._mu:
+                if self._consumers.get(key) is not entry:  # expired while we waited
+                    self._consumers[key] = entry
+        except BaseException:
+            entry.lock.release()
+            raise
+        return ConsumerTurn(self, key, entry)
+
+    def _sweep_locked(self, now: float) -> None:
+        self._next_sweep = now + self._ttl_s / 4
+        for key, entry in list(self._consumers.items()):
+            if now - entry.last_seen < self._ttl_s or entry.lock.locked():
+                continue
+            del self._consumers[key]
+            self._count_dropped_locked(key, entry, f"no request for {self._ttl_s:.0f} s")
+
+    def _count_dropped_locked(self, key: str, entry: _Consumer, why: str) -> None:
+        if entry.reply is None or not entry.reply.elements:
+            return
+        n = len(entry.reply.elements)
+        self.dropped_elements += n
+        log.info(
+            "task %d: consumer %s did not acknowledge its last reply (%d elements, %s) "
+            "before it went away (%s); they are not sent again",
+            self.task_id,
+            key,
+            n,
+            "sent" if entry.sent else "not sent completely",
+            why,
+        )
+
+    def close(self) -> None:
+        """The task stopped: counts the replies still un-acknowledged and drops them."""
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+            for key, entry in self._consumers.items():
+                self._count_dropped_locked(key, entry, "the task stopped")
+            self._consumers.clear()

@@ -198,7 +198,8 @@ class ShmRingProducer:
     def put_end(self, timeout_ms: int | None = None) -> bool:
         """Writes the END frame and closes the ring; False on timeout."""
     def stats(self) -> dict[str, int]:
-        """`bytes`, `full_waits`, `detaches`, `buffered_bytes`, `elements`; any thread."""
+        """`bytes`, `full_waits`, `detaches`, `buffered_bytes`, `elements` (written),
+        `consumer_elements` (taken out by the consumer, as it last stored); any thread."""
     def close(self) -> None:
         """Frees this end (the memory goes once the consumer unmaps too). Idempotent."""
 

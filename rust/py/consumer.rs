@@ -310,7 +310,13 @@ impl PyRingConsumer {
                 return Ok((out, s.take_bytes(), false, None));
             }
             let stopped = s.drain(py, max, &out)?;
-            s.elements += out.len() as u64;
+            if !out.is_empty() {
+                s.elements += out.len() as u64;
+                // For the producer (`consumer_elements`): what a consumer that goes away
+                // had not taken yet goes back to its task (transfer/shm.py).
+                let taken = &s.mapping.header().consumer_counters.frames;
+                taken.store(s.elements, crate::sync::Ordering::Relaxed);
+            }
             if stopped {
                 if s.end {
                     return Ok((out, s.take_bytes(), true, None));

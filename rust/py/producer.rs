@@ -247,7 +247,8 @@ impl PyRingProducer {
         Ok(ok)
     }
 
-    /// Counters: elements, bytes published, waits for space, consumer detaches, and
+    /// Counters: elements, bytes published, waits for space, consumer detaches,
+    /// `consumer_elements` (elements the consumer has taken out, as it last stored) and
     /// `buffered_bytes` (published but not yet freed by the consumer). Any thread: it
     /// reads only the shared header.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -260,6 +261,10 @@ impl PyRingProducer {
         d.set_item("bytes", h.producer_counters.bytes.load(Relaxed))?;
         d.set_item("full_waits", h.producer_counters.waits.load(Relaxed))?;
         d.set_item("detaches", h.consumer_counters.detaches.load(Relaxed))?;
+        d.set_item(
+            "consumer_elements",
+            h.consumer_counters.frames.load(Relaxed),
+        )?;
         d.set_item("buffered_bytes", write.saturating_sub(read))?;
         if let Ok(g) = self.state.try_lock() {
             if let Some(s) = g.as_ref() {

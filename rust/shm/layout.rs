@@ -59,6 +59,8 @@ pub struct ConsumerLine {
 /// Statistics for `bench/` and debugging, one line per side (Relaxed: no ordering).
 #[repr(C, align(128))]
 pub struct Counters {
+    /// On the consumer's line: elements it has taken out (stored after each take), so a
+    /// producer whose consumer went away knows which of its elements it never took.
     pub frames: AtomicU64,
     pub bytes: AtomicU64,
     pub waits: AtomicU64,

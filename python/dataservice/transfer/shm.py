@@ -30,6 +30,13 @@ and the data is in memory once, however many trainers read it. A worker whose
 cache could not get shared memory, or has all 64 hold slots taken, serves the
 trainer through a ring of its own as before (each element copied into it).
 
+No element of a shared task is lost with a consumer that goes away mid-read:
+the consumer asks for its next reply only once it took the last one out of the
+ring, and the ring's header counts the elements it took; when its connection
+ends first, the elements of its last reply it never took go back to the front
+of the task's buffer for the task's other consumers (the ones it took are its
+own). This costs one relaxed atomic store per `get_many`, no RPC or copy.
+
 Ring bytes per worker are capped at 25 % of min(MemAvailable, cgroup limit -
 usage); past that a new ring is halved (down to 8 MiB), and then refused, so
 "auto" clients fall back to gRPC.
@@ -174,6 +181,11 @@ class _Connection:
         self.ring: Any = None
         self.ring_bytes = 0
         self.thread = threading.Thread(target=self._run, name="ds-shm-producer", daemon=True)
+        # The last reply's elements until the consumer has taken them all (it asks again
+        # only then): if it goes away first, what it did not take goes back to the task.
+        self._reply_elements: list[Any] = []
+        self._reply_first = 0  # elements written into the ring before the last reply
+        self._written = 0  # elements written into the ring
 
     def _reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         data = json.dumps(message).encode()
@@ -327,16 +339,53 @@ class _Connection:
 
         A connection whose HELLO named a `trainer_id` reads through the task's
         cross-trainer cache instead, as gRPC's GetElements with that trainer id
-        does: from that trainer's cursor, each element copied into this ring."""
+        does: from that trainer's cursor, each element copied into this ring.
+
+        A consumer that goes away (crash, closed connection) before taking all of its
+        last reply gives back what it did not take (`_give_back_untaken`), except for
+        a trainer's cache reads and the reply that ends the stream."""
         server = self._server
         max_frame = max(1, self.ring.max_frame_bytes)
         cache = runner.cross_trainer_cache if trainer_id else None
+        try:
+            self._serve_requests(runner, trainer_id, cache, max_frame)
+        finally:
+            if not trainer_id and not server.stopping:
+                self._give_back_untaken(runner)
+
+    def _give_back_untaken(self, runner: Any) -> None:
+        """The consumer went away (or the serving ended) before asking again: the
+        elements of its last reply it did not take out of the ring (the ring's
+        `consumer_elements`) or that were never written go back to the front of the
+        task's buffer, for the task's other consumers (first come, first served). The
+        elements it took are its own, even if it crashed before using them."""
+        reply, self._reply_elements = self._reply_elements, []
+        if not reply:
+            return
+        taken = self._written
+        ring = self.ring
+        if ring is not None:
+            taken = int(ring.stats().get("consumer_elements", self._written))
+        untaken = reply[max(0, taken - self._reply_first) :]
+        if untaken:
+            log.info(
+                "shm consumer of task %d went away without %d of the %d elements of its "
+                "last reply; they go back to the task",
+                runner.task_id,
+                len(untaken),
+                len(reply),
+            )
+            runner.requeue(untaken)
+
+    def _serve_requests(self, runner: Any, trainer_id: str, cache: Any, max_frame: int) -> None:
+        server = self._server
         while (data := self._next_message()) is not None:  # until the client closes
             if len(data) != _REQUEST.size or data[:1] != b"G":
                 log.warning("shm: unexpected %d-byte message from a client", len(data))
                 return
             _, want, max_bytes, timeout_ms = _REQUEST.unpack(data)
             max_bytes = max(1, min(max_bytes, 16 * max_frame))
+            self._reply_elements = []  # a new request: the consumer took the last reply
             if not trainer_id:
                 elements, end, error = runner.get_elements_raw(
                     max(1, want), max_bytes, timeout_ms / 1000
@@ -353,24 +402,32 @@ class _Connection:
                     f"read for trainer {trainer_id!r} asked for one",
                 )
             flags = (_END_FLAG if end and error is None else 0) | (_ERROR_FLAG if error else 0)
+            if not trainer_id:
+                self._reply_elements, self._reply_first = elements, self._written
             self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
             self._sock.send(_RESPONSE.pack(b"R", len(elements), flags))
             put = 0
             while put < len(elements):
                 try:
-                    put += self.ring.put_many(elements[put:], _PUT_SLICE_MS)
+                    n = self.ring.put_many(elements[put:], _PUT_SLICE_MS)
                 except errors.UnavailableError:
-                    raise  # the consumer is gone
+                    return  # the consumer is gone (what it did not take goes back)
                 except Exception as err:  # e.g. an unpicklable leaf: a worker error
+                    self._reply_elements = []
                     self.ring.put_error(*errors.capture(err).to_frame(), None)
                     return
+                put += n
+                self._written += n
                 if server.stopping:
                     return
-            if error is not None:
-                self.ring.put_error(*error.to_frame(), None)
-                return
-            if end:
-                self.ring.put_end(None)
+            if error is not None or end:
+                # The stream's last reply: the connection ends with it, so it is not
+                # waited on (nor given back should the consumer crash reading it).
+                self._reply_elements = []
+                if error is not None:
+                    self.ring.put_error(*error.to_frame(), None)
+                else:
+                    self.ring.put_end(None)
                 return
 
     def close(self) -> None:

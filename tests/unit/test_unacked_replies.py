@@ -1,0 +1,172 @@
+"""The worker's per-consumer reply bookkeeping (task_runner.UnackedReplies) and
+TaskRunner.requeue: a reply leaves the worker only once its consumer acknowledges it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dataservice import errors
+from dataservice.worker.task_runner import Reply, TaskRunner, UnackedReplies
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def reply(*elements: bytes, fcfs: bool = True) -> Reply:
+    return Reply(list(elements), False, None, requeue_on_failure=fcfs)
+
+
+def test_retry_gets_the_same_reply_and_the_next_request_acknowledges_it():
+    acks = UnackedReplies(4001)
+    turn = acks.begin("c", 1, 1.0)
+    assert turn.replay is None
+    first = reply(b"a", b"b")
+    turn.store(first)
+    assert turn.finish(sent=True) == []
+    # The client missed the reply (deadline): it asks again with the same number.
+    retry = acks.begin("c", 1, 1.0)
+    assert retry.replay is first
+    assert retry.finish(sent=True) == []
+    assert acks.stats()["resent_replies"] == 1
+    assert acks.stats()["unacked_elements"] == 2
+    nxt = acks.begin("c", 2, 1.0)
+    assert nxt.replay is None
+    nxt.store(reply(b"c"))
+    nxt.finish(sent=True)
+    stats = acks.stats()
+    assert stats["acked_elements"] == 2
+    assert stats["unacked_elements"] == 1
+    assert stats["consumers"] == 1
+
+
+def test_a_failed_first_come_first_served_reply_is_given_back_and_not_replayed():
+    acks = UnackedReplies(4002)
+    turn = acks.begin("c", 1, 1.0)
+    turn.store(reply(b"x", b"y"))
+    assert turn.finish(sent=False) == [b"x", b"y"]
+    assert acks.stats()["requeued_elements"] == 2
+    assert acks.stats()["unacked_elements"] == 0
+    retry = acks.begin("c", 1, 1.0)
+    assert retry.replay is None  # a new reply, from the front of the task's buffer
+    retry.finish(sent=True)
+
+
+def test_a_failed_round_or_trainer_reply_is_kept_for_that_consumer():
+    acks = UnackedReplies(4003)
+    turn = acks.begin("c", 1, 1.0)
+    kept = reply(b"round-element", fcfs=False)
+    turn.store(kept)
+    assert turn.finish(sent=False) == []
+    retry = acks.begin("c", 1, 1.0)
+    assert retry.replay is kept
+    retry.finish(sent=True)
+    assert acks.stats()["requeued_elements"] == 0
+
+
+def test_consumers_are_independent():
+    acks = UnackedReplies(4004)
+    a = acks.begin("a", 1, 1.0)
+    a.store(reply(b"a1"))
+    b = acks.begin("b", 7, 1.0)  # a key not seen before starts at any number
+    b.store(reply(b"b7"))
+    a.finish(sent=True)
+    b.finish(sent=True)
+    assert acks.begin("a", 1, 1.0).replay.elements == [b"a1"]  # type: ignore[union-attr]
+
+
+def test_out_of_order_and_invalid_sequence_numbers_are_refused():
+    acks = UnackedReplies(4005)
+    acks.begin("c", 1, 1.0).finish(sent=True)
+    acks.begin("c", 2, 1.0).finish(sent=True)
+    with pytest.raises(errors.FailedPreconditionError, match=r"request 4 after request 2"):
+        acks.begin("c", 4, 1.0)
+    with pytest.raises(errors.FailedPreconditionError, match=r"request 1 after request 2"):
+        acks.begin("c", 1, 1.0)
+    with pytest.raises(errors.InvalidArgumentError, match="sequence must be >= 1"):
+        acks.begin("c", 0, 1.0)
+    # The refusals did not leave the consumer locked.
+    acks.begin("c", 3, 1.0).finish(sent=True)
+
+
+def test_one_request_per_consumer_at_a_time():
+    acks = UnackedReplies(4006)
+    first = acks.begin("c", 1, 1.0)
+    first.store(reply(b"slow"))
+    started = time.monotonic()
+    with pytest.raises(errors.DeadlineExceededError, match="still being answered"):
+        acks.begin("c", 1, 0.2)
+    assert 0.15 <= time.monotonic() - started < 2.0
+    got: list[Reply | None] = []
+
+    def retry() -> None:
+        turn = acks.begin("c", 1, 10.0)
+        got.append(turn.replay)
+        turn.finish(sent=True)
+
+    t = threading.Thread(target=retry)
+    t.start()
+    first.finish(sent=True)  # the first request ends: the retry may go on
+    t.join(10)
+    assert not t.is_alive()
+    assert got and got[0] is not None and got[0].elements == [b"slow"]
+
+
+def test_a_consumer_gone_for_the_ttl_is_dropped_and_counted():
+    acks = UnackedReplies(4007, ttl_s=0.2)
+    turn = acks.begin("gone", 1, 1.0)
+    turn.store(reply(b"1", b"2", b"3"))
+    turn.finish(sent=True)
+    deadline = time.monotonic() + 10
+    while acks.stats()["consumers"] != 1 or acks.stats()["dropped_elements"] == 0:
+        assert time.monotonic() < deadline, acks.stats()
+        acks.begin("other", 1, 1.0).finish(sent=True)  # requests sweep expired entries
+        if acks.stats()["dropped_elements"]:
+            break
+        time.sleep(0.05)
+    stats = acks.stats()
+    assert stats["dropped_elements"] == 3
+    assert stats["unacked_elements"] == 0
+
+
+def test_close_counts_what_was_never_acknowledged_and_refuses_more():
+    acks = UnackedReplies(4008)
+    turn = acks.begin("c", 1, 1.0)
+    turn.store(reply(b"1", b"2"))
+    turn.finish(sent=True)
+    acks.close()
+    assert acks.stats()["dropped_elements"] == 2
+    with pytest.raises(errors.FailedPreconditionError, match="stopped"):
+        acks.begin("c", 2, 1.0)
+
+
+def test_requeue_puts_elements_back_at_the_front_in_order():
+    runner = TaskRunner(4009, lambda: iter(range(10)), "localhost:0")
+    try:
+        got, end, error = runner.get_elements_raw(3, 1 << 20, 5.0)
+        assert got == [0, 1, 2] and not end and error is None
+        runner.requeue(got)
+        out: list[int] = []
+        deadline = time.monotonic() + 10
+        while True:
+            elements, end, _ = runner.get_elements_raw(100, 1 << 20, 1.0)
+            out.extend(elements)
+            if end:
+                break
+            assert time.monotonic() < deadline
+        assert out == list(range(10))
+        assert runner.finished
+    finally:
+        runner.stop()
+
+
+def test_requeue_after_stop_is_ignored_and_stop_closes_the_replies():
+    runner = TaskRunner(4010, lambda: iter(range(3)), "localhost:0")
+    turn = runner.unacked.begin("c", 1, 1.0)
+    turn.store(reply(b"e"))
+    turn.finish(sent=True)
+    runner.stop()
+    runner.requeue([1, 2])
+    assert not runner._buffer
+    assert runner.unacked.stats()["dropped_elements"] == 1

@@ -29,6 +29,7 @@ import dataservice as ds
 from dataservice import errors
 from dataservice.transfer import base, shm
 from dataservice.transfer import grpc as grpc_transfer
+from dataservice.worker import task_runner
 from dataservice.worker.server import WorkerServer
 from tests.conftest import FAST, to_py
 
@@ -135,8 +136,7 @@ def test_grpc_one_consumer_gets_every_element_once_in_order(make_cluster, monkey
     assert got == list(range(n))
     assert faults.applied == ["lost", "broken", "late", "lost", "broken", "late"]
     totals = unacked_totals(faults)
-    assert totals["resent_replies"] >= 2  # the "lost" replies came again
-    assert totals["requeued_elements"] > 0  # "broken" and "late" went back to the buffer
+    assert totals["resent_replies"] >= 6  # every faulty reply came again
     assert totals["delivered"] == n
 
 
@@ -159,10 +159,43 @@ def test_grpc_shared_job_consumers_together_get_every_element_once(
     assert faults.applied == [fault] * 4
     totals = unacked_totals(faults)
     assert totals["delivered"] == n
-    if fault == "lost":
-        assert totals["resent_replies"] >= 4
-    else:
-        assert totals["requeued_elements"] > 0
+    assert totals["resent_replies"] >= 4  # to the consumer whose reply failed
+
+
+def test_grpc_shared_job_consumer_gone_after_a_failed_reply_leaves_it_to_the_others(
+    make_cluster, monkeypatch
+):
+    monkeypatch.setattr(task_runner, "REQUEUE_AFTER_S", 0.5)
+    cluster = make_cluster(1)
+    worker = cluster.workers[0]
+    faults = Faults(monkeypatch, ["broken"])
+    n = 40
+    holder = iter(dist(elements(n), cluster.target, job_name="gone"))  # makes the task
+    try:
+        wait_until(lambda: worker.num_tasks() == 1, 10, "the worker to get the task")
+        (task_id,) = worker._tasks
+        endpoint = base.TaskEndpoint(task_id, worker.address, worker.address, "")
+        gone = grpc_transfer.GrpcTransferClient(endpoint, None)
+        with pytest.raises(errors.UnavailableError, match="injected: the stream broke"):
+            gone.get_elements(5, 1 << 20, 1.0)
+        gone.close()  # and never comes back for its 5 elements
+        other = grpc_transfer.GrpcTransferClient(endpoint, None)
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        try:
+            while True:
+                assert time.monotonic() < deadline, got
+                result = other.get_elements(8, 1 << 20, 1.0)
+                got.extend(check(e) for e in result.elements)
+                if result.end_of_sequence:
+                    break
+        finally:
+            other.close()
+    finally:
+        holder.close()
+    assert faults.applied == ["broken"]
+    assert sorted(got) == list(range(n))
+    assert unacked_totals(faults)["requeued_elements"] == 5
 
 
 # ---------------------------------------------------------------- coordinated reads

@@ -18,17 +18,25 @@ def reply(*elements: bytes, fcfs: bool = True) -> Reply:
     return Reply(list(elements), False, None, requeue_on_failure=fcfs)
 
 
+class Requeued:
+    def __init__(self) -> None:
+        self.elements: list[bytes] = []
+
+    def __call__(self, elements: list[bytes]) -> None:
+        self.elements.extend(elements)
+
+
 def test_retry_gets_the_same_reply_and_the_next_request_acknowledges_it():
     acks = UnackedReplies(4001)
     turn = acks.begin("c", 1, 1.0)
     assert turn.replay is None
     first = reply(b"a", b"b")
     turn.store(first)
-    assert turn.finish(sent=True) == []
+    turn.finish(sent=True)
     # The client missed the reply (deadline): it asks again with the same number.
     retry = acks.begin("c", 1, 1.0)
     assert retry.replay is first
-    assert retry.finish(sent=True) == []
+    retry.finish(sent=True)
     assert acks.stats()["resent_replies"] == 1
     assert acks.stats()["unacked_elements"] == 2
     nxt = acks.begin("c", 2, 1.0)
@@ -41,32 +49,60 @@ def test_retry_gets_the_same_reply_and_the_next_request_acknowledges_it():
     assert stats["consumers"] == 1
 
 
-def test_a_failed_first_come_first_served_reply_is_given_back_and_not_replayed():
-    acks = UnackedReplies(4002)
+@pytest.mark.parametrize("fcfs", [True, False])
+def test_a_failed_reply_waits_for_its_consumers_retry(fcfs):
+    requeued = Requeued()
+    acks = UnackedReplies(4002, requeue=requeued, requeue_after_s=0.0)
     turn = acks.begin("c", 1, 1.0)
+    failed = reply(b"x", b"y", fcfs=fcfs)
+    turn.store(failed)
+    turn.finish(sent=False)
+    assert acks.stats()["failed_replies"] == 1
+    retry = acks.begin("c", 1, 1.0)  # its own retry: never given to anyone else
+    assert retry.replay is failed
+    assert acks.stats()["failed_replies"] == 0
+    retry.finish(sent=True)
+    acks.begin("other", 1, 1.0).finish(sent=True)
+    assert requeued.elements == []
+
+
+def test_a_failed_first_come_first_served_reply_goes_to_the_others_once_its_consumer_is_gone():
+    requeued = Requeued()
+    acks = UnackedReplies(4003, requeue=requeued, requeue_after_s=0.2)
+    turn = acks.begin("gone", 1, 1.0)
     turn.store(reply(b"x", b"y"))
-    assert turn.finish(sent=False) == [b"x", b"y"]
+    turn.finish(sent=False)
+    acks.begin("other", 1, 1.0).finish(sent=True)
+    assert requeued.elements == []  # not yet: "gone" may still come back
+    deadline = time.monotonic() + 10
+    sequence = 1
+    while not requeued.elements:  # another consumer's requests give them back
+        assert time.monotonic() < deadline, acks.stats()
+        time.sleep(0.05)
+        sequence += 1
+        acks.begin("other", sequence, 1.0).finish(sent=True)
+    assert requeued.elements == [b"x", b"y"]
     assert acks.stats()["requeued_elements"] == 2
-    assert acks.stats()["unacked_elements"] == 0
-    retry = acks.begin("c", 1, 1.0)
-    assert retry.replay is None  # a new reply, from the front of the task's buffer
-    retry.finish(sent=True)
+    assert acks.stats()["failed_replies"] == 0
+    late = acks.begin("gone", 1, 1.0)  # came back after all: a new reply
+    assert late.replay is None
+    late.finish(sent=True)
 
 
-def test_a_failed_round_or_trainer_reply_is_kept_for_that_consumer():
-    acks = UnackedReplies(4003)
-    turn = acks.begin("c", 1, 1.0)
-    kept = reply(b"round-element", fcfs=False)
-    turn.store(kept)
-    assert turn.finish(sent=False) == []
-    retry = acks.begin("c", 1, 1.0)
-    assert retry.replay is kept
-    retry.finish(sent=True)
-    assert acks.stats()["requeued_elements"] == 0
+def test_requeue_failed_gives_back_first_come_first_served_replies_only():
+    requeued = Requeued()
+    acks = UnackedReplies(4004, requeue=requeued)
+    for key, fcfs in (("a", True), ("round", False)):
+        turn = acks.begin(key, 1, 1.0)
+        turn.store(reply(key.encode(), fcfs=fcfs))
+        turn.finish(sent=False)
+    acks.requeue_failed()
+    assert requeued.elements == [b"a"]
+    assert acks.begin("round", 1, 1.0).replay.elements == [b"round"]  # type: ignore[union-attr]
 
 
 def test_consumers_are_independent():
-    acks = UnackedReplies(4004)
+    acks = UnackedReplies(4005)
     a = acks.begin("a", 1, 1.0)
     a.store(reply(b"a1"))
     b = acks.begin("b", 7, 1.0)  # a key not seen before starts at any number
@@ -77,7 +113,7 @@ def test_consumers_are_independent():
 
 
 def test_out_of_order_and_invalid_sequence_numbers_are_refused():
-    acks = UnackedReplies(4005)
+    acks = UnackedReplies(4006)
     acks.begin("c", 1, 1.0).finish(sent=True)
     acks.begin("c", 2, 1.0).finish(sent=True)
     with pytest.raises(errors.FailedPreconditionError, match=r"request 4 after request 2"):
@@ -91,7 +127,7 @@ def test_out_of_order_and_invalid_sequence_numbers_are_refused():
 
 
 def test_one_request_per_consumer_at_a_time():
-    acks = UnackedReplies(4006)
+    acks = UnackedReplies(4007)
     first = acks.begin("c", 1, 1.0)
     first.store(reply(b"slow"))
     started = time.monotonic()
@@ -114,24 +150,23 @@ def test_one_request_per_consumer_at_a_time():
 
 
 def test_a_consumer_gone_for_the_ttl_is_dropped_and_counted():
-    acks = UnackedReplies(4007, ttl_s=0.2)
+    acks = UnackedReplies(4008, ttl_s=0.2)
     turn = acks.begin("gone", 1, 1.0)
     turn.store(reply(b"1", b"2", b"3"))
     turn.finish(sent=True)
     deadline = time.monotonic() + 10
-    while acks.stats()["consumers"] != 1 or acks.stats()["dropped_elements"] == 0:
+    while acks.stats()["dropped_elements"] == 0:  # requests sweep expired entries
         assert time.monotonic() < deadline, acks.stats()
-        acks.begin("other", 1, 1.0).finish(sent=True)  # requests sweep expired entries
-        if acks.stats()["dropped_elements"]:
-            break
         time.sleep(0.05)
+        acks.begin("other", 1, 1.0).finish(sent=True)
     stats = acks.stats()
     assert stats["dropped_elements"] == 3
     assert stats["unacked_elements"] == 0
+    assert stats["consumers"] == 1
 
 
 def test_close_counts_what_was_never_acknowledged_and_refuses_more():
-    acks = UnackedReplies(4008)
+    acks = UnackedReplies(4009)
     turn = acks.begin("c", 1, 1.0)
     turn.store(reply(b"1", b"2"))
     turn.finish(sent=True)
@@ -157,6 +192,28 @@ def test_requeue_puts_elements_back_at_the_front_in_order():
             assert time.monotonic() < deadline
         assert out == list(range(10))
         assert runner.finished
+    finally:
+        runner.stop()
+
+
+def test_a_runners_failed_replies_go_back_into_its_buffer_decoded():
+    from dataservice.transfer import codec
+
+    runner = TaskRunner(4011, lambda: iter(range(5)), "localhost:0")
+    try:
+        taken, _, _ = runner.get_elements_raw(2, 1 << 20, 5.0)
+        assert taken == [0, 1]
+        turn = runner.unacked.begin("c", 1, 1.0)
+        turn.store(reply(*(codec.encode(e) for e in taken)))
+        turn.finish(sent=False)
+        runner.unacked.requeue_failed()
+        out: list[int] = []
+        while True:
+            elements, end, _ = runner.get_elements_raw(100, 1 << 20, 1.0)
+            out.extend(elements)
+            if end:
+                break
+        assert out == [0, 1, 2, 3, 4]
     finally:
         runner.stop()
 

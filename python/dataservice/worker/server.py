@@ -787,6 +787,10 @@ class WorkerServer:
             request.max_bytes or (16 << 20),
             max(0.0, deadline - time.monotonic()),
         )
+        if end and runner.unacked.requeue_failed():
+            # Replies other consumers did not get (nor came back for) are all that is
+            # left of the stream: they go before its end (or error), which comes later.
+            return raw, False, None, True
         return raw, end, error, True
 
     def _response(self, reply: Reply | None, request: Any, with_elements: bool) -> Any:
@@ -803,11 +807,6 @@ class WorkerServer:
             self._wake.set()  # report the finished task promptly
         return response
 
-    @staticmethod
-    def _requeue_encoded(runner: TaskRunner, elements: list[bytes]) -> None:
-        if elements:
-            runner.requeue([codec.decode(e) for e in elements])
-
     def _get_elements(self, request: Any) -> Any:
         """GetElements: one reply in one message (see `_get_elements_stream`)."""
         deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
@@ -821,7 +820,6 @@ class WorkerServer:
         turn = runner.unacked.begin(
             request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
         )
-        back: list[bytes] = []
         try:
             reply = turn.replay
             if reply is None:
@@ -833,8 +831,7 @@ class WorkerServer:
             # stays until the consumer's next request acknowledges it.
             return self._response(reply, request, True)
         finally:
-            back = turn.finish(sent=True)
-            self._requeue_encoded(runner, back)
+            turn.finish(sent=True)
 
     def _get_elements_stream(self, request: Any) -> Iterator[Any]:
         """GetElementsStream: takes (or, for a retry, takes again) the request's
@@ -842,10 +839,11 @@ class WorkerServer:
 
         With a `consumer_key`, the reply stays with the consumer until its next
         request acknowledges it (`UnackedReplies`): a retry of the same sequence
-        number gets it again, and a first come, first served reply whose stream
-        broke goes back to the front of the task's buffer. A large reply first sends
-        an empty message (and another every second of encoding), so the client's
-        no-progress timeout measures the worker's liveness, not the element's size.
+        number gets it again, also after the stream broke (a first come, first
+        served reply whose consumer does not come back goes back to the task). A
+        large reply first sends an empty message (and another every second of
+        encoding), so the client's no-progress timeout measures the worker's
+        liveness, not the element's size.
 
         Yields:
             GetElementsChunk messages; the last has `last` set and the response.
@@ -885,7 +883,7 @@ class WorkerServer:
             sent = True
         finally:
             if turn is not None:
-                self._requeue_encoded(runner, turn.finish(sent))
+                turn.finish(sent)
             if raw and fcfs and not sent:
                 runner.requeue(raw)  # taken, never stored nor sent completely
 

@@ -12,9 +12,8 @@ after the elements produced before it.
 
 An element leaves the worker only when its consumer has it: gRPC replies are
 kept per consumer (`UnackedReplies`) until the consumer's next request
-acknowledges them, and a reply whose transfer failed goes back to the front of
-the buffer (`requeue`), see `UnackedReplies` for what happens when a consumer
-goes away.
+acknowledges them; a reply whose transfer failed waits for the consumer's retry,
+or goes back to the front of the buffer (`requeue`) if the consumer is gone.
 """
 
 from __future__ import annotations
@@ -45,6 +44,9 @@ _PRODUCE_BATCH_ELEMENT_S = 50e-6  # an element slower than this is handed off at
 # reply it did not acknowledge) is dropped and counted. A live consumer re-asks within
 # seconds of a failed request, so only a consumer that stopped for good loses an entry.
 UNACKED_TTL_S = 300.0
+# A consumer whose reply's transfer failed and that has not asked again for this long
+# is taken for gone: its first come, first served elements go to the other consumers.
+REQUEUE_AFTER_S = 5.0
 
 
 def encode_elements(elements: list[Any]) -> tuple[list[bytes], errors.RemoteErrorInfo | None]:
@@ -155,7 +157,7 @@ class TaskRunner:
         self._round_taken: dict[int, set[int]] = {}
         self._completed_rounds: set[int] = set()
         self._max_round = -1
-        self.unacked = UnackedReplies(task_id)
+        self.unacked = UnackedReplies(task_id, requeue=self._requeue_encoded)
         self._thread = threading.Thread(
             target=self._produce, name=f"ds-task-{task_id}", daemon=True
         )
@@ -312,6 +314,9 @@ class TaskRunner:
             self._buffered_bytes += sum(nbytes for _, nbytes in items)
             self._cv.notify_all()
 
+    def _requeue_encoded(self, elements: list[bytes]) -> None:
+        self.requeue([codec.decode(e) for e in elements])
+
     def get_elements(
         self, max_elements: int, max_bytes: int, timeout_s: float
     ) -> tuple[list[bytes], bool, errors.RemoteErrorInfo | None]:
@@ -399,9 +404,10 @@ class Reply:
         elements: Encoded elements (`codec.encode`, then `codec.compress`).
         end_of_sequence: The reply ends the task's stream.
         error: (type name, message) of a pipeline failure, or None.
-        requeue_on_failure: A failed transfer puts the elements back at the front of
-            the task's buffer (first come, first served reads; a coordinated round's
-            or a trainer's elements are kept for that consumer's retry instead).
+        requeue_on_failure: First come, first served elements: if the transfer fails
+            and the consumer does not come back for them within `REQUEUE_AFTER_S`,
+            they go back to the front of the task's buffer (a coordinated round's or
+            a trainer's elements are that consumer's alone: they wait for its retry).
     """
 
     elements: list[bytes]
@@ -414,8 +420,9 @@ class Reply:
 class _Consumer:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     sequence: int = 0  # of the last request served
-    reply: Reply | None = None  # its reply, until acknowledged (or failed and requeued)
+    reply: Reply | None = None  # its reply, until acknowledged (or requeued)
     sent: bool = False  # the reply's transfer completed (on the worker's side)
+    failed_at: float | None = None  # time.monotonic() its transfer failed, if it did
     last_seen: float = 0.0  # time.monotonic() of its last request
 
 
@@ -427,9 +434,8 @@ class ConsumerTurn:
             one the consumer did not get), or None: make a new reply and `store` it.
     """
 
-    def __init__(self, owner: UnackedReplies, key: str, entry: _Consumer) -> None:
+    def __init__(self, owner: UnackedReplies, entry: _Consumer) -> None:
         self._owner = owner
-        self._key = key
         self._entry = entry
         self.replay: Reply | None = entry.reply
         self._done = False
@@ -439,33 +445,23 @@ class ConsumerTurn:
         self._entry.reply = reply
         self._entry.sent = False
 
-    def finish(self, sent: bool) -> list[bytes]:
+    def finish(self, sent: bool) -> None:
         """Ends the turn. `sent`: the reply's transfer completed on the worker's side
-        (the consumer has it unless it dies now; it stays until acknowledged). If
-        not, a reply stored with `requeue_on_failure` is dropped and its elements
-        returned for `TaskRunner.requeue` (the consumer's retry then gets a new
-        reply, starting with them unless another consumer took them first).
-
-        Returns:
-            Encoded elements to put back into the task's buffer ([] if none).
-        """
+        (the consumer has it unless it dies now). Either way the reply stays until the
+        consumer acknowledges it; one whose transfer failed waits for the consumer's
+        retry (`UnackedReplies` says how long)."""
         if self._done:
-            return []
+            return
         self._done = True
         entry = self._entry
-        requeue: list[bytes] = []
-        try:
-            if sent:
-                entry.sent = True
-            elif entry.reply is not None and entry.reply.requeue_on_failure:
-                requeue = entry.reply.elements
-                entry.reply = None
-                with self._owner._mu:
-                    self._owner.requeued_elements += len(requeue)
+        owner = self._owner
+        with owner._mu:
+            entry.sent = sent
+            was_parked = entry.failed_at is not None
+            entry.failed_at = None if sent or entry.reply is None else time.monotonic()
+            owner._parked += (entry.failed_at is not None) - was_parked
             entry.last_seen = time.monotonic()
-        finally:
-            entry.lock.release()
-        return requeue
+        entry.lock.release()
 
 
 class UnackedReplies:
@@ -482,24 +478,36 @@ class UnackedReplies:
 
     What happens to un-acknowledged elements:
       - A transfer that failed on the worker's side (the stream was cancelled or
-        broke: the consumer does not have the reply): first come, first served
-        elements go back to the front of the task's buffer, for the consumer's
-        retry or, if it is gone, for the task's other consumers; a coordinated
-        round's or a cross-trainer read's reply is kept for that consumer's retry.
+        broke: the consumer does not have the reply): the reply waits for that
+        consumer's retry. First come, first served elements go back to the front of
+        the task's buffer (`requeue`), for the task's other consumers, once the
+        consumer has not come back for `requeue_after_s` (a live one retries within
+        about a second or two), or at once when the task's other consumers would
+        otherwise get the end of sequence (`requeue_failed`). A coordinated
+        round's or a trainer's reply is that consumer's alone and keeps waiting.
       - A reply sent completely whose consumer never asks again (it finished at
         the end of sequence, was abandoned, or died just after receiving it): it
-        reached the consumer's side, so it is not sent to anyone else; it is
-        counted (`dropped_elements`, logged) when the entry expires after
-        `ttl_s` without a request, or when the task stops.
+        reached the consumer's side, so it is not sent to anyone else.
+      - Whatever is still held when the consumer's entry expires (no request for
+        `ttl_s`) or when the task stops is counted (`dropped_elements`) and logged.
     """
 
-    def __init__(self, task_id: int, ttl_s: float = UNACKED_TTL_S) -> None:
+    def __init__(
+        self,
+        task_id: int,
+        requeue: Callable[[list[bytes]], None] | None = None,
+        ttl_s: float | None = None,
+        requeue_after_s: float | None = None,
+    ) -> None:
         self.task_id = task_id
-        self._ttl_s = ttl_s
+        self._requeue = requeue
+        self._ttl_s = UNACKED_TTL_S if ttl_s is None else ttl_s
+        self._requeue_after_s = REQUEUE_AFTER_S if requeue_after_s is None else requeue_after_s
         self._mu = threading.Lock()
         # guarded by self._mu:
         self._consumers: dict[str, _Consumer] = {}
-        self._next_sweep = time.monotonic() + ttl_s / 4
+        self._parked = 0  # entries whose reply's transfer failed (failed_at set)
+        self._next_sweep = time.monotonic() + self._ttl_s / 4
         self._closed = False
         self.acked_elements = 0
         self.resent_replies = 0
@@ -508,13 +516,15 @@ class UnackedReplies:
 
     def stats(self) -> dict[str, int]:
         """Counters: consumers with an entry, `unacked_elements` held now,
-        `acked_elements`, `resent_replies`, `requeued_elements`, `dropped_elements`."""
+        `failed_replies` waiting for their consumer's retry, `acked_elements`,
+        `resent_replies`, `requeued_elements`, `dropped_elements`."""
         with self._mu:
             return {
                 "consumers": len(self._consumers),
                 "unacked_elements": sum(
                     len(c.reply.elements) for c in self._consumers.values() if c.reply
                 ),
+                "failed_replies": self._parked,
                 "acked_elements": self.acked_elements,
                 "resent_replies": self.resent_replies,
                 "requeued_elements": self.requeued_elements,
@@ -546,39 +556,81 @@ class UnackedReplies:
                 raise errors.FailedPreconditionError(f"task {self.task_id} has stopped")
             if now >= self._next_sweep:
                 self._sweep_locked(now)
+            back = self._take_failed_locked(now - self._requeue_after_s, key)
             entry = self._consumers.get(key)
             if entry is None:
                 entry = self._consumers[key] = _Consumer(sequence=sequence - 1, last_seen=now)
             entry.last_seen = now
+        self._give_back(back)
         if not entry.lock.acquire(timeout=max(0.0, timeout_s)):
             raise errors.DeadlineExceededError(
                 f"consumer {key} of task {self.task_id}: its previous request (sequence "
                 f"{entry.sequence}) was still being answered after {timeout_s:.1f} s; retry"
             )
         try:
-            if sequence == entry.sequence + 1:
-                acked = entry.reply
-                entry.reply, entry.sent, entry.sequence = None, False, sequence
-                if acked is not None:
-                    with self._mu:
-                        self.acked_elements += len(acked.elements)
-            elif sequence == entry.sequence:
-                if entry.reply is not None:
-                    with self._mu:
-                        self.resent_replies += 1
-            else:
-                raise errors.FailedPreconditionError(
-                    f"consumer {key} of task {self.task_id} sent request {sequence} after "
-                    f"request {entry.sequence}: requests must be numbered 1, 2, 3, ... (a "
-                    "retry repeats its number)"
-                )
             with self._mu:
-                if self._consumers.get(key) is not entry:  # expired while we waited
-                    self._consumers[key] = entry
+                if sequence == entry.sequence + 1:
+                    if entry.reply is not None:
+                        self.acked_elements += len(entry.reply.elements)
+                    entry.reply, entry.sent, entry.sequence = None, False, sequence
+                elif sequence == entry.sequence:
+                    if entry.reply is not None:
+                        self.resent_replies += 1
+                else:
+                    raise errors.FailedPreconditionError(
+                        f"consumer {key} of task {self.task_id} sent request {sequence} after "
+                        f"request {entry.sequence}: requests must be numbered 1, 2, 3, ... "
+                        "(a retry repeats its number)"
+                    )
+                if entry.failed_at is not None:  # its own retry (or ack) takes it
+                    entry.failed_at = None
+                    self._parked -= 1
+                self._consumers[key] = entry  # back, should it have expired meanwhile
         except BaseException:
             entry.lock.release()
             raise
-        return ConsumerTurn(self, key, entry)
+        return ConsumerTurn(self, entry)
+
+    def requeue_failed(self) -> int:
+        """Puts every first come, first served reply whose transfer failed back into
+        the task's buffer now, whoever's it is (not one whose consumer is retrying
+        now): the task's stream is over, so its other consumers would get the end of
+        sequence without them.
+
+        Returns:
+            How many elements went back.
+        """
+        with self._mu:
+            back = self._take_failed_locked(float("inf"), "")
+        self._give_back(back)
+        return len(back)
+
+    def _take_failed_locked(self, failed_before: float, skip_key: str) -> list[bytes]:
+        """Takes the failed first come, first served replies (not of `skip_key`,
+        whose request is coming) that failed before `failed_before`."""
+        if not self._parked:
+            return []
+        back: list[bytes] = []
+        for key, entry in self._consumers.items():
+            reply = entry.reply
+            if (
+                key == skip_key
+                or entry.failed_at is None
+                or entry.failed_at >= failed_before
+                or reply is None
+                or not reply.requeue_on_failure
+                or entry.lock.locked()
+            ):
+                continue
+            back.extend(reply.elements)
+            entry.reply, entry.failed_at = None, None
+            self._parked -= 1
+            self.requeued_elements += len(reply.elements)
+        return back
+
+    def _give_back(self, elements: list[bytes]) -> None:
+        if elements and self._requeue is not None:
+            self._requeue(elements)
 
     def _sweep_locked(self, now: float) -> None:
         self._next_sweep = now + self._ttl_s / 4
@@ -586,6 +638,8 @@ class UnackedReplies:
             if now - entry.last_seen < self._ttl_s or entry.lock.locked():
                 continue
             del self._consumers[key]
+            if entry.failed_at is not None:
+                self._parked -= 1
             self._count_dropped_locked(key, entry, f"no request for {self._ttl_s:.0f} s")
 
     def _count_dropped_locked(self, key: str, entry: _Consumer, why: str) -> None:
@@ -612,3 +666,4 @@ class UnackedReplies:
             for key, entry in self._consumers.items():
                 self._count_dropped_locked(key, entry, "the task stopped")
             self._consumers.clear()
+            self._parked = 0

@@ -750,7 +750,7 @@ class WorkerServer:
 
     def _read(
         self, runner: TaskRunner, request: Any, deadline: float
-    ) -> tuple[list[Any], bool, tuple[str, str] | None, bool]:
+    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None, bool]:
         """Takes the request's elements from its task: a cross-trainer cache read, a
         coordinated round, or first come, first served.
 
@@ -801,11 +801,27 @@ class WorkerServer:
         if with_elements:
             response.elements.extend(reply.elements)
         response.end_of_sequence = reply.end_of_sequence
-        if reply.error is not None:
-            response.error_type, response.error_message = reply.error
+        error = reply.error
+        if error is not None:
+            response.error_type, response.error_message = error.type_name, error.message
+            response.error_traceback, response.error_pickle = error.traceback, error.pickled
         if reply.end_of_sequence:
             self._wake.set()  # report the finished task promptly
         return response
+
+    @staticmethod
+    def _encoded(
+        raw: list[Any], end: bool, error: errors.RemoteErrorInfo | None, request: Any
+    ) -> Reply:
+        """A reply of `raw` elements, encoded and compressed as the request asks; an
+        element the codec cannot carry ends the reply (and the read) with its error,
+        after the elements before it."""
+        elements, encode_error = encode_elements(raw)
+        if encode_error is not None:
+            end, error = True, encode_error
+        if request.compression:
+            elements = [codec.compress(e, request.compression) for e in elements]
+        return Reply(elements, end, error)
 
     def _get_elements(self, request: Any) -> Any:
         """GetElements: one reply in one message (see `_get_elements_stream`)."""
@@ -815,8 +831,7 @@ class WorkerServer:
             return pb.GetElementsResponse()
         if not request.consumer_key:
             raw, end, error, _ = self._read(runner, request, deadline)
-            elements = [codec.compress(codec.encode(e), request.compression) for e in raw]
-            return self._response(Reply(elements, end, error), request, True)
+            return self._response(self._encoded(raw, end, error, request), request, True)
         turn = runner.unacked.begin(
             request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
         )
@@ -824,8 +839,8 @@ class WorkerServer:
             reply = turn.replay
             if reply is None:
                 raw, end, error, fcfs = self._read(runner, request, deadline)
-                elements = [codec.compress(codec.encode(e), request.compression) for e in raw]
-                reply = Reply(elements, end, error, requeue_on_failure=fcfs)
+                reply = self._encoded(raw, end, error, request)
+                reply.requeue_on_failure = fcfs
                 turn.store(reply)
             # A unary reply's delivery is not observable here: it counts as sent and
             # stays until the consumer's next request acknowledges it.
@@ -874,7 +889,11 @@ class WorkerServer:
                         if fcfs and time.monotonic() - last_yield > 1.0:
                             yield pb.GetElementsChunk()  # progress
                             last_yield = time.monotonic()
-                        elements.append(codec.compress(codec.encode(element), request.compression))
+                        one = self._encoded([element], end, error, request)
+                        elements.extend(one.elements)
+                        if not one.elements:  # it cannot be encoded: its error ends the read
+                            end, error = one.end_of_sequence, one.error
+                            break
                 reply = Reply(elements, end, error, requeue_on_failure=fcfs)
                 if turn is not None:
                     turn.store(reply)

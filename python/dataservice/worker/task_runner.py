@@ -403,7 +403,7 @@ class Reply:
     Attributes:
         elements: Encoded elements (`codec.encode`, then `codec.compress`).
         end_of_sequence: The reply ends the task's stream.
-        error: (type name, message) of a pipeline failure, or None.
+        error: A pipeline failure (reported after the elements), or None.
         requeue_on_failure: First come, first served elements: if the transfer fails
             and the consumer does not come back for them within `REQUEUE_AFTER_S`,
             they go back to the front of the task's buffer (a coordinated round's or
@@ -412,7 +412,7 @@ class Reply:
 
     elements: list[bytes]
     end_of_sequence: bool
-    error: tuple[str, str] | None
+    error: errors.RemoteErrorInfo | None
     requeue_on_failure: bool = False
 
 

@@ -89,16 +89,39 @@ def test_a_failed_first_come_first_served_reply_goes_to_the_others_once_its_cons
     late.finish(sent=True)
 
 
-def test_requeue_failed_gives_back_first_come_first_served_replies_only():
+def test_settle_failed_waits_for_the_consumers_retry_then_gives_back_fcfs_replies_only():
     requeued = Requeued()
-    acks = UnackedReplies(4004, requeue=requeued)
+    acks = UnackedReplies(4004, requeue=requeued, requeue_after_s=0.3)
     for key, fcfs in (("a", True), ("round", False)):
         turn = acks.begin(key, 1, 1.0)
         turn.store(reply(key.encode(), fcfs=fcfs))
         turn.finish(sent=False)
-    acks.requeue_failed()
+    assert acks.settle_failed(0.0) == (0, True)  # "a" may still come back
+    started = time.monotonic()
+    assert acks.settle_failed(5.0) == (1, False)  # it did not: its element goes back
+    assert 0.2 <= time.monotonic() - started < 3.0
     assert requeued.elements == [b"a"]
     assert acks.begin("round", 1, 1.0).replay.elements == [b"round"]  # type: ignore[union-attr]
+
+
+def test_settle_failed_ends_when_the_consumer_retries():
+    requeued = Requeued()
+    acks = UnackedReplies(4012, requeue=requeued, requeue_after_s=30.0)
+    turn = acks.begin("a", 1, 1.0)
+    turn.store(reply(b"a"))
+    turn.finish(sent=False)
+
+    def retry() -> None:
+        time.sleep(0.2)
+        acks.begin("a", 1, 1.0).finish(sent=True)
+
+    t = threading.Thread(target=retry)
+    t.start()
+    started = time.monotonic()
+    assert acks.settle_failed(10.0) == (0, False)
+    assert time.monotonic() - started < 5.0
+    t.join(10)
+    assert requeued.elements == []
 
 
 def test_consumers_are_independent():
@@ -206,7 +229,9 @@ def test_a_runners_failed_replies_go_back_into_its_buffer_decoded():
         turn = runner.unacked.begin("c", 1, 1.0)
         turn.store(reply(*(codec.encode(e) for e in taken)))
         turn.finish(sent=False)
-        runner.unacked.requeue_failed()
+        assert runner.unacked.settle_failed(0.0) == (0, True)
+        runner.unacked._requeue_after_s = 0.0  # its consumer is gone
+        assert runner.unacked.settle_failed(0.0) == (2, False)
         out: list[int] = []
         while True:
             elements, end, _ = runner.get_elements_raw(100, 1 << 20, 1.0)

@@ -787,10 +787,15 @@ class WorkerServer:
             request.max_bytes or (16 << 20),
             max(0.0, deadline - time.monotonic()),
         )
-        if end and runner.unacked.requeue_failed():
-            # Replies other consumers did not get (nor came back for) are all that is
-            # left of the stream: they go before its end (or error), which comes later.
-            return raw, False, None, True
+        if end:
+            given_back, waiting = runner.unacked.settle_failed(
+                max(0.0, deadline - time.monotonic())
+            )
+            if given_back or waiting:
+                # Replies other consumers did not get are all that is left of the stream:
+                # they go to their consumers' retries, or (those gone) to this one, and
+                # the end (or error) comes after them.
+                return raw, False, None, True
         return raw, end, error, True
 
     def _response(self, reply: Reply | None, request: Any, with_elements: bool) -> Any:

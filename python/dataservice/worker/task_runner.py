@@ -461,6 +461,7 @@ class ConsumerTurn:
             entry.failed_at = None if sent or entry.reply is None else time.monotonic()
             owner._parked += (entry.failed_at is not None) - was_parked
             entry.last_seen = time.monotonic()
+            owner._cv.notify_all()
         entry.lock.release()
 
 
@@ -482,8 +483,8 @@ class UnackedReplies:
         consumer's retry. First come, first served elements go back to the front of
         the task's buffer (`requeue`), for the task's other consumers, once the
         consumer has not come back for `requeue_after_s` (a live one retries within
-        about a second or two), or at once when the task's other consumers would
-        otherwise get the end of sequence (`requeue_failed`). A coordinated
+        about a second or two); until then the task's other consumers do not get
+        the end of sequence (`settle_failed`). A coordinated
         round's or a trainer's reply is that consumer's alone and keeps waiting.
       - A reply sent completely whose consumer never asks again (it finished at
         the end of sequence, was abandoned, or died just after receiving it): it
@@ -504,6 +505,7 @@ class UnackedReplies:
         self._ttl_s = UNACKED_TTL_S if ttl_s is None else ttl_s
         self._requeue_after_s = REQUEUE_AFTER_S if requeue_after_s is None else requeue_after_s
         self._mu = threading.Lock()
+        self._cv = threading.Condition(self._mu)  # notified when a failed reply settles
         # guarded by self._mu:
         self._consumers: dict[str, _Consumer] = {}
         self._parked = 0  # entries whose reply's transfer failed (failed_at set)
@@ -585,25 +587,42 @@ class UnackedReplies:
                 if entry.failed_at is not None:  # its own retry (or ack) takes it
                     entry.failed_at = None
                     self._parked -= 1
+                    self._cv.notify_all()
                 self._consumers[key] = entry  # back, should it have expired meanwhile
         except BaseException:
             entry.lock.release()
             raise
         return ConsumerTurn(self, entry)
 
-    def requeue_failed(self) -> int:
-        """Puts every first come, first served reply whose transfer failed back into
-        the task's buffer now, whoever's it is (not one whose consumer is retrying
-        now): the task's stream is over, so its other consumers would get the end of
-        sequence without them.
+    def settle_failed(self, timeout_s: float) -> tuple[int, bool]:
+        """Called when the task's stream is over for a consumer (its buffer is empty):
+        first come, first served replies whose transfer failed are all that is left.
+        Waits up to `timeout_s` seconds while such replies wait for their own
+        consumers' retry, and gives back (`requeue`) those whose consumer has not come
+        back within `requeue_after_s`, so the task's other consumers get them before
+        the end of sequence, and the end only after them.
 
         Returns:
-            How many elements went back.
+            (elements given back, whether failed replies still wait for a retry): the
+            caller reports no end of sequence if either is non-zero.
         """
-        with self._mu:
-            back = self._take_failed_locked(float("inf"), "")
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                back = self._take_failed_locked(now - self._requeue_after_s, "")
+                waiting = [
+                    e.failed_at
+                    for e in self._consumers.values()
+                    if e.failed_at is not None
+                    and e.reply is not None
+                    and e.reply.requeue_on_failure
+                ]
+                if back or not waiting or now >= deadline:
+                    break
+                self._cv.wait(min(deadline, min(waiting) + self._requeue_after_s) - now)
         self._give_back(back)
-        return len(back)
+        return len(back), bool(waiting)
 
     def _take_failed_locked(self, failed_before: float, skip_key: str) -> list[bytes]:
         """Takes the failed first come, first served replies (not of `skip_key`,

@@ -885,21 +885,25 @@ class WorkerServer:
             reply = turn.replay if turn is not None else None
             if reply is None:
                 raw, end, error, fcfs = self._read(runner, request, deadline)
-                elements: list[bytes] = []
-                if raw:
-                    if fcfs and codec.element_nbytes(raw[0]) >= _CHUNK_BYTES:
-                        yield pb.GetElementsChunk()  # progress: encoding starts
+                if fcfs and raw and codec.element_nbytes(raw[0]) >= _CHUNK_BYTES:
+                    # Large elements: one at a time, telling the client the worker is
+                    # alive while it encodes (and it can still take them back, raw).
+                    yield pb.GetElementsChunk()
+                    elements: list[bytes] = []
                     last_yield = time.monotonic()
                     for element in raw:
-                        if fcfs and time.monotonic() - last_yield > 1.0:
-                            yield pb.GetElementsChunk()  # progress
+                        if time.monotonic() - last_yield > 1.0:
+                            yield pb.GetElementsChunk()
                             last_yield = time.monotonic()
                         one = self._encoded([element], end, error, request)
                         elements.extend(one.elements)
                         if not one.elements:  # it cannot be encoded: its error ends the read
                             end, error = one.end_of_sequence, one.error
                             break
-                reply = Reply(elements, end, error, requeue_on_failure=fcfs)
+                    reply = Reply(elements, end, error)
+                else:
+                    reply = self._encoded(raw, end, error, request)
+                reply.requeue_on_failure = fcfs
                 if turn is not None:
                     turn.store(reply)
                     raw = []

@@ -147,3 +147,24 @@ def test_worker_refused_by_its_dispatcher_says_why(make_cluster, monkeypatch):
     assert c.target.split("://")[1] in str(worker.registration_error)
     with pytest.raises(errors.UnauthenticatedError):
         worker.join()
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN])
+def test_worker_get_elements_stream_refuses_without_the_token(shared_secured, token):
+    """GetElementsStream (the streamed, acknowledged read) is behind the same check."""
+    metadata = [("authorization", f"Bearer {token}")] if token is not None else None
+    with grpc.insecure_channel(shared_secured.workers[0].address) as channel:
+        fn = channel.unary_stream(
+            f"/{SERVICE['WorkerService'].full_name}/GetElementsStream",
+            request_serializer=pb.GetElementsRequest.SerializeToString,
+            response_deserializer=pb.GetElementsChunk.FromString,
+        )
+        try:
+            chunks = list(fn(pb.GetElementsRequest(task_id=1), timeout=10.0, metadata=metadata))
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as err:
+            chunks, code = [], err.code()
+    if token == TOKEN:  # past auth: the worker answers (an unknown task: an empty reply)
+        assert code == grpc.StatusCode.OK and chunks and chunks[-1].last
+    else:
+        assert code == grpc.StatusCode.UNAUTHENTICATED and chunks == []

@@ -298,6 +298,24 @@ def test_get_elements_consumer_index_beyond_num_consumers(servers):
             "compression='gzip'",
         ),
         (pb.GetElementsRequest(round_index=0, consumer_index=0, trainer_id="t"), "trainer_id='t'"),
+        (
+            pb.GetElementsRequest(round_index=-1, consumer_index=-1, consumer_key="k"),
+            "consumer_key='k' and sequence=0",
+        ),
+        (
+            pb.GetElementsRequest(round_index=-1, consumer_index=-1, sequence=3),
+            "consumer_key='' and sequence=3",
+        ),
+        (
+            pb.GetElementsRequest(round_index=-1, consumer_index=-1, consumer_key="k", sequence=-1),
+            "sequence=-1",
+        ),
+        (
+            pb.GetElementsRequest(
+                round_index=-1, consumer_index=-1, consumer_key="k" * 65, sequence=1
+            ),
+            "consumer_key=",
+        ),
     ],
 )
 def test_bad_get_elements_field_is_invalid_argument(servers, request_, names):
@@ -305,6 +323,11 @@ def test_bad_get_elements_field_is_invalid_argument(servers, request_, names):
     code, details = _code(wstub.GetElements, request_)
     assert code == INVALID, (code, details)
     assert details.startswith("GetElements: invalid ") and names in details, details
+    # GetElementsStream (the client's read) checks the same request the same way.
+    with pytest.raises(grpc.RpcError) as info:
+        list(wstub.GetElementsStream(request_, timeout=10))
+    assert info.value.code() == INVALID, info.value.details()
+    assert names in info.value.details()
 
 
 def test_a_valid_worker_still_registers_and_serves(servers):

@@ -39,6 +39,7 @@ from dataservice.sharding import ShardingPolicy
 # or makes the dispatcher's state (and its journal) grow without limit.
 MAX_ID = 2**62  # ids are handed out counting from 0/1; nothing real gets near
 MAX_NAME_CHARS = 1024  # dataset ids, job names, host ids, trainer ids
+MAX_CONSUMER_KEY_CHARS = 64  # GetElementsRequest.consumer_key (clients send 32 hex digits)
 MAX_ADDRESS_CHARS = 1024
 MAX_TOKEN_CHARS = 128  # incarnation ids (uuid4 hex, 32), worker uids
 MAX_REASON_CHARS = 64 * 1024  # ReportWorkerFailure.reason: goes into consumers' errors
@@ -239,6 +240,16 @@ def _round_read_fields(request: Any) -> str | None:
     return None
 
 
+def _acknowledged_read_fields(request: Any) -> str | None:
+    """A consumer_key comes with a sequence number >= 1; without one, sequence is 0."""
+    if bool(request.consumer_key) != (request.sequence > 0):
+        return (
+            f"consumer_key={_show(request.consumer_key)} and sequence={request.sequence}: "
+            "an acknowledged read sets both (sequence >= 1), any other read neither"
+        )
+    return None
+
+
 _INCARNATION = Field("incarnation_id", text(MAX_TOKEN_CHARS))
 _DATASET_ID = Field("dataset_id", text(MAX_NAME_CHARS, required=True))
 _HOST_ID = text(MAX_NAME_CHARS)
@@ -322,6 +333,11 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("trainer_id", text(MAX_NAME_CHARS)),
         Field("compression", one_of(ELEMENT_COMPRESSIONS, allow_empty=True)),
         Across(("consumer_index", "round_index", "trainer_id"), _round_read_fields),
+        # Acknowledged reads (worker/task_runner.py UnackedReplies): a client-chosen key
+        # (a uuid4 hex from ours) and its request number, 1, 2, ... (0: no key).
+        Field("consumer_key", text(MAX_CONSUMER_KEY_CHARS)),
+        Field("sequence", int_range(0, MAX_ROUND)),
+        Across(("consumer_key", "sequence"), _acknowledged_read_fields),
     ),
 }
 
@@ -377,7 +393,12 @@ def add_service(server: Any, servicer: Any, service_name: str) -> None:
     for method in service.methods:
         request_class = getattr(service_pb2, method.input_type.name)
         response_class = getattr(service_pb2, method.output_type.name)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+        make_handler = (
+            grpc.unary_stream_rpc_method_handler  # GetElementsStream
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make_handler(
             getattr(servicer, method.name),
             request_deserializer=tolerant_parser(request_class),
             response_serializer=response_class.SerializeToString,

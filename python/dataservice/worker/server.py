@@ -235,6 +235,7 @@ class _Servicer(service_pb2_grpc.WorkerServiceServicer):
 
     def GetElementsStream(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            validate.check_request(request)  # rpc/validate.py: every field at the edge
             yield from self._w._get_elements_stream(request)
         except (errors.DataServiceError, ValueError) as err:
             rpc_util.abort_with(context, err)

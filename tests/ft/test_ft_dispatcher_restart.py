@@ -21,7 +21,7 @@ from dataservice import errors
 from dataservice.dispatcher.server import _MAX_SPLITS_PER_RPC
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
-from dataservice.worker.server import _FIRST_SPLIT_BATCH, _MAX_SPLIT_BATCH
+from dataservice.worker.splits import _FIRST_SPLIT_BATCH, _MAX_SPLIT_BATCH
 
 from .conftest import HEARTBEAT_MS, Servers, report, wait_until
 
@@ -31,7 +31,7 @@ N = 10_000
 def split_batch_bounds(n: int) -> list[int]:
     """Where the batches of splits that one worker's successive GetSplits get
     start and end, for an IndexSplitProvider of `n` splits and one live task:
-    the worker asks for 16, 32, ... 4096 (worker/server.py `_SplitFetcher`),
+    the worker asks for 16, 32, ... 4096 (worker/splits.py `SplitFetcher`),
     the dispatcher grants min(asked, 4096, remaining // 2), at least 1
     (dispatcher/server.py `_get_splits`)."""
     bounds, produced, asked = [0], 0, _FIRST_SPLIT_BATCH

@@ -20,7 +20,7 @@ holds that state under its lock; the worker's one such check, whether a read
 fits its task's kind, is `check_read_fits_task` here.
 
 `check_request` is called from each servicer's common entry point
-(`dispatcher.server._Servicer._call`, `worker.server._Servicer.GetElements`).
+(`dispatcher.server._Servicer._call`, `worker.serving.WorkerServicer.GetElements`).
 A field added to a request message needs its rule here
 (tests/security/test_rpc_validation.py checks that every field has one).
 """
@@ -459,7 +459,7 @@ def check_read_fits_task(request: Any, task_num_consumers: int, has_cache: bool)
         FailedPreconditionError: The read does not fit the task.
     """
     if request.trainer_id:
-        return  # the cache read's own check (worker/server.py) names the trainer
+        return  # the cache read's own check (worker/serving.py) names the trainer
     task = request.task_id
     if request.round_index >= 0:
         if task_num_consumers <= 0:

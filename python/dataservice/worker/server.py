@@ -1,14 +1,18 @@
 """The worker: registers with the dispatcher by heartbeat, runs the tasks it is
 given, and serves their elements (as tf.data service's worker).
 
-The worker's gRPC server on `config.port` serves `WorkerService.GetElements`
-and `GetElementsStream` (the "grpc" transfer protocol; elements leave the worker
-when the consumer acknowledges them, see `task_runner.UnackedReplies`). A
-heartbeat thread reports the worker's tasks every `heartbeat_interval_ms` and
-receives new tasks and tasks to delete; a worker holding a task the dispatcher
-no longer knows drops it (reconciles) on the next heartbeat. If the dispatcher
-goes away, the worker keeps serving the tasks it has and retries heartbeats
-until it comes back.
+This module owns `WorkerServer`'s life (start, stop, join), its side of the
+dispatcher (registration, heartbeats, fetching dataset definitions) and its
+tasks (starting a runner per new task, stopping deleted ones). The worker's
+gRPC server on `config.port` serves `WorkerService.GetElements` and
+`GetElementsStream` (the "grpc" transfer protocol; elements leave the worker
+when the consumer acknowledges them, see `task_runner.UnackedReplies`): that
+reading is `serving.py`'s, and a DYNAMIC task's splits come from the dispatcher
+through `splits.py`. A heartbeat thread reports the worker's tasks every
+`heartbeat_interval_ms` and receives new tasks and tasks to delete; a worker
+holding a task the dispatcher no longer knows drops it (reconciles) on the next
+heartbeat. If the dispatcher goes away, the worker keeps serving the tasks it
+has and retries heartbeats until it comes back.
 """
 
 from __future__ import annotations
@@ -35,123 +39,14 @@ from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import STATIC_POLICIES, ShardingPolicy
 from dataservice.transfer import base as transfer
-from dataservice.transfer import codec
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
-from dataservice.worker.task_runner import (
-    DEFAULT_BUFFER_BYTES,
-    Reply,
-    TaskRunner,
-    encode_elements,
-)
+from dataservice.worker.serving import ElementServing, WorkerServicer
+from dataservice.worker.splits import SplitFetcher
+from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner
 
 DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
 
 log = logging.getLogger(__name__)
-
-_GET_ELEMENTS_WAIT_S = 1.0
-_CHUNK_BYTES = 1 << 20  # GetElementsStream: about this many bytes per message
-_FIRST_SPLIT_BATCH = 16
-_MAX_SPLIT_BATCH = 4096  # the dispatcher grants at most 4096 a call, and half of what is left
-
-
-class _SplitFetcher:
-    """A DYNAMIC task's split source: fetches splits from the dispatcher in
-    growing batches (16, 32, ... 4096 per RPC), not one RPC per element, and
-    asks for the next batch in the background as soon as it takes one, so the
-    pipeline does not stop for a GetSplits round trip every batch. (That round
-    trip takes 10-20 ms in a worker whose pipeline thread holds the GIL: each
-    of the RPC's GIL acquisitions waits out a switch interval. A batch of 4096
-    fast elements lasts about as long.)
-
-    At most one batch is in flight; splits it brings are this task's, so a
-    worker lost with a batch in hand or in flight loses at most those
-    elements (DYNAMIC is at-most-once, as tf.data service's). One consumer
-    thread (the task's producer).
-
-    Without `prefetch` (a pipeline with several split sources, e.g. a zip of
-    two), each batch is asked for when the last one is used up, in the
-    pipeline's thread: the sources of a zip then ask in the same order on every
-    worker and get equal batches, so no worker's zip ends on one side while
-    holding splits of the other (with background requests racing across
-    workers, a zip of two 40-element sources lost elements in 2 of 16 runs)."""
-
-    def __init__(
-        self, worker: WorkerServer, task: Any, provider_index: int = 0, prefetch: bool = True
-    ) -> None:
-        self._worker = worker
-        self._prefetch = prefetch
-        self._task = task
-        self._provider_index = provider_index
-        self._splits: list[Any] = []
-        self._pos = 0
-        self._batch = _FIRST_SPLIT_BATCH
-        self._end = False  # the dispatcher has no split after self._splits
-        self._next: futures.Future[tuple[list[Any], bool]] | None = None
-
-    def get_next(self) -> Any:
-        pos = self._pos
-        if pos < len(self._splits):
-            self._pos = pos + 1
-            return self._splits[pos]
-        if self._end:
-            return None
-        if not self._refill():
-            return None
-        return self.get_next()
-
-    def get_next_batch(self) -> list[Any] | None:
-        """The splits not yet taken from the current batch (or the next batch), all
-        at once; None when there are no more (a source that turns a batch into
-        elements without a Python call per split: `range`)."""
-        if self._pos >= len(self._splits) and (self._end or not self._refill()):
-            return None
-        batch = self._splits[self._pos :] if self._pos else self._splits
-        self._pos = len(self._splits)
-        return batch
-
-    def _refill(self) -> bool:
-        """Takes the next batch (waiting for its RPC) and asks for the one after;
-        False if there is none."""
-        self._ask_next()
-        assert self._next is not None
-        pending, self._next = self._next, None
-        self._splits, self._end = pending.result()  # raises what the RPC raised
-        self._pos = 0
-        if self._prefetch:
-            self._ask_next()
-        return bool(self._splits)
-
-    def _ask_next(self) -> None:
-        """Starts the GetSplits RPC for the next batch, unless one is in flight."""
-        if self._next is not None or self._end:
-            return
-        batch = self._batch
-        self._batch = min(batch * 2, _MAX_SPLIT_BATCH)
-        pending: futures.Future[tuple[list[Any], bool]] = futures.Future()
-
-        def fetch() -> None:
-            try:
-                pending.set_result(self._fetch(batch))
-            except BaseException as err:  # delivered to the pipeline by get_next
-                pending.set_exception(err)
-
-        self._next = pending
-        threading.Thread(target=fetch, name=f"ds-splits-{self._task.task_id}", daemon=True).start()
-
-    def _fetch(self, batch: int) -> tuple[list[Any], bool]:
-        """One GetSplits RPC: (splits, end_of_splits)."""
-        request = pb.GetSplitsRequest(
-            iteration_id=self._task.iteration_id,
-            task_id=self._task.task_id,
-            max_splits=batch,
-            incarnation_id=self._worker._incarnation,
-            split_provider_index=self._provider_index,
-        )
-        try:
-            response = self._worker._call_dispatcher("GetSplits", request)
-        except errors.NotFoundError:
-            return [], True
-        return list(response.int_splits) or list(response.str_splits), response.end_of_splits
 
 
 class _WorkerTaskRunner(TaskRunner):
@@ -219,32 +114,7 @@ class _WorkerTaskRunner(TaskRunner):
         super().stop()
 
 
-class _Servicer(service_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, worker: WorkerServer) -> None:
-        self._w = worker
-
-    def GetElements(self, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            validate.check_request(request)  # rpc/validate.py: every field at the edge
-            return self._w._get_elements(request)
-        except (errors.DataServiceError, ValueError) as err:
-            rpc_util.abort_with(context, err)
-        except Exception as err:
-            log.exception("GetElements failed")
-            rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
-
-    def GetElementsStream(self, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            validate.check_request(request)  # rpc/validate.py: every field at the edge
-            yield from self._w._get_elements_stream(request)
-        except (errors.DataServiceError, ValueError) as err:
-            rpc_util.abort_with(context, err)
-        except Exception as err:
-            log.exception("GetElementsStream failed")
-            rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
-
-
-class WorkerServer:
+class WorkerServer(ElementServing):
     """A worker, as `tf.data.experimental.service.WorkerServer`. Thread-safe.
 
     Args:
@@ -383,7 +253,7 @@ class WorkerServer:
             options=rpc_util.SERVER_OPTIONS,
             interceptors=rpc_util.server_interceptors(self._token, "worker"),
         )
-        validate.add_service(server, _Servicer(self), "WorkerService")
+        validate.add_service(server, WorkerServicer(self), "WorkerService")
         bind = f"{self._config.host}:{self._config.port}"
         try:
             port = server.add_insecure_port(bind)
@@ -684,8 +554,8 @@ class WorkerServer:
                 )
             if policy == ShardingPolicy.DYNAMIC:
                 n = graph.num_split_sources(dataset)
-                # Several sources (zip, ...): no prefetch, see _SplitFetcher.
-                sources = tuple(_SplitFetcher(self, task, i, prefetch=n == 1) for i in range(n))
+                # Several sources (zip, ...): no prefetch, see SplitFetcher.
+                sources = tuple(SplitFetcher(self, task, i, prefetch=n == 1) for i in range(n))
                 return graph.make_iterator(dataset, split_sources=sources)
             return iter(dataset)
 
@@ -715,228 +585,3 @@ class WorkerServer:
             self._tasks[task.task_id] = runner
             self._deleted.pop(task.task_id, None)
         log.info("worker %s started task %d", self._address, task.task_id)
-
-    # ------------------------------------------------------------ serving
-    def _find_runner(self, request: Any, deadline: float) -> TaskRunner | None:
-        """The runner of `request.task_id`, waiting until `deadline` for a task the
-        client heard of before this worker did; None if it is still unknown then.
-
-        Raises:
-            NotFoundError: The dispatcher deleted the task.
-        """
-        with self._mu:
-            runner = self._tasks.get(request.task_id)
-            deleted = request.task_id in self._deleted
-        if runner is None and not deleted:
-            # The client heard of the task before this worker did: heartbeat now.
-            self._wake.set()
-            while runner is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-                with self._mu:
-                    runner = self._tasks.get(request.task_id)
-                    deleted = request.task_id in self._deleted
-                if deleted:
-                    break
-            if runner is None and not deleted:
-                return None
-        if runner is None:
-            raise errors.NotFoundError(
-                f"worker {self._address} no longer runs task {request.task_id} "
-                "(the dispatcher deleted it)"
-            )
-        validate.check_read_fits_task(
-            request, runner.num_consumers, runner.cross_trainer_cache is not None
-        )
-        return runner
-
-    def _read(
-        self, runner: TaskRunner, request: Any, deadline: float
-    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None, bool]:
-        """Takes the request's elements from its task: a cross-trainer cache read, a
-        coordinated round, or first come, first served.
-
-        Returns:
-            (raw elements, end_of_sequence, error, first_come_first_served).
-
-        Raises:
-            FailedPreconditionError: A trainer read of a task without a cache, or a
-                round every consumer already read.
-        """
-        if request.trainer_id:
-            cache = runner.cross_trainer_cache
-            if cache is None:
-                raise errors.FailedPreconditionError(
-                    f"task {request.task_id} does not use a cross-trainer cache, but a "
-                    f"read for trainer {request.trainer_id!r} asked for one"
-                )
-            raw, end, error = cache.get_elements(
-                request.trainer_id,
-                max(1, request.max_elements or 1),
-                max(0.0, deadline - time.monotonic()),
-            )
-            return raw, end, error, False
-        if request.round_index >= 0:
-            raw, end, error = runner.get_round_element(
-                request.consumer_index,
-                runner.num_consumers,
-                request.round_index,
-                max(0.0, deadline - time.monotonic()),
-            )
-            return raw, end, error, False
-        raw, end, error = runner.get_elements_raw(
-            max(1, request.max_elements or 1),
-            request.max_bytes or (16 << 20),
-            max(0.0, deadline - time.monotonic()),
-        )
-        if end:
-            given_back, waiting = runner.unacked.settle_failed(
-                max(0.0, deadline - time.monotonic())
-            )
-            if given_back or waiting:
-                # Replies other consumers did not get are all that is left of the stream:
-                # they go to their consumers' retries, or (those gone) to this one, and
-                # the end (or error) comes after them.
-                return raw, False, None, True
-        return raw, end, error, True
-
-    def _response(self, reply: Reply | None, request: Any, with_elements: bool) -> Any:
-        """The GetElementsResponse of `reply` (None: no element ready, nothing to say)."""
-        response = pb.GetElementsResponse(worker_uid=self._uid, sequence=request.sequence)
-        if reply is None:
-            return response
-        if with_elements:
-            response.elements.extend(reply.elements)
-        response.end_of_sequence = reply.end_of_sequence
-        error = reply.error
-        if error is not None:
-            response.error_type, response.error_message = error.type_name, error.message
-            response.error_traceback, response.error_pickle = error.traceback, error.pickled
-        if reply.end_of_sequence:
-            self._wake.set()  # report the finished task promptly
-        return response
-
-    @staticmethod
-    def _encoded(
-        raw: list[Any], end: bool, error: errors.RemoteErrorInfo | None, request: Any
-    ) -> Reply:
-        """A reply of `raw` elements, encoded and compressed as the request asks; an
-        element the codec cannot carry ends the reply (and the read) with its error,
-        after the elements before it."""
-        elements, encode_error = encode_elements(raw)
-        if encode_error is not None:
-            end, error = True, encode_error
-        if request.compression:
-            elements = [codec.compress(e, request.compression) for e in elements]
-        return Reply(elements, end, error)
-
-    def _get_elements(self, request: Any) -> Any:
-        """GetElements: one reply in one message (see `_get_elements_stream`)."""
-        deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
-        runner = self._find_runner(request, deadline)
-        if runner is None:
-            return pb.GetElementsResponse()
-        if not request.consumer_key:
-            raw, end, error, _ = self._read(runner, request, deadline)
-            return self._response(self._encoded(raw, end, error, request), request, True)
-        turn = runner.unacked.begin(
-            request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
-        )
-        try:
-            reply = turn.replay
-            if reply is None:
-                raw, end, error, fcfs = self._read(runner, request, deadline)
-                reply = self._encoded(raw, end, error, request)
-                reply.requeue_on_failure = fcfs
-                turn.store(reply)
-            # A unary reply's delivery is not observable here: it counts as sent and
-            # stays until the consumer's next request acknowledges it.
-            return self._response(reply, request, True)
-        finally:
-            turn.finish(sent=True)
-
-    def _get_elements_stream(self, request: Any) -> Iterator[Any]:
-        """GetElementsStream: takes (or, for a retry, takes again) the request's
-        elements and streams them in messages of about `_CHUNK_BYTES`.
-
-        With a `consumer_key`, the reply stays with the consumer until its next
-        request acknowledges it (`UnackedReplies`): a retry of the same sequence
-        number gets it again, also after the stream broke (a first come, first
-        served reply whose consumer does not come back goes back to the task). A
-        large reply first sends an empty message (and another every second of
-        encoding), so the client's no-progress timeout measures the worker's
-        liveness, not the element's size.
-
-        Yields:
-            GetElementsChunk messages; the last has `last` set and the response.
-        """
-        deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
-        runner = self._find_runner(request, deadline)
-        if runner is None:
-            yield pb.GetElementsChunk(last=True, response=pb.GetElementsResponse())
-            return
-        turn = None
-        if request.consumer_key:
-            turn = runner.unacked.begin(
-                request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
-            )
-        raw: list[Any] = []  # taken from the task, not yet stored as a reply
-        fcfs = False
-        sent = False
-        try:
-            reply = turn.replay if turn is not None else None
-            if reply is None:
-                raw, end, error, fcfs = self._read(runner, request, deadline)
-                if fcfs and raw and codec.element_nbytes(raw[0]) >= _CHUNK_BYTES:
-                    # Large elements: one at a time, telling the client the worker is
-                    # alive while it encodes (and it can still take them back, raw).
-                    yield pb.GetElementsChunk()
-                    elements: list[bytes] = []
-                    last_yield = time.monotonic()
-                    for element in raw:
-                        if time.monotonic() - last_yield > 1.0:
-                            yield pb.GetElementsChunk()
-                            last_yield = time.monotonic()
-                        one = self._encoded([element], end, error, request)
-                        elements.extend(one.elements)
-                        if not one.elements:  # it cannot be encoded: its error ends the read
-                            end, error = one.end_of_sequence, one.error
-                            break
-                    reply = Reply(elements, end, error)
-                else:
-                    reply = self._encoded(raw, end, error, request)
-                reply.requeue_on_failure = fcfs
-                if turn is not None:
-                    turn.store(reply)
-                    raw = []
-            yield from self._chunks(reply, request)
-            sent = True
-        finally:
-            if turn is not None:
-                turn.finish(sent)
-            if raw and fcfs and not sent:
-                runner.requeue(raw)  # taken, never stored nor sent completely
-
-    def _chunks(self, reply: Reply, request: Any) -> Iterator[Any]:
-        """`reply` as GetElementsChunk messages of about `_CHUNK_BYTES` each."""
-        batch: list[bytes] = []
-        batch_bytes = 0
-        for element in reply.elements:
-            n = len(element)
-            if n > _CHUNK_BYTES:
-                if batch:
-                    yield pb.GetElementsChunk(elements=batch)
-                    batch, batch_bytes = [], 0
-                for offset in range(0, n, _CHUNK_BYTES):
-                    yield pb.GetElementsChunk(
-                        element_part=element[offset : offset + _CHUNK_BYTES],
-                        element_bytes=n if offset == 0 else 0,
-                    )
-                continue
-            if batch and batch_bytes + n > _CHUNK_BYTES:
-                yield pb.GetElementsChunk(elements=batch)
-                batch, batch_bytes = [], 0
-            batch.append(element)
-            batch_bytes += n
-        yield pb.GetElementsChunk(
-            elements=batch, last=True, response=self._response(reply, request, False)
-        )

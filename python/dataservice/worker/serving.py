@@ -1,0 +1,302 @@
+"""Serving a worker's elements over gRPC: `WorkerService.GetElements` and
+`GetElementsStream` (the "grpc" transfer protocol, as tf.data service's worker).
+
+`WorkerServicer` is the gRPC servicer; `ElementServing` (a base class of
+`WorkerServer`) owns what a read does: finding the request's task (waiting a
+moment for one the client heard of before the worker did), taking its elements
+(a cross-trainer cache read, a coordinated round, or first come, first served),
+encoding and compressing them into a reply, keeping an acknowledged reply with
+its consumer until the next request (`task_runner.UnackedReplies`), and
+streaming a reply in messages of about `_CHUNK_BYTES`. Registration, heartbeats
+and starting or stopping tasks are `server.py`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from dataservice import errors
+from dataservice.rpc import service_pb2 as pb
+from dataservice.rpc import service_pb2_grpc, validate
+from dataservice.rpc import util as rpc_util
+from dataservice.transfer import codec
+from dataservice.worker.task_runner import Reply, TaskRunner, encode_elements
+
+log = logging.getLogger(__name__)
+
+_GET_ELEMENTS_WAIT_S = 1.0
+_CHUNK_BYTES = 1 << 20  # GetElementsStream: about this many bytes per message
+
+
+class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
+    """`WorkerService` on the worker's gRPC server: checks each request's fields
+    (`rpc/validate.py`) and maps what the read raises to a gRPC status."""
+
+    def __init__(self, worker: ElementServing) -> None:
+        self._w = worker
+
+    def GetElements(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            validate.check_request(request)  # rpc/validate.py: every field at the edge
+            return self._w._get_elements(request)
+        except (errors.DataServiceError, ValueError) as err:
+            rpc_util.abort_with(context, err)
+        except Exception as err:
+            log.exception("GetElements failed")
+            rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
+
+    def GetElementsStream(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            validate.check_request(request)  # rpc/validate.py: every field at the edge
+            yield from self._w._get_elements_stream(request)
+        except (errors.DataServiceError, ValueError) as err:
+            rpc_util.abort_with(context, err)
+        except Exception as err:
+            log.exception("GetElementsStream failed")
+            rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
+
+
+class ElementServing:
+    """The GetElements and GetElementsStream reads of a worker, as a base class
+    of `WorkerServer`, whose state it reads: the task table (`_tasks`,
+    `_deleted`, guarded by `_mu`), `_wake` (set to heartbeat now), `_address`
+    and `_uid`. Thread-safe (each read runs on its own gRPC thread).
+    """
+
+    _mu: threading.Lock
+    _wake: threading.Event
+    _address: str
+    _uid: str
+    _tasks: dict[int, TaskRunner]  # guarded by _mu
+    _deleted: OrderedDict[int, None]  # guarded by _mu
+
+    def _find_runner(self, request: Any, deadline: float) -> TaskRunner | None:
+        """The runner of `request.task_id`, waiting until `deadline` for a task the
+        client heard of before this worker did; None if it is still unknown then.
+
+        Raises:
+            NotFoundError: The dispatcher deleted the task.
+        """
+        with self._mu:
+            runner = self._tasks.get(request.task_id)
+            deleted = request.task_id in self._deleted
+        if runner is None and not deleted:
+            # The client heard of the task before this worker did: heartbeat now.
+            self._wake.set()
+            while runner is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+                with self._mu:
+                    runner = self._tasks.get(request.task_id)
+                    deleted = request.task_id in self._deleted
+                if deleted:
+                    break
+            if runner is None and not deleted:
+                return None
+        if runner is None:
+            raise errors.NotFoundError(
+                f"worker {self._address} no longer runs task {request.task_id} "
+                "(the dispatcher deleted it)"
+            )
+        validate.check_read_fits_task(
+            request, runner.num_consumers, runner.cross_trainer_cache is not None
+        )
+        return runner
+
+    def _read(
+        self, runner: TaskRunner, request: Any, deadline: float
+    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None, bool]:
+        """Takes the request's elements from its task: a cross-trainer cache read, a
+        coordinated round, or first come, first served.
+
+        Returns:
+            (raw elements, end_of_sequence, error, first_come_first_served).
+
+        Raises:
+            FailedPreconditionError: A trainer read of a task without a cache, or a
+                round every consumer already read.
+        """
+        if request.trainer_id:
+            cache = runner.cross_trainer_cache
+            if cache is None:
+                raise errors.FailedPreconditionError(
+                    f"task {request.task_id} does not use a cross-trainer cache, but a "
+                    f"read for trainer {request.trainer_id!r} asked for one"
+                )
+            raw, end, error = cache.get_elements(
+                request.trainer_id,
+                max(1, request.max_elements or 1),
+                max(0.0, deadline - time.monotonic()),
+            )
+            return raw, end, error, False
+        if request.round_index >= 0:
+            raw, end, error = runner.get_round_element(
+                request.consumer_index,
+                runner.num_consumers,
+                request.round_index,
+                max(0.0, deadline - time.monotonic()),
+            )
+            return raw, end, error, False
+        raw, end, error = runner.get_elements_raw(
+            max(1, request.max_elements or 1),
+            request.max_bytes or (16 << 20),
+            max(0.0, deadline - time.monotonic()),
+        )
+        if end:
+            given_back, waiting = runner.unacked.settle_failed(
+                max(0.0, deadline - time.monotonic())
+            )
+            if given_back or waiting:
+                # Replies other consumers did not get are all that is left of the stream:
+                # they go to their consumers' retries, or (those gone) to this one, and
+                # the end (or error) comes after them.
+                return raw, False, None, True
+        return raw, end, error, True
+
+    def _response(self, reply: Reply | None, request: Any, with_elements: bool) -> Any:
+        """The GetElementsResponse of `reply` (None: no element ready, nothing to say)."""
+        response = pb.GetElementsResponse(worker_uid=self._uid, sequence=request.sequence)
+        if reply is None:
+            return response
+        if with_elements:
+            response.elements.extend(reply.elements)
+        response.end_of_sequence = reply.end_of_sequence
+        error = reply.error
+        if error is not None:
+            response.error_type, response.error_message = error.type_name, error.message
+            response.error_traceback, response.error_pickle = error.traceback, error.pickled
+        if reply.end_of_sequence:
+            self._wake.set()  # report the finished task promptly
+        return response
+
+    @staticmethod
+    def _encoded(
+        raw: list[Any], end: bool, error: errors.RemoteErrorInfo | None, request: Any
+    ) -> Reply:
+        """A reply of `raw` elements, encoded and compressed as the request asks; an
+        element the codec cannot carry ends the reply (and the read) with its error,
+        after the elements before it."""
+        elements, encode_error = encode_elements(raw)
+        if encode_error is not None:
+            end, error = True, encode_error
+        if request.compression:
+            elements = [codec.compress(e, request.compression) for e in elements]
+        return Reply(elements, end, error)
+
+    def _get_elements(self, request: Any) -> Any:
+        """GetElements: one reply in one message (see `_get_elements_stream`)."""
+        deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
+        runner = self._find_runner(request, deadline)
+        if runner is None:
+            return pb.GetElementsResponse()
+        if not request.consumer_key:
+            raw, end, error, _ = self._read(runner, request, deadline)
+            return self._response(self._encoded(raw, end, error, request), request, True)
+        turn = runner.unacked.begin(
+            request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
+        )
+        try:
+            reply = turn.replay
+            if reply is None:
+                raw, end, error, fcfs = self._read(runner, request, deadline)
+                reply = self._encoded(raw, end, error, request)
+                reply.requeue_on_failure = fcfs
+                turn.store(reply)
+            # A unary reply's delivery is not observable here: it counts as sent and
+            # stays until the consumer's next request acknowledges it.
+            return self._response(reply, request, True)
+        finally:
+            turn.finish(sent=True)
+
+    def _get_elements_stream(self, request: Any) -> Iterator[Any]:
+        """GetElementsStream: takes (or, for a retry, takes again) the request's
+        elements and streams them in messages of about `_CHUNK_BYTES`.
+
+        With a `consumer_key`, the reply stays with the consumer until its next
+        request acknowledges it (`UnackedReplies`): a retry of the same sequence
+        number gets it again, also after the stream broke (a first come, first
+        served reply whose consumer does not come back goes back to the task). A
+        large reply first sends an empty message (and another every second of
+        encoding), so the client's no-progress timeout measures the worker's
+        liveness, not the element's size.
+
+        Yields:
+            GetElementsChunk messages; the last has `last` set and the response.
+        """
+        deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
+        runner = self._find_runner(request, deadline)
+        if runner is None:
+            yield pb.GetElementsChunk(last=True, response=pb.GetElementsResponse())
+            return
+        turn = None
+        if request.consumer_key:
+            turn = runner.unacked.begin(
+                request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
+            )
+        raw: list[Any] = []  # taken from the task, not yet stored as a reply
+        fcfs = False
+        sent = False
+        try:
+            reply = turn.replay if turn is not None else None
+            if reply is None:
+                raw, end, error, fcfs = self._read(runner, request, deadline)
+                if fcfs and raw and codec.element_nbytes(raw[0]) >= _CHUNK_BYTES:
+                    # Large elements: one at a time, telling the client the worker is
+                    # alive while it encodes (and it can still take them back, raw).
+                    yield pb.GetElementsChunk()
+                    elements: list[bytes] = []
+                    last_yield = time.monotonic()
+                    for element in raw:
+                        if time.monotonic() - last_yield > 1.0:
+                            yield pb.GetElementsChunk()
+                            last_yield = time.monotonic()
+                        one = self._encoded([element], end, error, request)
+                        elements.extend(one.elements)
+                        if not one.elements:  # it cannot be encoded: its error ends the read
+                            end, error = one.end_of_sequence, one.error
+                            break
+                    reply = Reply(elements, end, error)
+                else:
+                    reply = self._encoded(raw, end, error, request)
+                reply.requeue_on_failure = fcfs
+                if turn is not None:
+                    turn.store(reply)
+                    raw = []
+            yield from self._chunks(reply, request)
+            sent = True
+        finally:
+            if turn is not None:
+                turn.finish(sent)
+            if raw and fcfs and not sent:
+                runner.requeue(raw)  # taken, never stored nor sent completely
+
+    def _chunks(self, reply: Reply, request: Any) -> Iterator[Any]:
+        """`reply` as GetElementsChunk messages of about `_CHUNK_BYTES` each."""
+        batch: list[bytes] = []
+        batch_bytes = 0
+        for element in reply.elements:
+            n = len(element)
+            if n > _CHUNK_BYTES:
+                if batch:
+                    yield pb.GetElementsChunk(elements=batch)
+                    batch, batch_bytes = [], 0
+                for offset in range(0, n, _CHUNK_BYTES):
+                    yield pb.GetElementsChunk(
+                        element_part=element[offset : offset + _CHUNK_BYTES],
+                        element_bytes=n if offset == 0 else 0,
+                    )
+                continue
+            if batch and batch_bytes + n > _CHUNK_BYTES:
+                yield pb.GetElementsChunk(elements=batch)
+                batch, batch_bytes = [], 0
+            batch.append(element)
+            batch_bytes += n
+        yield pb.GetElementsChunk(
+            elements=batch, last=True, response=self._response(reply, request, False)
+        )

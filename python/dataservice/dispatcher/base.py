@@ -9,7 +9,10 @@ jobs.py, split_handout.py, worker_loss.py, liveness.py) reads and writes
 these fields under `self._mu`; none adds a field of its own.
 
 Every decision becomes a `state.Update` applied through `_apply_locked`, which
-journals it first when `fault_tolerant_mode` is on.
+journals it first when `fault_tolerant_mode` is on. Work that does I/O
+(loading a dataset object, building split providers) is done outside
+`self._mu`: a handler that finds it missing raises `NotLoaded`, and
+`_retry_when_loaded` does it and runs the handler again.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +61,21 @@ def _probe_after_s(worker: _Worker) -> float:
     return max(1.0, 2.5 * worker.heartbeat_interval_s)
 
 
+class NotLoaded(Exception):
+    """Raised by a handler under `self._mu`, before it changed anything, when it
+    needs something whose making does I/O (a dataset object, an iteration's split
+    providers): `DispatcherBase._retry_when_loaded` calls `load` outside the lock
+    and runs the handler again.
+
+    Args:
+        load: Makes the missing thing and caches it; called without `self._mu`.
+    """
+
+    def __init__(self, load: Callable[[], object]) -> None:
+        super().__init__("needs loading outside the dispatcher lock")
+        self.load = load
+
+
 class DispatcherBase:
     """The fields of a `DispatchServer`, its journaled write path and its
     incarnation check. Thread-safe where the caller holds `self._mu` (methods
@@ -69,6 +88,12 @@ class DispatcherBase:
     def __init__(self, config: DispatcherConfig) -> None:
         self._config = config
         self._mu = threading.RLock()
+        # Held while a dataset object is loaded or an iteration's split providers
+        # are built, outside self._mu (datasets.py `_dataset_object`,
+        # split_handout.py `_build_split_providers`), so that a racing caller waits
+        # for the first one's result instead of making its own. Taken before
+        # self._mu, never while holding it.
+        self._load_mu = threading.RLock()
         self._server: grpc.Server | None = None
         self._port = self._config.port
         self._stop_event = threading.Event()
@@ -117,6 +142,22 @@ class DispatcherBase:
             and self._journal.records_since_snapshot >= journal_module.SNAPSHOT_EVERY_RECORDS
         ):
             self._journal.snapshot(self._state)
+
+    def _retry_when_loaded(self, handler: Callable[[Any], Any], request: Any) -> Any:
+        """`handler(request)`, run again after each `NotLoaded` it raises once its
+        `load` is done (without `self._mu`, so call this without it: STYLE.md
+        allows no I/O under the dispatcher lock but the journal write). The
+        handler checks the state again on each run, so what a racing caller
+        created meanwhile (an iteration, split providers) is found, not made twice.
+
+        Raises:
+            What `handler` or a `load` raises, except `NotLoaded`.
+        """
+        while True:
+            try:
+                return handler(request)
+            except NotLoaded as missing:
+                missing.load()
 
     def _check_incarnation_locked(self, incarnation_id: str) -> None:
         if incarnation_id and incarnation_id != self._state.incarnation_id:

@@ -3,12 +3,13 @@ unpickled dataset object that split providers are built from.
 
 Owns `DatasetsMixin`: registration (dedup by fingerprint or requested id,
 buffers written to files outside the lock, the definition journaled) and
-`_dataset_object` (the `Dataset` of a dataset id, loaded once).
+`_dataset_object` (the `Dataset` of a dataset id, loaded once, outside the
+lock; `_loaded_dataset_locked` is its cached form for handlers under the lock).
 
 Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_state`,
 `_journal`, `_buffers`; writes `_datasets` (dataset_id -> DatasetDef) and
-`_dataset_objects` (dataset_id -> Dataset); `_state` changes only through
-`_apply_locked`.
+`_dataset_objects` (dataset_id -> Dataset, filled under `self._load_mu`);
+`_state` changes only through `_apply_locked`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from dataservice import errors
 from dataservice.dispatcher import state as st
-from dataservice.dispatcher.base import DispatcherBase
+from dataservice.dispatcher.base import DispatcherBase, NotLoaded
 from dataservice.dispatcher.buffer_store import check_inline
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
@@ -27,17 +28,53 @@ class DatasetsMixin(DispatcherBase):
     """The dataset RPCs of `DispatchServer` (see the module docstring)."""
 
     def _dataset_object(self, dataset_id: str) -> Any:
+        """The `Dataset` of `dataset_id`, loaded from its definition once and
+        cached in `_dataset_objects`.
+
+        Call without `self._mu` held: loading unpickles the pipeline and maps its
+        buffer files, I/O that RPCs must not wait for. `self._load_mu` makes a
+        racing second caller wait for the first one's object, so that a dataset
+        has one object (split providers are built from it).
+
+        Raises:
+            NotFoundError: No dataset has this id.
+            DataLossError: A buffer file of the dataset is unreadable.
+        """
         from dataservice.data.serialize import load
 
-        obj = self._dataset_objects.get(dataset_id)
-        if obj is None:
+        with self._mu:
+            obj = self._dataset_objects.get(dataset_id)
+        if obj is not None:
+            return obj
+        with self._load_mu:
+            with self._mu:
+                obj = self._dataset_objects.get(dataset_id)
+                definition = self._datasets.get(dataset_id)
+            if obj is not None:
+                return obj
+            if definition is None:
+                raise errors.NotFoundError(f"Dataset id {dataset_id} not found")
             try:
-                obj = load(self._datasets[dataset_id])  # maps the buffer files
+                obj = load(definition)  # maps the buffer files
             except OSError as err:
                 raise errors.DataLossError(
                     f"dataset {dataset_id}: a buffer file is unreadable: {err}"
                 ) from err
-            self._dataset_objects[dataset_id] = obj
+            with self._mu:
+                # Not cached if the dispatcher recovered meanwhile (a new definition).
+                if self._datasets.get(dataset_id) is definition:
+                    self._dataset_objects[dataset_id] = obj
+            return obj
+
+    def _loaded_dataset_locked(self, dataset_id: str) -> Any:
+        """The cached `Dataset` of `dataset_id`.
+
+        Raises:
+            NotLoaded: It is not loaded yet; its `load` loads it (outside the lock).
+        """
+        obj = self._dataset_objects.get(dataset_id)
+        if obj is None:
+            raise NotLoaded(lambda: self._dataset_object(dataset_id))
         return obj
 
     def _registered_locked(self, request: Any) -> str | None:

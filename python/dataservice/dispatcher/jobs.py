@@ -11,7 +11,8 @@ Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_config`,
 `_state`, `_datasets`, `_workers`, `_iteration_errors`; writes
 `_client_seen`, `_job_last_used`, `_split_providers` and `_worker_losses`
 (dropped with a job); `_state` changes only through `_apply_locked`. Uses
-datasets.py's `_dataset_object`, tasks.py's task placement, worker_loss.py's
+datasets.py's `_dataset_object` (outside the lock) and
+`_loaded_dataset_locked`, tasks.py's task placement, worker_loss.py's
 `_fail_stranded_iterations_locked` and liveness.py's
 `_probe_unreachable_locked`.
 """
@@ -36,6 +37,8 @@ class JobsMixin(DispatcherBase):
     if TYPE_CHECKING:  # defined by datasets.py, tasks.py, worker_loss.py, liveness.py
 
         def _dataset_object(self, dataset_id: str) -> Any: ...
+
+        def _loaded_dataset_locked(self, dataset_id: str) -> Any: ...
 
         def _check_local_workers_locked(self, job: st.Job, host: str) -> None: ...
 
@@ -235,6 +238,18 @@ class JobsMixin(DispatcherBase):
         self._job_last_used.pop(job.job_id, None)
 
     def _get_or_create_iteration(self, request: Any) -> Any:
+        # A DYNAMIC iteration's number of split providers comes from its
+        # dataset's object, loaded outside the lock (base.py `NotLoaded`).
+        return self._retry_when_loaded(self._try_get_or_create_iteration, request)
+
+    def _try_get_or_create_iteration(self, request: Any) -> Any:
+        """`_get_or_create_iteration` under the lock, if the dataset object it
+        needs is loaded.
+
+        Raises:
+            NotLoaded: The dataset object of a DYNAMIC iteration to create is not
+                loaded; nothing was changed.
+        """
         with self._mu:
             self._check_incarnation_locked(request.incarnation_id)
             job = self._state.jobs.get(st.JobId(request.job_id))
@@ -272,7 +287,7 @@ class JobsMixin(DispatcherBase):
                 iteration_id = st.IterationId(self._state.next_iteration_id)
                 num_providers = 1
                 if job.processing_mode == ShardingPolicy.DYNAMIC:
-                    dataset = self._dataset_object(job.dataset_id)
+                    dataset = self._loaded_dataset_locked(job.dataset_id)
                     num_providers = graph.num_split_sources(dataset)
                 self._apply_locked(
                     st.CreateIteration(

@@ -2,13 +2,14 @@
 reads, `num_consumers`).
 
 Owns `SplitHandoutMixin`: the split providers of each DYNAMIC iteration
-(built on first use, and after a restart fast-forwarded past the splits the
-journal says were handed out), fair shares of the splits left, and the
+(built on first use outside the lock, and after a restart fast-forwarded past
+the splits the journal says were handed out), fair shares of the splits left, and the
 assignment of rounds to tasks in blocks of `_ROUND_BLOCK` (moving a lost
 task's rounds to live tasks).
 
 Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_state`;
-writes `_split_providers` (iteration -> providers) and `_task_splits` (the
+writes `_split_providers` (iteration -> providers, built under
+`self._load_mu`) and `_task_splits` (the
 splits handed to each task's current process, for worker_loss.py); `_state`
 changes only through `_apply_locked`. Uses datasets.py's `_dataset_object`
 and tasks.py's `_add_task_info_locked`.
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from dataservice import errors
 from dataservice.data import graph
 from dataservice.dispatcher import state as st
-from dataservice.dispatcher.base import DispatcherBase
+from dataservice.dispatcher.base import DispatcherBase, NotLoaded
 from dataservice.rpc import service_pb2 as pb
 from dataservice.sharding import ShardingPolicy
 
@@ -39,6 +40,16 @@ class SplitHandoutMixin(DispatcherBase):
         def _add_task_info_locked(self, infos: Any, task: st.Task) -> None: ...
 
     def _get_splits(self, request: Any) -> Any:
+        # An iteration's split providers are built outside the lock (base.py
+        # `NotLoaded`, `_build_split_providers`).
+        return self._retry_when_loaded(self._try_get_splits, request)
+
+    def _try_get_splits(self, request: Any) -> Any:
+        """`_get_splits` under the lock, if the iteration's split providers are built.
+
+        Raises:
+            NotLoaded: They are not; nothing was changed.
+        """
         iteration_id = st.IterationId(request.iteration_id)
         max_splits = max(1, min(request.max_splits or 1, _MAX_SPLITS_PER_RPC))
         with self._mu:
@@ -67,15 +78,8 @@ class SplitHandoutMixin(DispatcherBase):
                 response.end_of_splits = True
                 return response
             providers = self._split_providers.get(iteration_id)
-            if providers is None:
-                dataset = self._dataset_object(job.dataset_id)
-                providers = graph.split_providers(dataset, iteration.seed)
-                for i, provider in enumerate(providers):
-                    # Replay after a restart: skip what was handed out already.
-                    for _ in range(iteration.splits_produced.get(i, 0)):
-                        if provider.get_next() is None:
-                            break
-                self._split_providers[iteration_id] = providers
+            if providers is None:  # built outside the lock, then asked again
+                raise NotLoaded(lambda: self._build_split_providers(iteration_id))
             if not 0 <= index < len(providers):
                 raise errors.InvalidArgumentError(
                     f"split provider {index} requested, the pipeline has {len(providers)}"
@@ -105,6 +109,47 @@ class SplitHandoutMixin(DispatcherBase):
                 response.int_splits.extend(int(s) for s in splits)
             response.end_of_splits = end
             return response
+
+    def _build_split_providers(self, iteration_id: st.IterationId) -> None:
+        """Builds the split providers of DYNAMIC iteration `iteration_id`, replays
+        the splits handed out before a restart (`Iteration.splits_produced`), and
+        installs them in `_split_providers`, unless a racing caller did first.
+
+        Call without `self._mu` held: loading the dataset object and building the
+        providers may read and glob files, and the replay after a restart may be
+        long, so all of it runs outside the lock. `self._load_mu` makes a racing
+        second caller wait for the first one's providers, so an iteration has
+        one set. Providers built from a state that changed meanwhile (the
+        dispatcher recovered from its journal) are dropped, and the handler asks
+        again.
+
+        Raises:
+            ValueError: The pipeline cannot be split (graph.split_providers).
+            NotFoundError, DataLossError: As `_dataset_object`.
+        """
+        with self._load_mu:
+            with self._mu:
+                iteration = self._state.iterations.get(iteration_id)
+                if iteration is None or iteration_id in self._split_providers:
+                    return
+                dataset_id = self._state.jobs[iteration.job_id].dataset_id
+                seed = iteration.seed
+                produced = dict(iteration.splits_produced)
+            providers = graph.split_providers(self._dataset_object(dataset_id), seed)
+            for i, provider in enumerate(providers):
+                # Replay after a restart: skip what was handed out already.
+                for _ in range(produced.get(i, 0)):
+                    if provider.get_next() is None:
+                        break
+            with self._mu:
+                iteration = self._state.iterations.get(iteration_id)
+                if (
+                    iteration is not None
+                    and iteration_id not in self._split_providers
+                    and iteration.seed == seed
+                    and iteration.splits_produced == produced
+                ):
+                    self._split_providers[iteration_id] = providers
 
     def _get_rounds(self, request: Any) -> Any:
         iteration_id = st.IterationId(request.iteration_id)

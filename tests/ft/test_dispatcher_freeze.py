@@ -1,7 +1,7 @@
 """A dispatcher that could not run for a while (SIGSTOP, a paused VM) gets, on
 return, the grace a restart gets: it must not declare its workers and
 iteration clients dead because *it* did not hear their heartbeats
-(dispatcher/server.py `_grant_stall_grace_locked`; issue 10, item 3).
+(dispatcher/liveness.py `_grant_stall_grace_locked`; issue 10, item 3).
 
 The fault-tolerant dispatcher and two workers are real processes
 (`python -m dataservice ...`); the consumer runs in the test process. The

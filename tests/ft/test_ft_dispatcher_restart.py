@@ -18,7 +18,7 @@ import pytest
 
 import dataservice as ds
 from dataservice import errors
-from dataservice.dispatcher.server import _MAX_SPLITS_PER_RPC
+from dataservice.dispatcher.split_handout import _MAX_SPLITS_PER_RPC
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
 from dataservice.worker.splits import _FIRST_SPLIT_BATCH, _MAX_SPLIT_BATCH
@@ -33,7 +33,7 @@ def split_batch_bounds(n: int) -> list[int]:
     start and end, for an IndexSplitProvider of `n` splits and one live task:
     the worker asks for 16, 32, ... 4096 (worker/splits.py `SplitFetcher`),
     the dispatcher grants min(asked, 4096, remaining // 2), at least 1
-    (dispatcher/server.py `_get_splits`)."""
+    (dispatcher/split_handout.py `_get_splits`)."""
     bounds, produced, asked = [0], 0, _FIRST_SPLIT_BATCH
     while produced < n:
         remaining = n - produced

@@ -1,0 +1,170 @@
+"""The state every part of the dispatcher shares, and its one write path.
+
+`DispatcherBase` holds all of `DispatchServer`'s fields: the lifecycle ones
+(config, gRPC server, port, stop events, maintenance thread) and, guarded by
+the one lock `self._mu` (an RLock), the journaled `DispatcherState` and the
+runtime-only maps beside it (workers, clients' and jobs' last-seen times,
+split providers, worker losses). Each handler mixin (datasets.py, tasks.py,
+jobs.py, split_handout.py, worker_loss.py, liveness.py) reads and writes
+these fields under `self._mu`; none adds a field of its own.
+
+Every decision becomes a `state.Update` applied through `_apply_locked`, which
+journals it first when `fault_tolerant_mode` is on. Work that does I/O
+(loading a dataset object, building split providers) is done outside
+`self._mu`: a handler that finds it missing raises `NotLoaded`, and
+`_retry_when_loaded` does it and runs the handler again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from dataservice import _waits, errors
+from dataservice.config import DispatcherConfig
+from dataservice.dispatcher import journal as journal_module
+from dataservice.dispatcher import state as st
+from dataservice.dispatcher.buffer_store import BufferStore
+from dataservice.dispatcher.journal import Journal
+
+# One logger for all of the dispatcher's modules, under the name it has always had.
+log = logging.getLogger("dataservice.dispatcher.server")
+
+
+@dataclass
+class _Worker:
+    """A registered worker (runtime only: workers register again after a restart)."""
+
+    address: str
+    transfer_address: str
+    host_id: str
+    uid: str
+    last_heartbeat: float
+    heartbeat_interval_s: float
+    index: int  # position in DispatcherConfig.worker_addresses, -1 without a list
+    pid: int = 0  # as the worker reports it (0: an older worker that does not)
+    # Its supervisor reported its process exited and restarts it on the same
+    # address (ReportWorkerFailure with `restarting`): not probed meanwhile.
+    restarting: bool = False
+    last_probe: float = 0.0  # time.monotonic() of the last liveness probe
+
+
+def _probe_after_s(worker: _Worker) -> float:
+    """How long a worker may be silent before the dispatcher checks that its
+    port still accepts connections: two missed heartbeats, at least 1 s."""
+    return max(1.0, 2.5 * worker.heartbeat_interval_s)
+
+
+class NotLoaded(Exception):
+    """Raised by a handler under `self._mu`, before it changed anything, when it
+    needs something whose making does I/O (a dataset object, an iteration's split
+    providers): `DispatcherBase._retry_when_loaded` calls `load` outside the lock
+    and runs the handler again.
+
+    Args:
+        load: Makes the missing thing and caches it; called without `self._mu`.
+    """
+
+    def __init__(self, load: Callable[[], object]) -> None:
+        super().__init__("needs loading outside the dispatcher lock")
+        self.load = load
+
+
+class DispatcherBase:
+    """The fields of a `DispatchServer`, its journaled write path and its
+    incarnation check. Thread-safe where the caller holds `self._mu` (methods
+    ending in `_locked` expect it held).
+
+    Args:
+        config: The dispatcher's configuration.
+    """
+
+    def __init__(self, config: DispatcherConfig) -> None:
+        self._config = config
+        self._mu = threading.RLock()
+        # Held while a dataset object is loaded or an iteration's split providers
+        # are built, outside self._mu (datasets.py `_dataset_object`,
+        # split_handout.py `_build_split_providers`), so that a racing caller waits
+        # for the first one's result instead of making its own. Taken before
+        # self._mu, never while holding it.
+        self._load_mu = threading.RLock()
+        self._server: grpc.Server | None = None
+        self._port = self._config.port
+        self._stop_event = threading.Event()
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # guarded by self._mu:
+        self._state = st.DispatcherState()
+        self._journal: Journal | None = None
+        # dataset_id -> DatasetDef, its big buffers as files of self._buffers
+        self._datasets: dict[str, Any] = {}
+        self._buffers = BufferStore(None)
+        self._workers: dict[str, _Worker] = {}
+        self._lost_uids: dict[str, str] = {}  # address -> uid of a worker declared lost
+        # Runtime only, like the workers: given up by whoever restarts them
+        # (address -> reason), and the iterations that failed for lack of workers.
+        self._failed_workers: dict[str, str] = {}
+        self._iteration_errors: dict[st.IterationId, str] = {}
+        self._client_seen: dict[st.IterationClientId, float] = {}
+        self._job_last_used: dict[st.JobId, float] = {}
+        self._split_providers: dict[st.IterationId, Any] = {}
+        self._dataset_objects: dict[str, Any] = {}
+        self._restart_time = time.monotonic()
+        # The maintenance thread's: iterations with consumers and no worker.
+        self._starved: dict[st.IterationId, _waits.SlowWait] = {}
+        # Worker loss accounting (runtime only): DYNAMIC splits handed to each
+        # task's current process, and per iteration the worker processes it lost.
+        self._task_splits: dict[st.TaskId, int] = {}
+        self._worker_losses: dict[st.IterationId, list[Any]] = {}
+        self._probing: set[str] = set()  # addresses with a liveness probe in flight
+
+    @property
+    def target(self) -> str:
+        """ "grpc://host:port" of this dispatcher (the bound port once started)."""
+        host = self._config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "localhost"
+        return f"grpc://{host}:{self._port}"
+
+    def _apply_locked(self, update: st.Update) -> None:
+        """Journal first (in fault-tolerant mode), then mutate: the only write path."""
+        if self._journal is not None:
+            self._journal.append(update)
+        self._state.apply(update)
+        if (
+            self._journal is not None
+            and self._journal.records_since_snapshot >= journal_module.SNAPSHOT_EVERY_RECORDS
+        ):
+            self._journal.snapshot(self._state)
+
+    def _retry_when_loaded(self, handler: Callable[[Any], Any], request: Any) -> Any:
+        """`handler(request)`, run again after each `NotLoaded` it raises once its
+        `load` is done (without `self._mu`, so call this without it: STYLE.md
+        allows no I/O under the dispatcher lock but the journal write). The
+        handler checks the state again on each run, so what a racing caller
+        created meanwhile (an iteration, split providers) is found, not made twice.
+
+        Raises:
+            What `handler` or a `load` raises, except `NotLoaded`.
+        """
+        while True:
+            try:
+                return handler(request)
+            except NotLoaded as missing:
+                missing.load()
+
+    def _check_incarnation_locked(self, incarnation_id: str) -> None:
+        if incarnation_id and incarnation_id != self._state.incarnation_id:
+            raise errors.DispatcherRestartedError(
+                f"the dispatcher at {self.target} restarted without fault tolerance and lost "
+                f"its state (incarnation {incarnation_id} is gone, now "
+                f"{self._state.incarnation_id}); datasets, jobs and iterations must be "
+                "created again (run the dispatcher with work_dir and fault_tolerant_mode=True "
+                "to keep them across restarts)"
+            )

@@ -1,0 +1,163 @@
+"""Datasets: RegisterDataset, GetDatasetDef, GetElementSpec, and the
+unpickled dataset object that split providers are built from.
+
+Owns `DatasetsMixin`: registration (dedup by fingerprint or requested id,
+buffers written to files outside the lock, the definition journaled) and
+`_dataset_object` (the `Dataset` of a dataset id, loaded once, outside the
+lock; `_loaded_dataset_locked` is its cached form for handlers under the lock).
+
+Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_state`,
+`_journal`, `_buffers`; writes `_datasets` (dataset_id -> DatasetDef) and
+`_dataset_objects` (dataset_id -> Dataset, filled under `self._load_mu`);
+`_state` changes only through `_apply_locked`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataservice import errors
+from dataservice.dispatcher import state as st
+from dataservice.dispatcher.base import DispatcherBase, NotLoaded
+from dataservice.dispatcher.buffer_store import check_inline
+from dataservice.locality import host_id
+from dataservice.rpc import service_pb2 as pb
+
+
+class DatasetsMixin(DispatcherBase):
+    """The dataset RPCs of `DispatchServer` (see the module docstring)."""
+
+    def _dataset_object(self, dataset_id: str) -> Any:
+        """The `Dataset` of `dataset_id`, loaded from its definition once and
+        cached in `_dataset_objects`.
+
+        Call without `self._mu` held: loading unpickles the pipeline and maps its
+        buffer files, I/O that RPCs must not wait for. `self._load_mu` makes a
+        racing second caller wait for the first one's object, so that a dataset
+        has one object (split providers are built from it).
+
+        Raises:
+            NotFoundError: No dataset has this id.
+            DataLossError: A buffer file of the dataset is unreadable.
+        """
+        from dataservice.data.serialize import load
+
+        with self._mu:
+            obj = self._dataset_objects.get(dataset_id)
+        if obj is not None:
+            return obj
+        with self._load_mu:
+            with self._mu:
+                obj = self._dataset_objects.get(dataset_id)
+                definition = self._datasets.get(dataset_id)
+            if obj is not None:
+                return obj
+            if definition is None:
+                raise errors.NotFoundError(f"Dataset id {dataset_id} not found")
+            try:
+                obj = load(definition)  # maps the buffer files
+            except OSError as err:
+                raise errors.DataLossError(
+                    f"dataset {dataset_id}: a buffer file is unreadable: {err}"
+                ) from err
+            with self._mu:
+                # Not cached if the dispatcher recovered meanwhile (a new definition).
+                if self._datasets.get(dataset_id) is definition:
+                    self._dataset_objects[dataset_id] = obj
+            return obj
+
+    def _loaded_dataset_locked(self, dataset_id: str) -> Any:
+        """The cached `Dataset` of `dataset_id`.
+
+        Raises:
+            NotLoaded: It is not loaded yet; its `load` loads it (outside the lock).
+        """
+        obj = self._dataset_objects.get(dataset_id)
+        if obj is None:
+            raise NotLoaded(lambda: self._dataset_object(dataset_id))
+        return obj
+
+    def _registered_locked(self, request: Any) -> str | None:
+        """The id under which the dataset of `request` (a RegisterDatasetRequest)
+        is registered already, or None.
+
+        Raises:
+            InvalidArgumentError: The requested id holds a dataset of another
+                element_spec.
+        """
+        requested = request.dataset_id
+        if not requested:
+            return self._state.datasets_by_fingerprint.get(request.fingerprint)
+        existing = self._state.datasets.get(requested)
+        if existing is None:
+            return None
+        if (
+            existing.element_spec
+            and request.element_spec
+            and existing.element_spec != request.element_spec
+        ):
+            raise errors.InvalidArgumentError(
+                f"Datasets with the same ID should have the same structure: "
+                f"dataset ID {requested!r} is registered with a different "
+                "structure (element_spec) than the dataset given now"
+            )
+        return str(requested)
+
+    def _register_dataset(self, request: Any) -> Any:
+        from dataservice.data.serialize import parse
+
+        definition = parse(request.dataset)
+        check_inline(definition, "RegisterDatasetRequest.dataset")  # no file a client names
+        with self._mu:
+            found = self._registered_locked(request)
+            if found is not None:
+                return pb.RegisterDatasetResponse(dataset_id=found)
+            buffers = self._buffers
+        # Writing big buffers to their files can take seconds: not under the lock.
+        stored = buffers.put(definition)
+        with self._mu:
+            if buffers is not self._buffers:
+                raise errors.UnavailableError("the dispatcher restarted; register again")
+            found = self._registered_locked(request)  # by another client meanwhile
+            if found is not None:
+                return pb.RegisterDatasetResponse(dataset_id=found)
+            dataset_id = request.dataset_id
+            auto = not dataset_id
+            if auto:
+                dataset_id = str(self._state.next_dataset_number)
+                while dataset_id in self._state.datasets:
+                    dataset_id = str(int(dataset_id) + 1)
+            definition_sha256 = ""
+            if self._journal is not None:
+                definition_sha256 = self._journal.write_dataset(request.dataset)
+            self._datasets[dataset_id] = stored
+            self._apply_locked(
+                st.RegisterDataset(
+                    dataset_id,
+                    request.fingerprint,
+                    request.element_spec,
+                    request.cardinality,
+                    auto,
+                    definition_sha256,
+                )
+            )
+            return pb.RegisterDatasetResponse(dataset_id=dataset_id)
+
+    def _get_dataset_def(self, request: Any) -> Any:
+        with self._mu:
+            definition = self._datasets.get(request.dataset_id)
+            if definition is None:
+                raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
+        if not request.host_id or request.host_id != host_id():
+            # Another host cannot map our files: read them (outside the lock).
+            definition = self._buffers.inline(definition)
+        return pb.GetDatasetDefResponse(dataset=definition)
+
+    def _get_element_spec(self, request: Any) -> Any:
+        with self._mu:
+            dataset = self._state.datasets.get(request.dataset_id)
+            if dataset is None:
+                raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
+            return pb.GetElementSpecResponse(
+                element_spec=dataset.element_spec, cardinality=dataset.cardinality
+            )

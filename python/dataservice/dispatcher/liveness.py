@@ -1,0 +1,315 @@
+"""Liveness: the dispatcher's maintenance thread.
+
+Owns `LivenessMixin`: `_maintenance_loop` (one tick per period), worker
+timeouts and liveness probes (a refused connection means the process is
+gone), tasks of workers that never came back after a restart, iteration
+client timeouts, the grace given to everyone after the dispatcher itself
+stalled (`_STALL_S`) or was briefly deaf (`_DEAF_S`), warnings about
+iterations with consumers and no worker, and job garbage collection.
+
+Fields (`base.DispatcherBase`; all guarded by `self._mu` except `_starved`,
+which only the maintenance thread uses, and `_stop_event`): reads `_config`,
+`_state`, `_iteration_errors`; writes `_workers` (drops lost ones, moves
+their last-seen times), `_lost_uids`, `_probing`, `_client_seen`,
+`_job_last_used`, `_restart_time` and `_starved`; `_state` changes only
+through `_apply_locked`. Uses worker_loss.py's `_record_losses_locked` and
+jobs.py's `_release_client_locked` and `_forget_job_locked`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from dataservice import _waits
+from dataservice.dispatcher import state as st
+from dataservice.dispatcher.base import DispatcherBase, _probe_after_s, _Worker, log
+from dataservice.sharding import ShardingPolicy
+
+# A maintenance tick late by more than this (and 4 periods) means the
+# dispatcher itself stalled (SIGSTOP, a paused VM, swapping): everyone gets the
+# grace of a restart (`_grant_stall_grace_locked`). One late by more than
+# _DEAF_S (and a period) is credited (`_credit_deaf_time_locked`); shorter
+# scheduling delays are ignored, so that a dead worker is still noticed on time.
+_STALL_S = 2.0
+_DEAF_S = 0.25
+
+# A consumer's report that it cannot reach a worker is checked after this long,
+# which is what a supervisor needs to say that the worker is restarting.
+_SUPERVISOR_GRACE_S = 1.0
+
+
+class LivenessMixin(DispatcherBase):
+    """The maintenance thread of `DispatchServer` (see the module docstring)."""
+
+    if TYPE_CHECKING:  # defined by worker_loss.py and jobs.py
+
+        def _record_losses_locked(
+            self, address: str, uid: str, pid: int, reason: str, *, restarting: bool
+        ) -> None: ...
+
+        def _release_client_locked(self, client_id: st.IterationClientId) -> None: ...
+
+        def _forget_job_locked(self, job: st.Job) -> None: ...
+
+    def _maintenance_loop(self) -> None:
+        cfg = self._config
+        period_s = (
+            min(
+                cfg.worker_timeout_ms_or_default / 4,
+                cfg.client_timeout_ms_or_default / 4,
+                cfg.job_gc_check_interval_ms_or_default,
+                500,
+            )
+            / 1000
+        )
+        stall_s = max(_STALL_S, 4 * period_s)
+        deaf_s = max(_DEAF_S, period_s)
+        next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
+        # Workers that held tasks before a restart get worker_timeout_ms to come back.
+        with self._mu:
+            self._restart_time = time.monotonic()
+        last_tick = time.monotonic()
+        while not self._stop_event.wait(period_s):
+            # One `now` per tick, taken before any check: a stall after it only
+            # makes the checks more lenient, a stall before it shows as the gap.
+            now = time.monotonic()
+            late_s = now - last_tick - period_s
+            last_tick = now
+            try:
+                if late_s > deaf_s:
+                    with self._mu:
+                        if late_s > stall_s:
+                            self._grant_stall_grace_locked(late_s, now)
+                        else:  # a short hiccup: the time it did not listen does not count
+                            self._credit_deaf_time_locked(late_s, now)
+                self._check_workers(now)
+                self._check_clients(now)
+                self._warn_starved_iterations(now)
+                if now >= next_gc:
+                    self._collect_jobs()
+                    next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
+            except Exception:  # keep the dispatcher alive; the log has the bug
+                log.exception("dispatcher maintenance failed")
+
+    def _grant_stall_grace_locked(self, stalled_s: float, now: float) -> None:
+        """The dispatcher itself could not run for `stalled_s` seconds (frozen
+        by SIGSTOP, a paused VM, swapping): the heartbeats it missed meanwhile
+        say nothing about its workers and clients. Give them what a restart
+        gives (`_recover`): a fresh `client_timeout_ms` for every iteration
+        client, `worker_timeout_ms` for every worker and for the tasks of
+        workers not registered, `job_gc_timeout_ms` for every job."""
+        log.warning(
+            "dispatcher at %s was stalled for %.1f s (frozen or starved of CPU): its %d workers "
+            "and %d iteration clients get their full timeouts again, as after a restart",
+            self.target,
+            stalled_s,
+            len(self._workers),
+            len(self._client_seen),
+        )
+        for worker in self._workers.values():
+            worker.last_heartbeat = max(worker.last_heartbeat, now)
+        for client_id in self._client_seen:
+            self._client_seen[client_id] = max(self._client_seen[client_id], now)
+        for job_id in self._job_last_used:
+            self._job_last_used[job_id] = max(self._job_last_used[job_id], now)
+        self._restart_time = max(self._restart_time, now)
+
+    def _credit_deaf_time_locked(self, deaf_s: float, now: float) -> None:
+        """Moves every last-seen time `deaf_s` seconds later (at most to
+        `now`): heartbeats that could not be heard while the dispatcher did
+        not run are not held against the workers and clients."""
+        for worker in self._workers.values():
+            worker.last_heartbeat = min(now, worker.last_heartbeat + deaf_s)
+        for client_id, seen in self._client_seen.items():
+            self._client_seen[client_id] = min(now, seen + deaf_s)
+        for job_id, used in self._job_last_used.items():
+            self._job_last_used[job_id] = min(now, used + deaf_s)
+
+    def _warn_starved_iterations(self, now: float) -> None:
+        """Warns (`_waits.SlowWait`: after 10 s, then every 30 s) about each
+        iteration that has consumers but no worker running it."""
+        waits: list[_waits.SlowWait] = []
+        with self._mu:
+            starved: dict[st.IterationId, str] = {}
+            for iteration in self._state.unfinished_iterations():
+                if not iteration.clients or iteration.iteration_id in self._iteration_errors:
+                    continue
+                job = self._state.jobs[iteration.job_id]
+                if job.garbage_collected or any(not t.removed for t in iteration.tasks.values()):
+                    continue
+                if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
+                    continue
+                name = f" {job.job_name!r}" if job.job_name else ""
+                if not self._workers:
+                    why = "no worker is registered"
+                else:
+                    why = f"none of its {len(self._workers)} registered workers serves it" + (
+                        f" (target_workers={job.target_workers} reads workers on the "
+                        f"consumers' hosts {sorted(iteration.consumer_hosts)} only)"
+                        if job.reads_local_workers_only
+                        else ""
+                    )
+                starved[iteration.iteration_id] = (
+                    f"dispatcher at {self.target}: iteration {iteration.iteration_id} of job "
+                    f"{job.job_id}{name} (repetition {iteration.repetition}) has "
+                    f"{len(iteration.clients)} consumers waiting and no worker: {why}"
+                )
+        for iteration_id in list(self._starved):
+            if iteration_id not in starved:
+                self._starved.pop(iteration_id).done(
+                    f"dispatcher: iteration {iteration_id} has a worker again"
+                )
+        for iteration_id, text in starved.items():
+            wait = self._starved.get(iteration_id)
+            if wait is None:
+                wait = self._starved[iteration_id] = _waits.SlowWait(log, text, start=now)
+            wait.describe = text  # the latest reason
+            waits.append(wait)
+        for wait in waits:  # logged outside the lock
+            wait.check(now)
+
+    def _check_workers(self, now: float | None = None) -> None:
+        """Drops the workers whose heartbeats stopped (as of `now`, default the
+        current monotonic time), and tasks journaled for workers that never
+        came back after a restart."""
+        timeout_s = self._config.worker_timeout_ms_or_default / 1000
+        now = time.monotonic() if now is None else now
+        to_probe: list[_Worker] = []
+        with self._mu:
+            for address, worker in list(self._workers.items()):
+                # A timeout below the worker's own heartbeat interval would drop
+                # healthy workers: wait for at least 3 missed heartbeats.
+                worker_timeout_s = max(timeout_s, 3 * worker.heartbeat_interval_s)
+                silent_s = now - worker.last_heartbeat
+                if silent_s > worker_timeout_s:
+                    self._declare_lost_locked(
+                        worker,
+                        f"worker {address} (pid {worker.pid or 'unknown'}) sent no heartbeat "
+                        f"for {worker_timeout_s:.1f} s (worker_timeout_ms): it is stopped, "
+                        "hung, or its host is down",
+                    )
+                elif (
+                    silent_s > _probe_after_s(worker)
+                    and not worker.restarting
+                    and address not in self._probing
+                    and now - worker.last_probe >= max(0.5, worker.heartbeat_interval_s)
+                ):
+                    worker.last_probe = now
+                    self._probing.add(address)
+                    to_probe.append(worker)
+            if now - self._restart_time > timeout_s:
+                # Tasks journaled for workers that never came back after a restart.
+                for task in list(self._state.tasks.values()):
+                    if (
+                        not task.finished
+                        and not task.removed
+                        and task.worker_address not in self._workers
+                        and not self._state.iterations[task.iteration_id].finished
+                    ):
+                        self._apply_locked(st.RemoveTask(task.task_id))
+        for worker in to_probe:
+            threading.Thread(
+                target=self._probe, args=(worker,), name="ds-dispatcher-probe", daemon=True
+            ).start()
+
+    def _probe_unreachable_locked(self, addresses: Any, now: float) -> None:
+        """A consumer could not reach these workers: probe each now (at most
+        every 0.5 s), rather than after it missed heartbeats."""
+        for address in addresses:
+            worker = self._workers.get(address)
+            if (
+                worker is None
+                or worker.restarting
+                or address in self._probing
+                or now - worker.last_probe < 0.5
+            ):
+                continue
+            worker.last_probe = now
+            self._probing.add(address)
+            threading.Thread(
+                target=self._probe,
+                args=(worker, _SUPERVISOR_GRACE_S),
+                name="ds-dispatcher-probe",
+                daemon=True,
+            ).start()
+
+    def _declare_lost_locked(self, worker: _Worker, reason: str) -> None:
+        """Drops a registered worker and its tasks; it may come back (as the
+        same process if it was only slow, or restarted on its address)."""
+        log.warning("worker lost: %s", reason)
+        self._record_losses_locked(worker.address, worker.uid, worker.pid, reason, restarting=False)
+        del self._workers[worker.address]
+        self._lost_uids[worker.address] = worker.uid
+        self._remove_tasks_of_locked(worker.address)
+
+    def _probe(self, worker: _Worker, delay_s: float = 0.0) -> None:
+        """Connects to a worker that missed heartbeats or that a consumer could
+        not reach (a thread of its own).
+
+        A worker process that died (exit, SIGKILL, OOM kill) leaves no socket
+        on its port, so the connection is refused at once: it is declared lost
+        now, not after worker_timeout_ms. A worker that is only slow, stopped
+        (SIGSTOP) or behind a network that drops packets still accepts or does
+        not answer: the heartbeat timeout decides for it. `delay_s` first
+        leaves a supervisor that restarts the worker (LocalCluster) time to
+        say so (ReportWorkerFailure with `restarting`), so its tasks are kept.
+        """
+        if delay_s and self._stop_event.wait(delay_s):
+            with self._mu:
+                self._probing.discard(worker.address)
+            return
+        host, _, port = worker.address.rpartition(":")
+        refused = False
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                pass
+        except ConnectionRefusedError:
+            refused = True
+        except (OSError, ValueError) as err:  # unreachable, unresolvable: not proof
+            log.debug("probe of worker %s: %s", worker.address, err)
+        with self._mu:
+            self._probing.discard(worker.address)
+            current = self._workers.get(worker.address)
+            if refused and current is worker and not worker.restarting:
+                silent_s = time.monotonic() - worker.last_heartbeat
+                self._declare_lost_locked(
+                    worker,
+                    f"worker {worker.address} (pid {worker.pid or 'unknown'}) is gone: no "
+                    f"heartbeat for {silent_s:.1f} s and its port refuses connections (the "
+                    "process exited or was killed)",
+                )
+
+    def _remove_tasks_of_locked(self, address: str) -> None:
+        for task in self._state.tasks_of_worker(address):
+            self._apply_locked(st.RemoveTask(task.task_id))
+
+    def _check_clients(self, now: float | None = None) -> None:
+        """Releases the iteration clients whose heartbeats stopped (as of `now`)."""
+        timeout_s = self._config.client_timeout_ms_or_default / 1000
+        now = time.monotonic() if now is None else now
+        with self._mu:
+            for client_id, seen in list(self._client_seen.items()):
+                if now - seen > timeout_s:
+                    log.info("iteration client %d timed out", client_id)
+                    self._release_client_locked(client_id)
+
+    def _collect_jobs(self) -> None:
+        timeout_s = self._config.job_gc_timeout_ms_or_default / 1000
+        now = time.monotonic()
+        with self._mu:
+            for job in list(self._state.jobs.values()):
+                if job.garbage_collected:
+                    continue
+                if job.processing_mode == ShardingPolicy.DYNAMIC and job.job_name:
+                    continue  # as tf.data service: DYNAMIC jobs are never collected
+                in_use = any(self._state.iterations[i].clients for i in job.iterations.values())
+                if in_use:
+                    self._job_last_used[job.job_id] = now
+                    continue
+                if now - self._job_last_used.get(job.job_id, now) > timeout_s:
+                    log.info("garbage collecting job %d (%s)", job.job_id, job.job_name)
+                    self._apply_locked(st.GarbageCollectJob(job.job_id))
+                    self._forget_job_locked(job)

@@ -1,0 +1,197 @@
+"""Split handout: GetSplits (DYNAMIC sharding) and GetRounds (coordinated
+reads, `num_consumers`).
+
+Owns `SplitHandoutMixin`: the split providers of each DYNAMIC iteration
+(built on first use outside the lock, and after a restart fast-forwarded past
+the splits the journal says were handed out), fair shares of the splits left, and the
+assignment of rounds to tasks in blocks of `_ROUND_BLOCK` (moving a lost
+task's rounds to live tasks).
+
+Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_state`;
+writes `_split_providers` (iteration -> providers, built under
+`self._load_mu`) and `_task_splits` (the
+splits handed to each task's current process, for worker_loss.py); `_state`
+changes only through `_apply_locked`. Uses datasets.py's `_dataset_object`
+and tasks.py's `_add_task_info_locked`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dataservice import errors
+from dataservice.data import graph
+from dataservice.dispatcher import state as st
+from dataservice.dispatcher.base import DispatcherBase, NotLoaded
+from dataservice.rpc import service_pb2 as pb
+from dataservice.sharding import ShardingPolicy
+
+_MAX_SPLITS_PER_RPC = 4096
+_ROUND_BLOCK = 64  # coordinated reads: rounds assigned per block
+
+
+class SplitHandoutMixin(DispatcherBase):
+    """GetSplits and GetRounds of `DispatchServer` (see the module docstring)."""
+
+    if TYPE_CHECKING:  # defined by datasets.py and tasks.py
+
+        def _dataset_object(self, dataset_id: str) -> Any: ...
+
+        def _add_task_info_locked(self, infos: Any, task: st.Task) -> None: ...
+
+    def _get_splits(self, request: Any) -> Any:
+        # An iteration's split providers are built outside the lock (base.py
+        # `NotLoaded`, `_build_split_providers`).
+        return self._retry_when_loaded(self._try_get_splits, request)
+
+    def _try_get_splits(self, request: Any) -> Any:
+        """`_get_splits` under the lock, if the iteration's split providers are built.
+
+        Raises:
+            NotLoaded: They are not; nothing was changed.
+        """
+        iteration_id = st.IterationId(request.iteration_id)
+        max_splits = max(1, min(request.max_splits or 1, _MAX_SPLITS_PER_RPC))
+        with self._mu:
+            self._check_incarnation_locked(request.incarnation_id)
+            iteration = self._state.iterations.get(iteration_id)
+            if iteration is None:
+                raise errors.NotFoundError(f"Iteration {iteration_id} not found")
+            job = self._state.jobs[iteration.job_id]
+            if job.processing_mode != ShardingPolicy.DYNAMIC:
+                raise errors.FailedPreconditionError(
+                    f"GetSplits: iteration {iteration_id} belongs to job {job.job_id}, whose "
+                    f"processing mode is {ShardingPolicy(job.processing_mode).name}: only "
+                    "DYNAMIC iterations hand out splits"
+                )
+            if st.TaskId(request.task_id) not in iteration.tasks:
+                raise errors.NotFoundError(
+                    f"GetSplits: task {request.task_id} is not a task of iteration {iteration_id}"
+                )
+            index = request.split_provider_index
+            response = pb.GetSplitsResponse()
+            task_id = st.TaskId(request.task_id)
+            task = iteration.tasks.get(task_id)
+            # (A task whose worker was declared lost still gets splits: only a
+            # live process asks, and it is revived when it heartbeats again.)
+            if iteration.finished or iteration.splits_ended_by_provider.get(index, False):
+                response.end_of_splits = True
+                return response
+            providers = self._split_providers.get(iteration_id)
+            if providers is None:  # built outside the lock, then asked again
+                raise NotLoaded(lambda: self._build_split_providers(iteration_id))
+            if not 0 <= index < len(providers):
+                raise errors.InvalidArgumentError(
+                    f"split provider {index} requested, the pipeline has {len(providers)}"
+                )
+            provider = providers[index]
+            # Fair shares: never hand one task more than half of its even share
+            # of what is left, so a small epoch (16 files) spreads over the workers.
+            total = provider.cardinality()
+            if total > 0:
+                remaining = max(0, total - iteration.splits_produced.get(index, 0))
+                share = remaining // (2 * max(1, len(iteration.live_tasks())))
+                max_splits = max(1, min(max_splits, share))
+            splits = []
+            end = False
+            for _ in range(max_splits):
+                split = provider.get_next()
+                if split is None:
+                    end = True
+                    break
+                splits.append(split)
+            self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end, index))
+            if task is not None:
+                self._task_splits[task_id] = self._task_splits.get(task_id, 0) + len(splits)
+            if splits and isinstance(splits[0], str):
+                response.str_splits.extend(splits)
+            else:
+                response.int_splits.extend(int(s) for s in splits)
+            response.end_of_splits = end
+            return response
+
+    def _build_split_providers(self, iteration_id: st.IterationId) -> None:
+        """Builds the split providers of DYNAMIC iteration `iteration_id`, replays
+        the splits handed out before a restart (`Iteration.splits_produced`), and
+        installs them in `_split_providers`, unless a racing caller did first.
+
+        Call without `self._mu` held: loading the dataset object and building the
+        providers may read and glob files, and the replay after a restart may be
+        long, so all of it runs outside the lock. `self._load_mu` makes a racing
+        second caller wait for the first one's providers, so an iteration has
+        one set. Providers built from a state that changed meanwhile (the
+        dispatcher recovered from its journal) are dropped, and the handler asks
+        again.
+
+        Raises:
+            ValueError: The pipeline cannot be split (graph.split_providers).
+            NotFoundError, DataLossError: As `_dataset_object`.
+        """
+        with self._load_mu:
+            with self._mu:
+                iteration = self._state.iterations.get(iteration_id)
+                if iteration is None or iteration_id in self._split_providers:
+                    return
+                dataset_id = self._state.jobs[iteration.job_id].dataset_id
+                seed = iteration.seed
+                produced = dict(iteration.splits_produced)
+            providers = graph.split_providers(self._dataset_object(dataset_id), seed)
+            for i, provider in enumerate(providers):
+                # Replay after a restart: skip what was handed out already.
+                for _ in range(produced.get(i, 0)):
+                    if provider.get_next() is None:
+                        break
+            with self._mu:
+                iteration = self._state.iterations.get(iteration_id)
+                if (
+                    iteration is not None
+                    and iteration_id not in self._split_providers
+                    and iteration.seed == seed
+                    and iteration.splits_produced == produced
+                ):
+                    self._split_providers[iteration_id] = providers
+
+    def _get_rounds(self, request: Any) -> Any:
+        iteration_id = st.IterationId(request.iteration_id)
+        first = request.first_round - request.first_round % _ROUND_BLOCK
+        with self._mu:
+            self._check_incarnation_locked(request.incarnation_id)
+            iteration = self._state.iterations.get(iteration_id)
+            if iteration is None:
+                raise errors.NotFoundError(f"Iteration {iteration_id} not found")
+            job = self._state.jobs[iteration.job_id]
+            if not job.num_consumers:
+                raise errors.FailedPreconditionError(
+                    f"GetRounds: iteration {iteration_id} belongs to job {job.job_id}, which is "
+                    "not a coordinated read (no num_consumers): it has no rounds"
+                )
+            if request.dead_task_id and st.TaskId(request.dead_task_id) not in iteration.tasks:
+                raise errors.NotFoundError(
+                    f"GetRounds: dead_task_id {request.dead_task_id} is not a task of "
+                    f"iteration {iteration_id}"
+                )
+            live = sorted(t.task_id for t in iteration.live_tasks())
+            response = pb.GetRoundsResponse(first_round=first)
+            if not live:
+                return response  # no worker yet: the client asks again
+            dead = st.TaskId(request.dead_task_id)
+            if dead and dead not in live:
+                # Move the rounds of a lost task, from this round on, to live tasks.
+                stale = sorted(
+                    r for r, t in iteration.rounds.items() if t == dead and r >= request.first_round
+                )
+                for r in stale:
+                    self._apply_locked(st.AssignRounds(iteration_id, r, (live[r % len(live)],)))
+            if first not in iteration.rounds:
+                self._apply_locked(
+                    st.AssignRounds(
+                        iteration_id,
+                        first,
+                        tuple(live[(first + i) % len(live)] for i in range(_ROUND_BLOCK)),
+                    )
+                )
+            task_ids = [iteration.rounds[first + i] for i in range(_ROUND_BLOCK)]
+            response.task_ids.extend(task_ids)
+            for task_id in sorted(set(task_ids)):
+                self._add_task_info_locked(response.tasks, self._state.tasks[task_id])
+            return response

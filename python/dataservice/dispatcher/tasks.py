@@ -1,0 +1,234 @@
+"""Workers and their tasks: WorkerHeartbeat, and which worker runs a task in
+which iteration.
+
+Owns `WorkerTasksMixin`: `_worker_heartbeat` (registration, a restarted or
+revived worker, finished tasks, the tasks a worker is told to run or drop),
+task placement (`_worker_serves_locked` with local reads, creating the tasks
+of a worker or of a consumer's host) and the `TaskInfo` a consumer gets
+(`_add_task_info_locked`).
+
+Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_config`,
+`_state`, `_iteration_errors`, `_lost_uids`; writes `_workers` (and its
+`_Worker` records) and `_failed_workers`; `_state` changes only through
+`_apply_locked`. Uses worker_loss.py's `_forget_losses_of_locked`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from dataservice import errors
+from dataservice.dispatcher import state as st
+from dataservice.dispatcher.base import DispatcherBase, _probe_after_s, _Worker, log
+from dataservice.rpc import service_pb2 as pb
+from dataservice.sharding import ShardingPolicy, worker_index_in
+
+
+class WorkerTasksMixin(DispatcherBase):
+    """WorkerHeartbeat and task placement of `DispatchServer` (see the module docstring)."""
+
+    if TYPE_CHECKING:  # defined by worker_loss.py
+
+        def _forget_losses_of_locked(self, uid: str) -> None: ...
+
+    def _worker_serves_locked(self, worker: _Worker, job: st.Job, iteration: st.Iteration) -> bool:
+        """Whether `worker` gets a task in `iteration` of `job`.
+
+        A job that reads every worker runs a task on each. A job that reads
+        only local workers (`st.Job.reads_local_workers_only`: LOCAL, or AUTO
+        with static sharding) runs tasks on the workers of each host that has a
+        consumer of the iteration (`Iteration.consumer_hosts`), and each
+        consumer is given only its own host's tasks (`_client_heartbeat`), so
+        consumers of one named job on several hosts each read the workers
+        local to them: under static sharding each host's consumers get the
+        shards of that host's workers (a worker's shard is its index in
+        `DispatcherConfig.worker_addresses`), under OFF a full copy from each
+        of its workers. tf.data service instead runs a task on every worker
+        and lets each client skip the tasks that are not local to it; tasks
+        only where a consumer reads them keep workers on hosts without a
+        consumer idle (they would produce elements nobody reads), and a
+        consumer from a new host gets its tasks when it joins. Each host's
+        consumers are done when that host's tasks are
+        (`DispatcherState.host_part_finished`), and the iteration stays open
+        to consumers from other hosts until its job is collected (except
+        under DYNAMIC sharding, whose splits are the whole iteration's).
+        """
+        if not job.reads_local_workers_only:
+            return True
+        return worker.host_id in iteration.consumer_hosts and not (
+            self._state.host_part_finished(iteration, worker.host_id)
+        )
+
+    def _host_part_over_locked(self, task: st.Task) -> bool:
+        """Whether `task`'s iteration is over for the consumers on its host:
+        the iteration finished, or, for a job that reads only local workers,
+        that host's part of it (`DispatcherState.host_part_finished`)."""
+        iteration = self._state.iterations[task.iteration_id]
+        if iteration.finished:
+            return True
+        job = self._state.jobs[iteration.job_id]
+        return job.reads_local_workers_only and self._state.host_part_finished(
+            iteration, task.host_id
+        )
+
+    def _create_task_locked(self, iteration: st.Iteration, worker: _Worker) -> None:
+        task_id = st.TaskId(self._state.next_task_id)
+        self._apply_locked(
+            st.CreateTask(
+                task_id, iteration.iteration_id, worker.address, worker.index, worker.host_id
+            )
+        )
+
+    def _has_task_locked(self, iteration: st.Iteration, worker: _Worker) -> bool:
+        return any(
+            t.worker_address == worker.address and not t.removed for t in iteration.tasks.values()
+        )
+
+    def _assign_tasks_to_worker_locked(self, worker: _Worker) -> None:
+        """Gives a (re)registered worker a task in every unfinished iteration it serves."""
+        for iteration in self._state.unfinished_iterations():
+            job = self._state.jobs[iteration.job_id]
+            if job.garbage_collected or not self._worker_serves_locked(worker, job, iteration):
+                continue
+            if iteration.iteration_id in self._iteration_errors:
+                continue
+            if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
+                continue
+            if self._has_task_locked(iteration, worker):
+                continue
+            self._create_task_locked(iteration, worker)
+
+    def _add_host_tasks_locked(self, job: st.Job, iteration: st.Iteration, host: str) -> None:
+        """A job that reads only local workers: gives each worker on `host`
+        (the host of a consumer joining `iteration`) a task, if it has none."""
+        if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
+            return
+        for worker in list(self._workers.values()):
+            if worker.host_id == host and not self._has_task_locked(iteration, worker):
+                self._create_task_locked(iteration, worker)
+
+    def _check_local_workers_locked(self, job: st.Job, host: str) -> None:
+        """Raises InvalidArgumentError if workers are registered but none on
+        `host`, for a consumer of a job that reads only local workers (with no
+        worker registered yet, it waits for them, as any read)."""
+        if not self._workers or any(w.host_id == host for w in self._workers.values()):
+            return
+        why = "Local reads require local workers"
+        if job.target_workers == "AUTO":
+            why = (
+                f"Static sharding ({ShardingPolicy(job.processing_mode).name}) with "
+                "target_workers=AUTO reads the workers local to the client only"
+            )
+        raise errors.InvalidArgumentError(
+            f"{why}, but no local worker is found: {len(self._workers)} workers are "
+            f"registered, none on the client's host ({host}); use target_workers='ANY' "
+            "to read every worker"
+        )
+
+    def _add_task_info_locked(self, infos: Any, task: st.Task) -> None:
+        """Appends where `task` runs to a repeated TaskInfo field (the worker's
+        transfer address and host id once it has registered since a restart)."""
+        worker = self._workers.get(task.worker_address)
+        silent_ms = 0
+        if worker is not None and not worker.restarting:
+            silent_s = time.monotonic() - worker.last_heartbeat
+            if silent_s > _probe_after_s(worker):
+                silent_ms = int(silent_s * 1000)
+        infos.add(
+            task_id=task.task_id,
+            worker_address=task.worker_address,
+            transfer_address=worker.transfer_address if worker else task.worker_address,
+            host_id=worker.host_id if worker else "",
+            worker_silent_ms=silent_ms,
+            worker_pid=worker.pid if worker else 0,
+        )
+
+    def _worker_heartbeat(self, request: Any) -> Any:
+        now = time.monotonic()
+        with self._mu:
+            address = request.worker_address
+            for task_id in request.finished_tasks:
+                task = self._state.tasks.get(st.TaskId(task_id))
+                if task is not None and task.worker_address != address:
+                    # Unknown ids are left to reconciliation; another worker's are wrong.
+                    raise errors.FailedPreconditionError(
+                        f"WorkerHeartbeat: finished_tasks has task {task_id}, which runs on "
+                        f"worker {task.worker_address}, not on {address}"
+                    )
+            worker = self._workers.get(address)
+            index = -1
+            if self._config.worker_addresses is not None:
+                if worker is not None and worker.index >= 0:
+                    index = worker.index  # keeps its position across heartbeats
+                else:
+                    taken = frozenset(w.index for a, w in self._workers.items() if a != address)
+                    index = worker_index_in(address, self._config.worker_addresses, taken)
+                if index < 0:
+                    raise errors.InvalidArgumentError(
+                        f"worker {address} is not in the dispatcher's fixed worker list "
+                        f"(worker_addresses={self._config.worker_addresses}); a dispatcher "
+                        "with a worker list only accepts those workers"
+                    )
+            if worker is None and self._lost_uids.get(address) == request.worker_uid:
+                # Declared lost but it is the same process (it was only slow):
+                # revive the tasks it still runs instead of starting them over
+                # (not where its host's consumers are done: local reads).
+                for task_id in request.current_tasks:
+                    task = self._state.tasks.get(st.TaskId(task_id))
+                    if (
+                        task is not None
+                        and task.removed
+                        and task.worker_address == address
+                        and not self._host_part_over_locked(task)
+                    ):
+                        self._apply_locked(st.ReviveTask(task.task_id))
+                self._forget_losses_of_locked(request.worker_uid)
+                log.info("worker %s is back (it was only slow)", address)
+            if worker is None or worker.uid != request.worker_uid:
+                if worker is None:
+                    log.info("worker %s registered", address)
+                else:
+                    log.info("worker %s restarted", address)
+                self._failed_workers.pop(address, None)  # back after all
+                worker = _Worker(
+                    address,
+                    request.transfer_address or address,
+                    request.host_id,
+                    request.worker_uid,
+                    now,
+                    request.heartbeat_interval_ms / 1000,
+                    index,
+                    pid=request.pid,
+                )
+                self._workers[address] = worker
+                self._assign_tasks_to_worker_locked(worker)
+            worker.last_heartbeat = now
+            for task_id in request.finished_tasks:
+                task = self._state.tasks.get(st.TaskId(task_id))
+                if task is not None and not task.finished and not task.removed:
+                    self._apply_locked(st.FinishTask(task.task_id))
+            current = set(request.current_tasks)
+            assigned = self._state.tasks_of_worker(address)
+            assigned_ids = {t.task_id for t in assigned}
+            response = pb.WorkerHeartbeatResponse(incarnation_id=self._state.incarnation_id)
+            for task in assigned:
+                if task.task_id in current:
+                    continue
+                iteration = self._state.iterations[task.iteration_id]
+                job = self._state.jobs[iteration.job_id]
+                response.new_tasks.add(
+                    task_id=task.task_id,
+                    iteration_id=iteration.iteration_id,
+                    job_id=job.job_id,
+                    dataset_id=job.dataset_id,
+                    processing_mode=job.processing_mode,
+                    repetition=iteration.repetition,
+                    num_consumers=job.num_consumers,
+                    worker_index=task.worker_index,
+                    num_workers=len(self._config.worker_addresses or ()),
+                    job_name=job.job_name,
+                    use_cross_trainer_cache=job.use_cross_trainer_cache,
+                )
+            response.tasks_to_delete.extend(sorted(current - assigned_ids))
+            return response

@@ -5,10 +5,15 @@ lines captured and time-stamped.
 
 Every process started through the `servers` fixture is SIGCONTed and
 SIGKILLed at teardown (and gets `--parent-pid`, so it also dies with pytest).
+
+Every test here also checks, after its own teardown, that it left nothing
+behind (`no_leaks`): no new /dev/shm name with our prefixes, no new child
+process, and no new shared-memory fd (memfd) in this process.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -229,6 +234,58 @@ def servers() -> Iterator[Servers]:
         yield s
     finally:
         s.cleanup()
+
+
+SHM_PREFIXES = ("dataservice", "ds-")
+
+
+def our_shm_names() -> set[str]:
+    """Our names in /dev/shm (rings are memfds and have none: any is a leak)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
+
+
+def memfds() -> set[str]:
+    """This process's open memfds (`/proc/self/fd` entries that link to
+    '/memfd:...'): a ring or cache window a consumer still holds."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own fd, a racing close)
+            continue
+        if target.startswith("/memfd:"):
+            out.add(f"{fd} -> {target}")
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fails a test that leaves a /dev/shm name, a child process or a memfd
+    behind once its fixtures are torn down (waits up to 10 s: a stopped
+    worker's threads let go of their fds asynchronously)."""
+    shm_before = our_shm_names()
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    memfds_before = memfds()
+    yield
+
+    def leaked() -> list[str]:
+        out = [f"/dev/shm/{n}" for n in sorted(our_shm_names() - shm_before)]
+        for p in psutil.Process().children(recursive=True):
+            if p.pid in children_before:
+                continue
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:  # exited, not yet reaped: gone
+                    out.append(f"child {p.pid} {p.cmdline()[:4]}")
+            except psutil.Error:  # exited while we looked
+                continue
+        out += [f"memfd {m}" for m in sorted(memfds() - memfds_before)]
+        return out
+
+    deadline = time.monotonic() + 10.0
+    while (left := leaked()) and time.monotonic() < deadline:
+        gc.collect()  # a stopped in-process server's objects may sit in a reference cycle
+        time.sleep(0.05)
+    assert not left, f"the test left behind: {left}"
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> float:

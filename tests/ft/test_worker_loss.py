@@ -20,9 +20,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
-import psutil
 import pytest
 
 import dataservice as ds
@@ -30,32 +28,7 @@ from dataservice import errors
 
 from .conftest import HEARTBEAT_MS, Servers, wait_until
 
-SHM_PREFIXES = ("dataservice", "ds-")
 PROTOCOLS = ["grpc", "shm"]
-
-
-def _our_shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
-
-
-@pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
-    shm_before = _our_shm()
-    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    yield
-
-    def clean() -> bool:
-        children = {p.pid for p in psutil.Process().children(recursive=True)}
-        return not (_our_shm() - shm_before) and not (children - children_before)
-
-    try:
-        wait_until(clean, 10.0, "no new /dev/shm entry and no new child process")
-    except AssertionError:
-        children = psutil.Process().children(recursive=True)
-        raise AssertionError(
-            f"leaked: /dev/shm {sorted(_our_shm() - shm_before)}, children "
-            f"{[(p.pid, p.cmdline()[:4]) for p in children if p.pid not in children_before]}"
-        ) from None
 
 
 class _Reader:

@@ -317,8 +317,9 @@ def _not_numpy_message(err: _NotNumpy) -> str:
     if kind.__module__ != "builtins":
         name = f"{kind.__module__}.{name}"
     path = "element" + "".join(reversed(err.steps))
+    article = "an" if name[:1].lower() in "aeiou" else "a"
     return (
-        f"{path} is a {name}"
+        f"{path} is {article} {name}"
         + (f" ({err.why})" if err.why else "")
         + ", which is not a numpy value: elements hold numpy arrays and scalars, bytes, str, "
         "int, float, bool and None, nested in tuples, lists and dicts. Convert it in the "

@@ -20,7 +20,7 @@ import pytest
 import dataservice as ds
 from dataservice import auth
 from dataservice.transfer import base as transfer
-from dataservice.transfer import shm
+from dataservice.transfer import shm, shm_admission
 from tests.conftest import values
 
 TOKEN = "shm-s3cret"
@@ -122,7 +122,7 @@ def test_client_with_a_wrong_token_gets_the_reason(secured):
 
 
 def test_a_silent_connection_is_closed_at_the_deadline(secured, monkeypatch):
-    monkeypatch.setattr(shm, "AUTH_DEADLINE_S", 0.3)
+    monkeypatch.setattr(shm_admission, "AUTH_DEADLINE_S", 0.3)  # read at accept time
     name = shm.shm_socket_name(secured.workers[0].address)
     start = time.monotonic()
     first, later = _raw_handshake(name, None)

@@ -8,7 +8,7 @@ an abstract name, so the worker's accept thread first checks the peer's uid
 random challenge; the client (having checked the worker's uid the same way)
 answers with HELLO {task_id, pid, auth: HMAC-SHA256(token, challenge)}, within
 `AUTH_DEADLINE_S`, and only then does the connection get a serving thread
-(see `ShmTransferServer._accept_loop` and SECURITY.md). The worker creates
+(see shm_admission.py, which owns the worker's side of it, and SECURITY.md). The worker creates
 a ring (a sealed memfd, see `_core.ShmRingProducer`), replies {capacity,
 nonce} with the memfd attached (SCM_RIGHTS), and runs a producer thread that
 moves the task's elements into the ring. The socket stays open for
@@ -38,8 +38,8 @@ of the task's buffer for the task's other consumers (the ones it took are its
 own). This costs one relaxed atomic store per `get_many`, no RPC or copy.
 
 Ring bytes per worker are capped at 25 % of min(MemAvailable, cgroup limit -
-usage); past that a new ring is halved (down to 8 MiB), and then refused, so
-"auto" clients fall back to gRPC.
+usage) (`ring_budget_bytes`, in shm_budget.py); past that a new ring is halved
+(down to 8 MiB), and then refused, so "auto" clients fall back to gRPC.
 
 Zero-copy reads (numpy leaves of >= 64 KiB handed out as views of the ring,
 kept valid by leases) are on by default; `distribute(..., zero_copy=False)` or
@@ -49,12 +49,10 @@ every leaf out of the ring instead.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import os
-import selectors
 import socket
 import struct
 import threading
@@ -65,24 +63,24 @@ from typing import Any
 from dataservice import _core, auth, errors
 from dataservice.locality import host_id
 from dataservice.transfer import base
+from dataservice.transfer.shm_admission import AUTH_DEADLINE_S as AUTH_DEADLINE_S
+from dataservice.transfer.shm_admission import (
+    HELLO_MAX_BYTES,
+    LAYOUT_VERSION,
+    ShmAdmission,
+)
+from dataservice.transfer.shm_admission import MAX_CONNECTIONS as MAX_CONNECTIONS
+from dataservice.transfer.shm_admission import MAX_PENDING_HANDSHAKES as MAX_PENDING_HANDSHAKES
+from dataservice.transfer.shm_admission import MAX_PENDING_PER_PEER as MAX_PENDING_PER_PEER
+from dataservice.transfer.shm_budget import ring_budget_bytes
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "shm"
-LAYOUT_VERSION = 1
 DEFAULT_RING_BYTES = 64 << 20
 MIN_RING_BYTES = 8 << 20
 ZERO_COPY_ENV = "DATASERVICE_SHM_ZERO_COPY"
 _HANDSHAKE_TIMEOUT_S = 10.0
-AUTH_DEADLINE_S = 5.0
-"""A connection that has not sent a valid HELLO this long after it was accepted is closed."""
-MAX_PENDING_HANDSHAKES = 256
-"""Connections accepted but not yet authenticated, at most, per worker."""
-MAX_PENDING_PER_PEER = 64
-"""... of which from one client process (peer pid)."""
-MAX_CONNECTIONS = 1024
-"""Authenticated connections (each with a serving thread), at most, per worker."""
-_HELLO_MAX_BYTES = 4096
 _TASK_WAIT_S = 4.0  # a worker learns of a new task by its next heartbeat
 _CONNECT_RETRY_S = 3.0
 _REQUEST = struct.Struct("<cQQI")  # b"G", max elements, max bytes, timeout (ms)
@@ -107,65 +105,6 @@ def shm_socket_name(worker_address: str) -> str:
 
 def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
-
-
-def _cgroup_free_bytes() -> int | None:
-    """memory limit minus usage of this process's cgroup (v2 or v1), if limited."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        controllers, path = parts[1], parts[2]
-        candidates = []
-        if controllers == "":
-            candidates.append(
-                (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
-            )
-        elif "memory" in controllers.split(","):
-            base_dir = f"/sys/fs/cgroup/memory{path}"
-            candidates.append(
-                (f"{base_dir}/memory.limit_in_bytes", f"{base_dir}/memory.usage_in_bytes")
-            )
-        for limit_path, usage_path in candidates:
-            try:
-                with open(limit_path) as f:
-                    limit_text = f.read().strip()
-                with open(usage_path) as f:
-                    usage = int(f.read().strip())
-            except (OSError, ValueError):
-                continue
-            if limit_text == "max":
-                continue
-            limit = int(limit_text)
-            if limit >= 1 << 60:  # v1 "unlimited"
-                continue
-            return max(0, limit - usage)
-    return None
-
-
-def _mem_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 1 << 34
-
-
-def ring_budget_bytes() -> int:
-    """Total ring bytes one worker may hold: 25 % of available memory."""
-    free = _mem_available_bytes()
-    cgroup = _cgroup_free_bytes()
-    if cgroup is not None:
-        free = min(free, cgroup)
-    return free // 4
 
 
 class _Connection:
@@ -442,17 +381,6 @@ class _Connection:
         self._server.forget(self)
 
 
-@dataclasses.dataclass
-class _Pending:
-    """An accepted connection waiting for its HELLO (accept thread only)."""
-
-    sock: socket.socket
-    pid: int
-    uid: int
-    challenge: bytes
-    deadline: float  # time.monotonic()
-
-
 _live_servers: weakref.WeakSet[ShmTransferServer] = weakref.WeakSet()
 
 
@@ -483,150 +411,33 @@ class ShmTransferServer(base.TransferServer):
             raise
         self._listener.listen(64)
         self._listener.setblocking(False)
-        self._token: str | None = worker.auth_token  # required of every HELLO when set
-        self._allowed_uids = frozenset(getattr(config, "shm_allowed_uids", None) or ())
-        self._refusals = auth.RefusalLog(f"worker {worker.address} (shared memory)")
-        self._thread = threading.Thread(target=self._accept_loop, name="ds-shm-accept", daemon=True)
+        self._admission = ShmAdmission(
+            self._listener,
+            worker.address,
+            worker.auth_token,  # required of every HELLO when set
+            frozenset(getattr(config, "shm_allowed_uids", None) or ()),
+            serving=self._serving,
+            admit=self._admit,
+            stopping=lambda: self.stopping,
+        )
+        self._thread = threading.Thread(
+            target=self._admission.run, name="ds-shm-accept", daemon=True
+        )
         self._thread.start()
         _live_servers.add(self)
 
-    def _allowed_uid(self, uid: int) -> bool:
-        return uid in (os.getuid(), 0) or uid in self._allowed_uids
+    def _serving(self) -> int:
+        """How many authenticated connections are being served (any thread)."""
+        with self._mu:
+            return len(self._connections)
 
-    def _accept_loop(self) -> None:
-        """Accepts connections and authenticates them on this one thread, with
-        no thread per connection until then: a peer of another user (not in
-        `shm_allowed_uids`) is refused at once (SO_PEERCRED); the others get
-        a challenge and have `AUTH_DEADLINE_S` to answer with a HELLO that
-        proves they hold the token (`auth.challenge_ok`), within
-        `MAX_PENDING_HANDSHAKES` (`MAX_PENDING_PER_PEER` per client process)
-        pending at once. Only an authenticated connection gets a `_Connection`
-        and its serving thread (at most `MAX_CONNECTIONS`)."""
-        sel = selectors.DefaultSelector()
-        sel.register(self._listener, selectors.EVENT_READ, None)
-        pending: dict[int, _Pending] = {}  # by fileno
-        try:
-            while not self.stopping:
-                timeout = 0.2
-                if pending:
-                    first = min(p.deadline for p in pending.values())
-                    timeout = max(0.0, min(timeout, first - time.monotonic()))
-                for key, _ in sel.select(timeout):
-                    try:
-                        if key.data is None:
-                            self._accept_ready(sel, pending)
-                        else:
-                            self._hello_ready(sel, pending, key.data)
-                    except Exception:  # one bad connection must not end the accept loop
-                        log.exception("shm: handshake failed")
-                        if key.data is not None and key.data.sock.fileno() in pending:
-                            sel.unregister(key.data.sock)
-                            del pending[key.data.sock.fileno()]
-                            key.data.sock.close()
-                now = time.monotonic()
-                for p in [p for p in pending.values() if p.deadline <= now]:
-                    self._drop(sel, pending, p, f"no HELLO within {AUTH_DEADLINE_S:.0f} s")
-        finally:
-            for p in list(pending.values()):
-                p.sock.close()
-            sel.close()
-
-    def _accept_ready(self, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> None:
-        while True:  # everything queued: a burst must not wait for the next select
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as err:  # e.g. EMFILE: leave the rest queued for now
-                if not self.stopping:
-                    log.warning("shm: accept failed: %s", err)
-                    time.sleep(0.05)
-                return
-            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, uid, _ = struct.unpack("3i", creds)
-            peer = f"uid {uid} pid {pid}"
-            if not self._allowed_uid(uid):
-                self._refuse(sock, peer, f"uid {uid}", "the client runs as another user")
-                continue
-            per_peer = sum(1 for p in pending.values() if p.pid == pid)
-            if len(pending) >= MAX_PENDING_HANDSHAKES or per_peer >= MAX_PENDING_PER_PEER:
-                self._refuse(sock, peer, peer, "too many connections waiting for a handshake")
-                continue
-            with self._mu:
-                serving = len(self._connections)
-            if serving >= MAX_CONNECTIONS:
-                self._refuse(sock, peer, peer, f"{serving} connections served already")
-                continue
-            challenge = auth.new_challenge()
-            try:
-                sock.setblocking(False)
-                # A fresh SEQPACKET socket's send buffer is empty: this never blocks.
-                sock.send(json.dumps({"v": LAYOUT_VERSION, "challenge": challenge.hex()}).encode())
-            except OSError:
-                sock.close()
-                continue
-            p = _Pending(sock, pid, uid, challenge, time.monotonic() + AUTH_DEADLINE_S)
-            pending[sock.fileno()] = p
-            sel.register(sock, selectors.EVENT_READ, p)
-
-    def _hello_ready(
-        self, sel: selectors.BaseSelector, pending: dict[int, _Pending], p: _Pending
-    ) -> None:
-        try:
-            data = p.sock.recv(_HELLO_MAX_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:  # the client hung up
-            sel.unregister(p.sock)
-            del pending[p.sock.fileno()]
-            p.sock.close()
-            return
-        try:
-            hello = json.loads(data)
-            if not isinstance(hello, dict):
-                raise ValueError("not a JSON object")
-        except ValueError:
-            self._drop(sel, pending, p, "a malformed HELLO")
-            return
-        if hello.get("v") != LAYOUT_VERSION:
-            self._drop(sel, pending, p, f"layout version {hello.get('v')!r} unsupported")
-            return
-        token = self._token
-        if token is not None and not auth.challenge_ok(token, p.challenge, hello.get("auth")):
-            self._drop(sel, pending, p, "missing or wrong auth token; " + auth.HOW_TO_SET)
-            return
-        task_id = hello.get("task_id")
-        if not isinstance(task_id, int) or isinstance(task_id, bool):
-            self._drop(sel, pending, p, f"a HELLO whose task_id is not an int: {task_id!r:.40}")
-            return
-        sel.unregister(p.sock)
-        del pending[p.sock.fileno()]
-        p.sock.setblocking(True)
-        conn = _Connection(self, p.sock, hello, p.pid)
+    def _admit(self, sock: socket.socket, hello: dict[str, Any], peer_pid: int) -> None:
+        """Serves an authenticated connection on a thread of its own (called by the
+        accept thread once the HELLO checked out)."""
+        conn = _Connection(self, sock, hello, peer_pid)
         with self._mu:
             self._connections.add(conn)
         conn.thread.start()
-
-    def _drop(
-        self, sel: selectors.BaseSelector, pending: dict[int, _Pending], p: _Pending, why: str
-    ) -> None:
-        sel.unregister(p.sock)
-        del pending[p.sock.fileno()]
-        peer = f"uid {p.uid} pid {p.pid}"
-        self._refuse(p.sock, peer, peer, why)
-
-    def _refuse(self, sock: socket.socket, peer: str, key: str, why: str) -> None:
-        """Tells the client why (best effort, never blocking), logs it (rate-limited
-        per `key`) and closes the connection."""
-        self._refusals.refused(peer, why, key)
-        try:
-            sock.setblocking(False)
-            sock.send(json.dumps({"ok": False, "error": why}).encode())
-        except OSError:
-            pass
-        sock.close()
 
     def create_ring(self) -> tuple[Any, int]:
         """A new producer ring within the memory budget (halved down to 8 MiB).
@@ -796,7 +607,7 @@ class ShmTransferClient(base.TransferClient):
                 or sent no challenge.
         """
         try:
-            data = sock.recv(_HELLO_MAX_BYTES)
+            data = sock.recv(HELLO_MAX_BYTES)
         except OSError as err:
             raise base.TransferUnavailable(f"shared-memory handshake failed: {err}") from err
         try:

@@ -17,12 +17,14 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from dataservice import _waits, auth, errors
+from dataservice.client.coordinated import CoordinatedReads
+from dataservice.client.stats import ReadStats, WorkerLossTracking, WorkerStats
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
@@ -104,13 +106,6 @@ class _FairSemaphore:
             self._cv.notify_all()
 
 
-@dataclass
-class _WorkerStats:
-    transfer_protocol: str
-    elements: int = 0
-    bytes: int = 0
-
-
 _END = object()  # in the results queue: the task's elements end here
 
 
@@ -132,26 +127,7 @@ class _TaskState:
     silent_since: float | None = None
 
 
-@dataclass
-class _LostWorker:
-    """A worker process this iteration lost (from the dispatcher's heartbeat)."""
-
-    report: Any  # pb.WorkerLossReport
-    seen_at: float  # time.monotonic() when this consumer heard of it
-
-
-@dataclass
-class _Stats:
-    elements: int = 0
-    bytes: int = 0
-    wait_s: float = 0.0
-    workers: dict[str, _WorkerStats] = field(default_factory=dict)
-    # (task_id, worker_uid) -> elements fetched from that worker process's task
-    received: dict[tuple[int, str], int] = field(default_factory=dict)
-    lost: dict[tuple[str, str, int, int], _LostWorker] = field(default_factory=dict)
-
-
-class _Reader:
+class _Reader(CoordinatedReads, WorkerLossTracking):
     """The shared state of one iterator's threads. Thread-safe (self._cv)."""
 
     def __init__(self, options: ReadOptions) -> None:
@@ -203,16 +179,13 @@ class _Reader:
         self._unreachable: set[str] = set()
         self._error: BaseException | None = None
         self._heartbeat_thread: threading.Thread | None = None
-        self.stats = _Stats()
+        self.stats = ReadStats()
         # coordinated reads (the consumer's thread only):
         self.iteration_id = 0
         self.job_id = 0
         self._last_heartbeat_ok = time.monotonic()  # the heartbeat thread's; read for warnings
         self.coordination_timeout_s = 60.0
-        self._round = 0
-        self._round_tasks: dict[int, int] = {}
-        self._endpoints: dict[int, transfer.TaskEndpoint] = {}
-        self._round_clients: dict[int, transfer.TransferClient] = {}
+        self._init_rounds()
 
     # ------------------------------------------------------------ dispatcher calls
     def call(self, method: str, request: Any, timeout_ms: int | None = None) -> Any:
@@ -371,101 +344,6 @@ class _Reader:
                 daemon=True,
             )
             state.thread.start()
-
-    def _note_lost_workers(self, reports: Any) -> None:
-        """Records the worker processes the dispatcher says the iteration lost
-        and logs one WARNING for each new one, naming it and what was lost."""
-        new = []
-        with self._cv:
-            for r in reports:
-                key = (r.worker_address, r.worker_uid, r.pid, r.task_id)
-                if key not in self.stats.lost:
-                    lost = _LostWorker(r, time.monotonic())
-                    self.stats.lost[key] = lost
-                    new.append(self._describe_loss_locked(lost))
-        for d in new:
-            who = f"worker {d['address']} (pid {d['pid'] or 'unknown'})"
-            what = f"; {d['elements_received']} elements came from it"
-            if d["splits_handed_out"]:
-                if d["elements_lost"] is not None:
-                    what = (
-                        f"; {d['splits_lost']} of the {d['splits_handed_out']} DYNAMIC splits "
-                        f"handed to it were not delivered ({d['elements_lost']} elements lost)"
-                    )
-                else:
-                    what = (
-                        f"; up to {d['splits_handed_out']} DYNAMIC splits handed to it are lost "
-                        f"({d['elements_received']} elements came from it)"
-                    )
-                what += ": DYNAMIC sharding reads each split at most once, as tf.data service's"
-            elif d["restarting"]:
-                what += "; its task starts over on the restarted process"
-            log.warning("iteration %d lost %s: %s%s", self.iteration_id, who, d["reason"], what)
-
-    def _describe_loss_locked(self, lost: _LostWorker) -> dict[str, Any]:
-        """`stats()["lost_workers"]`'s entry for one lost worker process."""
-        r = lost.report
-        received = self.stats.received.get((r.task_id, r.worker_uid), 0) if r.worker_uid else 0
-        splits_lost: int = r.splits_handed_out
-        elements_lost: int | None = None
-        # One element per split and this consumer the only reader of the job:
-        # what did not arrive here is lost. Otherwise an upper bound.
-        if r.one_element_per_split and not self.options.job_name and r.worker_uid:
-            splits_lost = max(0, r.splits_handed_out - received)
-            elements_lost = splits_lost
-        return {
-            "address": r.worker_address,
-            "pid": r.pid or None,
-            "reason": r.reason,
-            "task_id": r.task_id,
-            "restarting": r.restarting,
-            "splits_handed_out": r.splits_handed_out,
-            "splits_lost": splits_lost,
-            "elements_received": received,
-            "elements_lost": elements_lost,
-        }
-
-    def _check_worker_loss_locked(self, wait_start: float) -> None:
-        """Raises WorkerCrashedError when no task can produce and next() has
-        waited `worker_loss_timeout_ms` for that to change (only time spent
-        waiting here counts, so a slow consumer never trips it): either the
-        iteration lost its workers and none came back, or every worker it
-        still has went silent (no heartbeat to the dispatcher: stopped, e.g.
-        SIGSTOP, or hung) and stayed so. A worker that is alive but slow
-        keeps heartbeating and never trips it."""
-        timeout_ms = self.options.worker_loss_timeout_ms
-        if timeout_ms is None or self._iteration_finished:
-            return
-        live = [s for s in self._tasks.values() if not s.finished and not s.removed]
-        if live:
-            if any(s.silent_since is None for s in live):
-                return
-            since = max(s.silent_since for s in live if s.silent_since is not None)
-        else:
-            if self._no_live_task_since is None or not self.stats.lost:
-                return
-            since = self._no_live_task_since
-        now = time.monotonic()
-        waited_s = now - max(since, wait_start)
-        if waited_s * 1000 < timeout_ms:
-            return
-        lines = []
-        for lost in self.stats.lost.values():
-            d = self._describe_loss_locked(lost)
-            lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
-        for s in live:
-            assert s.silent_since is not None
-            lines.append(
-                f"worker {s.endpoint.worker_address} (pid {s.worker_pid or 'unknown'}): sent "
-                f"the dispatcher no heartbeat for {now - s.silent_since:.1f} s (stopped, e.g. "
-                "SIGSTOP, or hung)"
-            )
-        what = "its workers stopped answering" if live else "it lost its workers"
-        raise errors.WorkerCrashedError(
-            f"no worker is left to run iteration {self.iteration_id}: {what} and none came "
-            f"back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
-            + "\n  ".join(lines)
-        )
 
     # ------------------------------------------------------------ fetching
     def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
@@ -626,7 +504,7 @@ class _Reader:
                         self._buffered_bytes += per * count
                         state.unconsumed_bytes += per * count
                         w = self.stats.workers.setdefault(
-                            endpoint.worker_address, _WorkerStats(state.protocol)
+                            endpoint.worker_address, WorkerStats(state.protocol)
                         )
                         w.elements += len(result.elements)
                         w.bytes += result.nbytes
@@ -713,127 +591,6 @@ class _Reader:
             self._cv.notify_all()
 
     # ------------------------------------------------------------ consuming
-    # ------------------------------------------------------------ coordinated reads
-    def _round_task(self, round_index: int, dead_task_id: int = 0) -> int:
-        """The task serving `round_index` (asks the dispatcher per block of rounds)."""
-        if not dead_task_id and round_index in self._round_tasks:
-            return self._round_tasks[round_index]
-        response = self.call(
-            "GetRounds",
-            pb.GetRoundsRequest(
-                iteration_id=self.iteration_id,
-                first_round=round_index,
-                dead_task_id=dead_task_id,
-                incarnation_id=self.incarnation,
-            ),
-        )
-        for info in response.tasks:
-            if info.task_id not in self._round_clients:
-                self._endpoints[info.task_id] = transfer.TaskEndpoint(
-                    info.task_id, info.worker_address, info.transfer_address, info.host_id
-                )
-        for i, task_id in enumerate(response.task_ids):
-            self._round_tasks[response.first_round + i] = task_id
-        while len(self._round_tasks) > 4096:  # forget old rounds
-            del self._round_tasks[min(self._round_tasks)]
-        return self._round_tasks.get(round_index, 0)
-
-    def _round_client(self, task_id: int) -> transfer.TransferClient:
-        client = self._round_clients.get(task_id)
-        if client is None:
-            endpoint = self._endpoints[task_id]
-            client = transfer.make_client("grpc", endpoint, self._token)
-            self._round_clients[task_id] = client
-        return client
-
-    def next_coordinated(self) -> Any:
-        """Consumer `consumer_index`'s element of the next round (tf.data
-        service's coordinated reads): every consumer reads round r from the
-        same worker, each its own element of that worker's round.
-
-        Raises:
-            DeadlineExceededError: The round was not ready within the
-                dispatcher's client_timeout_ms: another consumer stopped reading.
-            FailedPreconditionError: The round was already read (a restarted
-                consumer set on an old job name).
-        """
-        start = time.monotonic()
-        round_index = self._round
-        dead = 0
-        backoff = rpc_util.Backoff(0.05, 0.5)
-        task_of_round = [0]
-        slow = _waits.SlowWait(
-            log,
-            lambda: (
-                f"consumer {self.options.consumer_index} of {self.options.num_consumers} of "
-                f"{self._what_iteration()} is waiting for round {round_index} "
-                + (
-                    f"from the worker {self._endpoints[task_of_round[0]].worker_address} "
-                    "(every consumer must read every round)"
-                    if task_of_round[0] in self._endpoints
-                    else "(no worker has a task for it yet)"
-                )
-                + self._dispatcher_silence()
-            ),
-            start=start,
-        )
-        while True:
-            slow.check()
-            if self._stop.is_set():
-                raise errors.CancelledError("the iterator was closed")
-            with self._cv:
-                if self._error is not None:
-                    raise self._error
-                if self._iteration_finished:
-                    raise StopIteration
-            waited = time.monotonic() - start
-            if waited > self.coordination_timeout_s:
-                raise errors.DeadlineExceededError(
-                    f"coordinated read: consumer {self.options.consumer_index} of "
-                    f"{self.options.num_consumers} waited {waited:.1f} s for round "
-                    f"{round_index} of job {self.options.job_name!r}; another consumer may "
-                    "have stopped reading (every consumer must read every round)"
-                )
-            task_id = self._round_task(round_index, dead)
-            task_of_round[0] = task_id
-            dead = 0
-            if not task_id:
-                backoff.sleep(time.monotonic() + 0.5, self._stop)
-                continue
-            try:
-                result = self._round_client(task_id).get_elements(
-                    1,
-                    _MAX_BYTES_PER_FETCH,
-                    _FETCH_WAIT_S,
-                    consumer_index=self.options.consumer_index,
-                    round_index=round_index,
-                )
-            except (errors.UnavailableError, errors.NotFoundError) as err:
-                log.debug("round %d on task %d: %s", round_index, task_id, err)
-                dead = task_id
-                backoff.sleep(time.monotonic() + 0.5, self._stop)
-                continue
-            except (errors.DeadlineExceededError, errors.CancelledError) as err:
-                # The reply did not arrive (the worker sent nothing for the no-progress
-                # timeout): ask again, with the same sequence number, for the same element.
-                log.debug("round %d on task %d: %s", round_index, task_id, err)
-                backoff.sleep(time.monotonic() + 0.5, self._stop)
-                continue
-            if result.elements:
-                slow.done(f"round {round_index} of {self._what_iteration()} arrived")
-                self._round += 1
-                with self._cv:
-                    self.stats.elements += 1
-                    self.stats.bytes += result.nbytes
-                    self.stats.wait_s += time.monotonic() - start
-                    endpoint = self._endpoints[task_id]
-                    w = self.stats.workers.setdefault(endpoint.worker_address, _WorkerStats("grpc"))
-                    w.elements += 1
-                    w.bytes += result.nbytes
-                return result.elements[0]
-            if result.end_of_sequence:
-                raise StopIteration
-
     @property
     def consumed_nothing(self) -> bool:
         return self.stats.elements == 0
@@ -954,8 +711,7 @@ class _Reader:
         if self._heartbeat_thread is not None:
             threads.append(self._heartbeat_thread)
         self.release()
-        for client in list(self._round_clients.values()):
-            client.close()
+        self._close_round_clients()
         # Daemon threads: each ends within one fetch wait; don't hold the
         # caller for a thread stuck on a frozen worker.
         for t in threads:
@@ -1052,21 +808,5 @@ class DataServiceIterator:
             received here, else `splits_lost` is the upper bound
             `splits_handed_out` and `elements_lost` None.
         """
-        s = self._reader.stats
         with self._reader._cv:
-            return {
-                "elements": s.elements,
-                "bytes": s.bytes,
-                "wait_ms": s.wait_s * 1000,
-                "workers": {
-                    addr: {
-                        "transfer_protocol": w.transfer_protocol,
-                        "elements": w.elements,
-                        "bytes": w.bytes,
-                    }
-                    for addr, w in s.workers.items()
-                },
-                "lost_workers": [
-                    self._reader._describe_loss_locked(lost) for lost in s.lost.values()
-                ],
-            }
+            return self._reader.stats_locked()

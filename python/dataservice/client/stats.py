@@ -1,0 +1,183 @@
+"""What one consumer's read counts, and what it knows of the workers it lost.
+
+`ReadStats` holds the counters behind `DataServiceIterator.stats()` (elements,
+encoded bytes, time `__next__` waited, per worker and per task) and the worker
+processes the iteration lost, as the dispatcher's heartbeat replies report them.
+`WorkerLossTracking` (a part of `reader._Reader`, under its lock) records those
+losses, logs one WARNING for each, describes them for `stats()["lost_workers"]`,
+raises WorkerCrashedError once no worker is left to run the iteration
+(`worker_loss_timeout_ms`), and builds `stats()`'s value.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dataservice import errors
+
+if TYPE_CHECKING:
+    from dataservice.client.reader import ReadOptions, _TaskState
+
+# The read logs under one name, the reader's, whichever module does the work.
+log = logging.getLogger("dataservice.client.reader")
+
+
+@dataclass
+class WorkerStats:
+    """What one consumer read from one worker (`stats()["workers"]`'s entry)."""
+
+    transfer_protocol: str
+    elements: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class LostWorker:
+    """A worker process this iteration lost (from the dispatcher's heartbeat)."""
+
+    report: Any  # pb.WorkerLossReport
+    seen_at: float  # time.monotonic() when this consumer heard of it
+
+
+@dataclass
+class ReadStats:
+    """One consumer's counters of its read; guarded by the reader's lock, except
+    `elements` and `bytes`, which only the consumer's thread changes."""
+
+    elements: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    workers: dict[str, WorkerStats] = field(default_factory=dict)
+    # (task_id, worker_uid) -> elements fetched from that worker process's task
+    received: dict[tuple[int, str], int] = field(default_factory=dict)
+    lost: dict[tuple[str, str, int, int], LostWorker] = field(default_factory=dict)
+
+
+class WorkerLossTracking:
+    """Worker-loss bookkeeping of one consumer's read: a part of `reader._Reader`,
+    whose state below it reads; the `_locked` methods expect `_cv` held."""
+
+    options: ReadOptions
+    stats: ReadStats
+    iteration_id: int
+    _cv: threading.Condition
+    _tasks: dict[int, _TaskState]
+    _iteration_finished: bool
+    _no_live_task_since: float | None
+
+    def _note_lost_workers(self, reports: Any) -> None:
+        """Records the worker processes the dispatcher says the iteration lost
+        and logs one WARNING for each new one, naming it and what was lost."""
+        new = []
+        with self._cv:
+            for r in reports:
+                key = (r.worker_address, r.worker_uid, r.pid, r.task_id)
+                if key not in self.stats.lost:
+                    lost = LostWorker(r, time.monotonic())
+                    self.stats.lost[key] = lost
+                    new.append(self._describe_loss_locked(lost))
+        for d in new:
+            who = f"worker {d['address']} (pid {d['pid'] or 'unknown'})"
+            what = f"; {d['elements_received']} elements came from it"
+            if d["splits_handed_out"]:
+                if d["elements_lost"] is not None:
+                    what = (
+                        f"; {d['splits_lost']} of the {d['splits_handed_out']} DYNAMIC splits "
+                        f"handed to it were not delivered ({d['elements_lost']} elements lost)"
+                    )
+                else:
+                    what = (
+                        f"; up to {d['splits_handed_out']} DYNAMIC splits handed to it are lost "
+                        f"({d['elements_received']} elements came from it)"
+                    )
+                what += ": DYNAMIC sharding reads each split at most once, as tf.data service's"
+            elif d["restarting"]:
+                what += "; its task starts over on the restarted process"
+            log.warning("iteration %d lost %s: %s%s", self.iteration_id, who, d["reason"], what)
+
+    def _describe_loss_locked(self, lost: LostWorker) -> dict[str, Any]:
+        """`stats()["lost_workers"]`'s entry for one lost worker process."""
+        r = lost.report
+        received = self.stats.received.get((r.task_id, r.worker_uid), 0) if r.worker_uid else 0
+        splits_lost: int = r.splits_handed_out
+        elements_lost: int | None = None
+        # One element per split and this consumer the only reader of the job:
+        # what did not arrive here is lost. Otherwise an upper bound.
+        if r.one_element_per_split and not self.options.job_name and r.worker_uid:
+            splits_lost = max(0, r.splits_handed_out - received)
+            elements_lost = splits_lost
+        return {
+            "address": r.worker_address,
+            "pid": r.pid or None,
+            "reason": r.reason,
+            "task_id": r.task_id,
+            "restarting": r.restarting,
+            "splits_handed_out": r.splits_handed_out,
+            "splits_lost": splits_lost,
+            "elements_received": received,
+            "elements_lost": elements_lost,
+        }
+
+    def stats_locked(self) -> dict[str, Any]:
+        """`DataServiceIterator.stats()`'s value (see there), from `stats`."""
+        s = self.stats
+        return {
+            "elements": s.elements,
+            "bytes": s.bytes,
+            "wait_ms": s.wait_s * 1000,
+            "workers": {
+                addr: {
+                    "transfer_protocol": w.transfer_protocol,
+                    "elements": w.elements,
+                    "bytes": w.bytes,
+                }
+                for addr, w in s.workers.items()
+            },
+            "lost_workers": [self._describe_loss_locked(lost) for lost in s.lost.values()],
+        }
+
+    def _check_worker_loss_locked(self, wait_start: float) -> None:
+        """Raises WorkerCrashedError when no task can produce and next() has
+        waited `worker_loss_timeout_ms` for that to change (only time spent
+        waiting here counts, so a slow consumer never trips it): either the
+        iteration lost its workers and none came back, or every worker it
+        still has went silent (no heartbeat to the dispatcher: stopped, e.g.
+        SIGSTOP, or hung) and stayed so. A worker that is alive but slow
+        keeps heartbeating and never trips it."""
+        timeout_ms = self.options.worker_loss_timeout_ms
+        if timeout_ms is None or self._iteration_finished:
+            return
+        live = [s for s in self._tasks.values() if not s.finished and not s.removed]
+        if live:
+            if any(s.silent_since is None for s in live):
+                return
+            since = max(s.silent_since for s in live if s.silent_since is not None)
+        else:
+            if self._no_live_task_since is None or not self.stats.lost:
+                return
+            since = self._no_live_task_since
+        now = time.monotonic()
+        waited_s = now - max(since, wait_start)
+        if waited_s * 1000 < timeout_ms:
+            return
+        lines = []
+        for lost in self.stats.lost.values():
+            d = self._describe_loss_locked(lost)
+            lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
+        for s in live:
+            assert s.silent_since is not None
+            lines.append(
+                f"worker {s.endpoint.worker_address} (pid {s.worker_pid or 'unknown'}): sent "
+                f"the dispatcher no heartbeat for {now - s.silent_since:.1f} s (stopped, e.g. "
+                "SIGSTOP, or hung)"
+            )
+        what = "its workers stopped answering" if live else "it lost its workers"
+        raise errors.WorkerCrashedError(
+            f"no worker is left to run iteration {self.iteration_id}: {what} and none came "
+            f"back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
+            + "\n  ".join(lines)
+        )

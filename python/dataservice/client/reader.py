@@ -107,6 +107,10 @@ class _FairSemaphore:
 
 
 _END = object()  # in the results queue: the task's elements end here
+# In the results queue: the iteration failed here (self._error); the elements
+# fetched before the failure come first, as tf.data raises an error where the
+# pipeline reached it, and nothing fetched after it is handed out.
+_FAILED = object()
 
 
 @dataclass
@@ -155,7 +159,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
         # guarded by self._cv:
         # Fetched elements, one entry per fetch: (elements, bytes per element,
         # task), or (_END, 0, task) once the task's stream ended.
-        self._results: collections.deque[tuple[Any, int, _TaskState]] = collections.deque()
+        self._results: collections.deque[tuple[Any, int, _TaskState | None]] = collections.deque()
         self._buffered_elements = 0  # in self._results
         self._buffered_bytes = 0
         self._start_time = time.monotonic()
@@ -531,11 +535,11 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
         service's OFF semantics): the elements fetched from its previous process
         and not yet handed out would come again, so they are dropped. (Those the
         consumer already took are not taken back.)"""
-        kept: collections.deque[tuple[Any, int, _TaskState]] = collections.deque()
+        kept: collections.deque[tuple[Any, int, _TaskState | None]] = collections.deque()
         dropped = 0
         for entry in self._results:
             elements, per, origin = entry
-            if origin is state and elements is not _END:
+            if origin is state and elements is not _END and elements is not _FAILED:
                 dropped += len(elements)
                 self._unbuffer_locked(elements, per, state)
             else:
@@ -588,6 +592,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
         with self._cv:
             if self._error is None:
                 self._error = err
+                self._results.append((_FAILED, 0, None))
             self._cv.notify_all()
 
     # ------------------------------------------------------------ consuming
@@ -667,8 +672,14 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
                 self._consumer_asked = True
                 self._cv.notify_all()  # the fetch threads may ask for elements now
             while True:
-                if self._results and self._started_locked(start):
+                # Once failed, what was fetched before the failure is handed out
+                # without waiting for the start barrier, then the error.
+                if self._results and (self._error is not None or self._started_locked(start)):
                     elements, nbytes, origin = self._results.popleft()
+                    if elements is _FAILED:
+                        self._results.clear()
+                        raise self._error  # type: ignore[misc]
+                    assert origin is not None  # only the _FAILED mark has none
                     if elements is _END:
                         # Consumed to the end: report it (the dispatcher then knows
                         # whether the iteration is over).

@@ -64,6 +64,7 @@ class _WorkerTaskRunner(TaskRunner):
         lazy: bool,
         on_handout: Callable[[], None],
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        initial_buffer_bytes: int | None = None,
     ) -> None:
         self._go = threading.Event()
         self._cancelled = False
@@ -78,7 +79,13 @@ class _WorkerTaskRunner(TaskRunner):
                 return iter(())
             return make_iterator(self)
 
-        super().__init__(task_id, make_when_asked, worker_address, buffer_bytes=buffer_bytes)
+        super().__init__(
+            task_id,
+            make_when_asked,
+            worker_address,
+            buffer_bytes=buffer_bytes,
+            initial_buffer_bytes=initial_buffer_bytes,
+        )
 
     def start_producing(self) -> None:
         if not self._go.is_set():
@@ -562,11 +569,17 @@ class WorkerServer(ElementServing):
         cache_bytes = (
             self._config.cross_trainer_cache_size_bytes or DEFAULT_CROSS_TRAINER_CACHE_BYTES
         )
+        # A task's buffer starts small and grows with what its consumers take
+        # (TaskRunner): an iteration nobody reads past its first elements holds a
+        # few elements here, not DEFAULT_BUFFER_BYTES.
         buffer_bytes = DEFAULT_BUFFER_BYTES
+        initial_buffer_bytes = None
         if task.use_cross_trainer_cache:
             # The window is the task's buffer: the runner prefetches one fill of it
-            # (a quarter), not 64 MiB more of elements no trainer asked for yet.
+            # (a quarter), not 64 MiB more of elements no trainer asked for yet. The
+            # window is sized by the worker's config, so its bound is fixed.
             buffer_bytes = max(1 << 20, min(DEFAULT_BUFFER_BYTES, cache_bytes // 4))
+            initial_buffer_bytes = buffer_bytes
         runner = _WorkerTaskRunner(
             task.task_id,
             make_iterator,
@@ -574,6 +587,7 @@ class WorkerServer(ElementServing):
             lazy=self._lazy_tasks,
             on_handout=self._note_handout,
             buffer_bytes=buffer_bytes,
+            initial_buffer_bytes=initial_buffer_bytes,
         )
         runner.num_consumers = task.num_consumers
         if task.use_cross_trainer_cache:

@@ -4,9 +4,16 @@ bounded buffer of elements, which consumers drain first come, first served
 
 The buffer holds raw elements (each transfer protocol encodes them its own
 way: `get_elements` for gRPC, `get_elements_raw` for shared memory) and is
-bounded by `buffer_elements` and `buffer_bytes` (the bytes elements hold,
+bounded by `buffer_elements` and a bytes bound (the bytes elements hold,
 object arrays' items included, see `codec.element_nbytes`), so a slow consumer
-back-pressures the pipeline. A pipeline error, or an element that is not a
+back-pressures the pipeline. The bytes bound grows with demand: it starts at
+`initial_buffer_bytes` (by default `INITIAL_BUFFER_BYTES`, or room for
+`INITIAL_BUFFER_ELEMENTS` elements if larger) and doubles, up to `buffer_bytes`,
+each time consumers have taken a bound's worth of bytes since it last grew. An
+iteration nobody reads past its first elements (a dropped iterator of a named job)
+then holds a few elements on the worker, not `buffer_bytes`; a consumer that reads
+everything reaches the full bound after taking about `buffer_bytes` (6 doublings
+from 2 MiB to 64 MiB). A pipeline error, or an element that is not a
 numpy value in a pipeline that did not allow pickled elements, is delivered
 after the elements produced before it.
 
@@ -36,6 +43,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER_ELEMENTS = 4096
 DEFAULT_BUFFER_BYTES = 64 << 20
+# Where a task's bytes bound starts (see the module's docstring): the larger of these
+# bytes and room for these many elements of the first element's size.
+INITIAL_BUFFER_BYTES = 2 << 20
+INITIAL_BUFFER_ELEMENTS = 4
 MAX_OPEN_ROUNDS = 4
 _PRODUCE_BATCH = 64  # elements per hand-off to the shared buffer (fast pipelines)
 _PRODUCE_BATCH_BYTES = 1 << 20
@@ -134,7 +145,12 @@ class TaskRunner:
         buffer_elements: int = DEFAULT_BUFFER_ELEMENTS,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         allow_pickled_elements: bool = False,
+        initial_buffer_bytes: int | None = None,
     ) -> None:
+        """`buffer_bytes` is the largest bytes bound; `initial_buffer_bytes` (None:
+        `INITIAL_BUFFER_BYTES`, or `INITIAL_BUFFER_ELEMENTS` elements if larger) is
+        where it starts, growing with what consumers take (pass `buffer_bytes` for a
+        fixed bound). One element always fits, whatever its size."""
         self.task_id = task_id
         self.allow_pickled_elements = allow_pickled_elements
         self.num_consumers = 0  # > 0: a coordinated read (rounds)
@@ -142,7 +158,14 @@ class TaskRunner:
         self._make_iterator = make_iterator
         self._worker_address = worker_address
         self._buffer_elements = buffer_elements
-        self._buffer_bytes = buffer_bytes
+        self._buffer_bytes = buffer_bytes  # the bound now (guarded by self._cv)
+        self._max_buffer_bytes = buffer_bytes
+        # None: size the first bound from the first element (_publish).
+        self._size_bound_from_element = initial_buffer_bytes is None
+        if initial_buffer_bytes is None:
+            initial_buffer_bytes = INITIAL_BUFFER_BYTES
+        self._buffer_bytes = max(1, min(buffer_bytes, initial_buffer_bytes))
+        self._taken_since_growth = 0  # bytes consumers took at this bound
         self._cv = threading.Condition()
         # guarded by self._cv:
         self._buffer: collections.deque[tuple[Any, int]] = collections.deque()
@@ -221,6 +244,12 @@ class TaskRunner:
         (a full buffer takes a batch element by element, so the bounds hold to
         one element). Returns False if the runner was stopped."""
         with self._cv:
+            if self._size_bound_from_element and batch:
+                self._size_bound_from_element = False
+                self._buffer_bytes = min(
+                    self._max_buffer_bytes,
+                    max(self._buffer_bytes, INITIAL_BUFFER_ELEMENTS * batch[0][1]),
+                )
             buffer = self._buffer
             if (
                 not self._stopped
@@ -290,6 +319,7 @@ class TaskRunner:
                 self._buffered_bytes -= nbytes
                 total += nbytes
                 out.append(element)
+            self._note_taken_locked(total)
             self._cv.notify_all()
             if self._buffer or not self._end:
                 return out, False, None
@@ -298,6 +328,29 @@ class TaskRunner:
                     return out, False, None
                 return out, True, self._error
             return out, True, None
+
+    def _note_taken_locked(self, nbytes: int) -> None:
+        """Grows the bytes bound (doubling, up to `buffer_bytes`) once consumers
+        have taken a bound's worth since it last grew: demand, not the pipeline's
+        speed, sets how much a task holds."""
+        if self._buffer_bytes >= self._max_buffer_bytes:
+            return
+        self._taken_since_growth += nbytes
+        if self._taken_since_growth >= self._buffer_bytes:
+            self._taken_since_growth = 0
+            self._buffer_bytes = min(self._max_buffer_bytes, 2 * self._buffer_bytes)
+
+    @property
+    def buffer_bound_bytes(self) -> int:
+        """The buffer's bytes bound now (it grows with demand, see the module)."""
+        with self._cv:
+            return self._buffer_bytes
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of the elements waiting in the buffer now."""
+        with self._cv:
+            return self._buffered_bytes
 
     def requeue(self, elements: list[Any]) -> None:
         """Puts elements taken from the buffer back at its front, in their order: a
@@ -363,7 +416,9 @@ class TaskRunner:
                     if len(self._buffer) < num_consumers:  # the stream ended mid-round
                         return [], True, self._error
                     items = [self._buffer.popleft() for _ in range(num_consumers)]
-                    self._buffered_bytes -= sum(nbytes for _, nbytes in items)
+                    taken = sum(nbytes for _, nbytes in items)
+                    self._buffered_bytes -= taken
+                    self._note_taken_locked(taken)
                     self._rounds[round_index] = [element for element, _ in items]
                     self._round_taken[round_index] = set()
                     self._max_round = max(self._max_round, round_index)

@@ -64,6 +64,7 @@ def test_every_state_field_has_a_snapshot_field():
         "num_split_providers",
         "finished",
         "ever_had_client",
+        "garbage_collected",
         "rounds",  # round_numbers, round_task_ids
         "consumer_hosts",
     }
@@ -91,6 +92,7 @@ def _non_default_updates() -> list[st.Update]:
         st.ProduceSplits(st.IterationId(2001), 17, True, 2),
         st.AssignRounds(st.IterationId(2001), 96, (st.TaskId(4001), st.TaskId(4002))),
         st.GarbageCollectJob(st.JobId(1001)),
+        st.GarbageCollectIteration(st.IterationId(2001)),
         st.RetireJob(st.JobId(1001)),
     ]
 
@@ -181,7 +183,7 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
         if shadow.jobs:
             kinds += ["iteration", "gc", "retire"]
         if shadow.iterations:
-            kinds += ["client", "task", "splits", "rounds"]
+            kinds += ["client", "task", "splits", "rounds", "gc_iteration"]
         if shadow.tasks:
             kinds += ["finish", "remove", "revive"]
         kind = pick(kinds)
@@ -233,6 +235,8 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
             add(st.GarbageCollectJob(pick(job_ids)))
         elif kind == "retire":
             add(st.RetireJob(pick(job_ids)))
+        elif kind == "gc_iteration":
+            add(st.GarbageCollectIteration(pick(iteration_ids)))
         elif kind == "client":
             add(
                 st.AcquireIterationClient(

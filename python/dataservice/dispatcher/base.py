@@ -113,6 +113,9 @@ class DispatcherBase:
         self._iteration_errors: dict[st.IterationId, str] = {}
         self._client_seen: dict[st.IterationClientId, float] = {}
         self._job_last_used: dict[st.JobId, float] = {}
+        # Since when each unfinished iteration of a named job has had no consumer
+        # (liveness.py `_collect_iterations`; runtime only: a restart starts it over).
+        self._iteration_idle_since: dict[st.IterationId, float] = {}
         self._split_providers: dict[st.IterationId, Any] = {}
         self._dataset_objects: dict[str, Any] = {}
         self._restart_time = time.monotonic()

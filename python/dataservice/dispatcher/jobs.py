@@ -305,6 +305,15 @@ class JobsMixin(DispatcherBase):
                 created = True
             else:
                 iteration = self._state.iterations[iteration_id]
+                if iteration.garbage_collected:
+                    raise errors.FailedPreconditionError(
+                        f"repetition {request.repetition} of job {job.job_id} "
+                        f"({job.job_name!r}) was garbage collected: its consumers left "
+                        "(released their iterators or sent no heartbeat for "
+                        "client_timeout_ms) and none joined it for job_gc_timeout_ms "
+                        f"({self._config.job_gc_timeout_ms_or_default} ms); iterate the "
+                        "dataset again for a new repetition, or use another job_name"
+                    )
                 if local:
                     already_finished = self._state.host_part_finished(iteration, host)
                 else:

@@ -47,6 +47,7 @@ ONEOF_FIELD: dict[type, str] = {
     st.AssignRounds: "assign_rounds",
     st.GarbageCollectJob: "garbage_collect_job",
     st.RetireJob: "retire_job",
+    st.GarbageCollectIteration: "garbage_collect_iteration",
 }
 _UPDATE_CLASS = {name: cls for cls, name in ONEOF_FIELD.items()}
 _FIELD_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in ONEOF_FIELD}
@@ -174,6 +175,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             round_numbers=list(it.rounds),
             round_task_ids=list(it.rounds.values()),
             consumer_hosts=it.consumer_hosts,
+            garbage_collected=it.garbage_collected,
         )
         indexes = list(it.splits_produced)
         indexes += [i for i in it.splits_ended_by_provider if i not in it.splits_produced]
@@ -260,6 +262,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
         it.num_split_providers = i.num_split_providers
         it.finished = i.finished
         it.ever_had_client = i.ever_had_client
+        it.garbage_collected = i.garbage_collected
         if len(i.round_numbers) != len(i.round_task_ids):
             raise CodecError(
                 f"the snapshot's iteration {i.iteration_id} has {len(i.round_numbers)} round "

@@ -5,13 +5,15 @@ timeouts and liveness probes (a refused connection means the process is
 gone), tasks of workers that never came back after a restart, iteration
 client timeouts, the grace given to everyone after the dispatcher itself
 stalled (`_STALL_S`) or was briefly deaf (`_DEAF_S`), warnings about
-iterations with consumers and no worker, and job garbage collection.
+iterations with consumers and no worker, and garbage collection of jobs and of
+the released iterations of named jobs.
 
 Fields (`base.DispatcherBase`; all guarded by `self._mu` except `_starved`,
 which only the maintenance thread uses, and `_stop_event`): reads `_config`,
 `_state`, `_iteration_errors`; writes `_workers` (drops lost ones, moves
 their last-seen times), `_lost_uids`, `_probing`, `_client_seen`,
-`_job_last_used`, `_restart_time` and `_starved`; `_state` changes only
+`_job_last_used`, `_iteration_idle_since`, `_split_providers`, `_worker_losses`,
+`_restart_time` and `_starved`; `_state` changes only
 through `_apply_locked`. Uses worker_loss.py's `_record_losses_locked` and
 jobs.py's `_release_client_locked` and `_forget_job_locked`.
 """
@@ -89,6 +91,7 @@ class LivenessMixin(DispatcherBase):
                 self._check_clients(now)
                 self._warn_starved_iterations(now)
                 if now >= next_gc:
+                    self._collect_iterations()
                     self._collect_jobs()
                     next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
             except Exception:  # keep the dispatcher alive; the log has the bug
@@ -115,6 +118,10 @@ class LivenessMixin(DispatcherBase):
             self._client_seen[client_id] = max(self._client_seen[client_id], now)
         for job_id in self._job_last_used:
             self._job_last_used[job_id] = max(self._job_last_used[job_id], now)
+        for iteration_id in self._iteration_idle_since:
+            self._iteration_idle_since[iteration_id] = max(
+                self._iteration_idle_since[iteration_id], now
+            )
         self._restart_time = max(self._restart_time, now)
 
     def _credit_deaf_time_locked(self, deaf_s: float, now: float) -> None:
@@ -127,6 +134,8 @@ class LivenessMixin(DispatcherBase):
             self._client_seen[client_id] = min(now, seen + deaf_s)
         for job_id, used in self._job_last_used.items():
             self._job_last_used[job_id] = min(now, used + deaf_s)
+        for iteration_id, idle in self._iteration_idle_since.items():
+            self._iteration_idle_since[iteration_id] = min(now, idle + deaf_s)
 
     def _warn_starved_iterations(self, now: float) -> None:
         """Warns (`_waits.SlowWait`: after 10 s, then every 30 s) about each
@@ -295,6 +304,54 @@ class LivenessMixin(DispatcherBase):
                 if now - seen > timeout_s:
                     log.info("iteration client %d timed out", client_id)
                     self._release_client_locked(client_id)
+
+    def _collect_iterations(self) -> None:
+        """Collects each unfinished iteration of a named job that had consumers,
+                has none now, and has had none for `job_gc_timeout_ms` (default 5 min;
+        checked every `job_gc_check_interval_ms`, default 10 min):
+                its tasks are deleted on the workers (they no longer list them), and a
+                consumer that later asks for its repetition gets FailedPreconditionError.
+
+                As tf.data service's `GcOldIterations`, in every processing mode: tf.data
+                skips DYNAMIC iterations (unless `gc_dynamic_sharding_jobs`) because one
+                recreated under the same key would hand out its splits again; here a
+                collected iteration is never recreated (its repetition fails instead), so
+                no split is visited twice. Each k-th `iter()` of a named job joins its k-th
+                repetition, so an epoch loop that drops its iterators leaves one such
+                iteration per epoch. The job itself is collected by `_collect_jobs`.
+        """
+        timeout_s = self._config.job_gc_timeout_ms_or_default / 1000
+        now = time.monotonic()
+        with self._mu:
+            idle_since = self._iteration_idle_since
+            live: set[st.IterationId] = set()
+            for iteration in self._state.unfinished_iterations():
+                job = self._state.jobs[iteration.job_id]
+                if not job.job_name or job.garbage_collected:
+                    continue  # anonymous jobs go when their consumer leaves (jobs.py)
+                iteration_id = iteration.iteration_id
+                if iteration.clients or not iteration.ever_had_client:
+                    continue
+                live.add(iteration_id)
+                since = idle_since.setdefault(iteration_id, now)
+                if now - since <= timeout_s:
+                    continue
+                log.info(
+                    "garbage collecting iteration %d (repetition %d) of job %d (%s): no "
+                    "consumer for %.1f s (job_gc_timeout_ms)",
+                    iteration_id,
+                    iteration.repetition,
+                    job.job_id,
+                    job.job_name,
+                    now - since,
+                )
+                self._apply_locked(st.GarbageCollectIteration(iteration_id))
+                self._split_providers.pop(iteration_id, None)
+                self._worker_losses.pop(iteration_id, None)
+                live.discard(iteration_id)
+            for iteration_id in list(idle_since):
+                if iteration_id not in live:
+                    del idle_since[iteration_id]
 
     def _collect_jobs(self) -> None:
         timeout_s = self._config.job_gc_timeout_ms_or_default / 1000

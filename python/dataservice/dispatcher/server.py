@@ -245,6 +245,7 @@ class DispatchServer(
             self._iteration_errors = {}
             self._client_seen = {}
             self._job_last_used = {}
+            self._iteration_idle_since = {}
             self._split_providers = {}
             self._dataset_objects = {}
             self._task_splits = {}

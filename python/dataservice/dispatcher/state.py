@@ -144,6 +144,15 @@ class GarbageCollectJob:
 
 
 @dataclass(frozen=True)
+class GarbageCollectIteration:
+    """An iteration of a named job that no consumer read for `job_gc_timeout_ms`
+    after its last one left (liveness.py `_collect_iterations`): it is over, its
+    tasks are deleted on the workers, and its repetition cannot be joined again."""
+
+    iteration_id: IterationId
+
+
+@dataclass(frozen=True)
 class RetireJob:
     """A named job with no consumer left gave its name to a new job (another
     dataset or parameters, `GetOrCreateJob`): as `GarbageCollectJob`, and the
@@ -166,6 +175,7 @@ Update = (
     | ProduceSplits
     | AssignRounds
     | GarbageCollectJob
+    | GarbageCollectIteration
     | RetireJob
 )
 
@@ -228,6 +238,8 @@ class Iteration:
     rounds: dict[int, TaskId] = field(default_factory=dict)  # coordinated reads
     # Host ids of the consumers that joined, in order of their first consumer.
     consumer_hosts: list[str] = field(default_factory=list)
+    # Collected after its consumers left (GarbageCollectIteration); also finished.
+    garbage_collected: bool = False
 
     @property
     def splits_ended(self) -> bool:
@@ -370,6 +382,15 @@ class DispatcherState:
                 self.clients.pop(client_id, None)
                 self.client_hosts.pop(client_id, None)
             it.clients.clear()
+
+    def _apply_GarbageCollectIteration(self, u: GarbageCollectIteration) -> None:
+        it = self.iterations[u.iteration_id]
+        it.finished = True
+        it.garbage_collected = True
+        for client_id in list(it.clients):
+            self.clients.pop(client_id, None)
+            self.client_hosts.pop(client_id, None)
+        it.clients.clear()
 
     def _apply_RetireJob(self, u: RetireJob) -> None:
         self._apply_GarbageCollectJob(GarbageCollectJob(u.job_id))

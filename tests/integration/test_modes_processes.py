@@ -427,10 +427,18 @@ def heavy_job(target: str, job_name: str):
     return iter(dist(dataset, target, job_name=job_name, data_transfer_protocol="grpc"))
 
 
+def drain_to_grow(it) -> None:
+    """Reads 40 MiB per worker: a task's buffer starts at a few elements and
+    doubles as its consumer drains it (worker/task_runner.py), so each task's
+    bound is then 32 MiB or more and the workers buffer that much."""
+    for _ in range(40 * SHARED_WORKERS):
+        next(it)
+
+
 def wait_buffered_then_freed(pids: list[int], baseline: list[int], abandon: Callable) -> float:
-    """Waits until every worker holds 32 MiB more than `baseline` (its task buffers
-    up to 64 MiB), calls `abandon`, and returns how long until every worker is back
-    under baseline + 16 MiB."""
+    """Waits until every worker holds 32 MiB more than `baseline` (its task buffer,
+    grown by `drain_to_grow`, up to 64 MiB), calls `abandon`, and returns how long
+    until every worker is back under baseline + 16 MiB."""
     mib = 1 << 20
     wait_until(
         lambda: all(r > b + 32 * mib for r, b in zip(worker_rss(pids), baseline, strict=True)),
@@ -456,6 +464,7 @@ def test_gc_abandoned_job_frees_worker_process_memory(shared):
     baseline = worker_rss(pids)
     it = heavy_job(shared.target, "gc-memory")
     assert int(next(it)[0]) == 0
+    drain_to_grow(it)
 
     def abandon():
         nonlocal it
@@ -482,6 +491,7 @@ def test_gc_keeps_the_job_of_an_idle_live_consumer(shared):
     baseline = worker_rss(pids)
     abandoned = heavy_job(shared.target, "gc-abandoned")
     next(abandoned)
+    drain_to_grow(abandoned)
 
     def abandon():
         nonlocal abandoned

@@ -59,7 +59,9 @@ class DispatcherConfig:
         worker_addresses: Fixed worker list for static sharding (FILE, DATA,
             FILE_OR_DATA, HINT); a worker's index is its position. "%port%"
             matches any port.
-        job_gc_check_interval_ms: How often to look for abandoned jobs (ms).
+        job_gc_check_interval_ms: How often to look for abandoned jobs and
+            iterations (ms); unset: every `job_gc_timeout_ms`, at most every
+            10 min, so that a short `job_gc_timeout_ms` alone takes effect.
         job_gc_timeout_ms: A job with no client heartbeat for this long is
             collected (ms).
         client_timeout_ms: A client missing heartbeats this long is dropped (ms).
@@ -114,7 +116,9 @@ class DispatcherConfig:
 
     @property
     def job_gc_check_interval_ms_or_default(self) -> int:
-        return self.job_gc_check_interval_ms or DEFAULT_JOB_GC_CHECK_INTERVAL_MS
+        if self.job_gc_check_interval_ms:
+            return self.job_gc_check_interval_ms
+        return min(DEFAULT_JOB_GC_CHECK_INTERVAL_MS, self.job_gc_timeout_ms_or_default)
 
     @property
     def job_gc_timeout_ms_or_default(self) -> int:

@@ -216,10 +216,7 @@ class JobsMixin(DispatcherBase):
         """How a user gets `job`'s name for another pipeline (an error's tail)."""
         gc_ms = self._config.job_gc_timeout_ms_or_default
         collected = (
-            "a named DYNAMIC job is never garbage collected"
-            if job.processing_mode == ShardingPolicy.DYNAMIC
-            else f"it is garbage collected job_gc_timeout_ms ({gc_ms} ms) after its last "
-            "consumer left"
+            f"it is garbage collected job_gc_timeout_ms ({gc_ms} ms) after its last consumer left"
         )
         return (
             "It can be replaced once each of its iterations has finished and no consumer "

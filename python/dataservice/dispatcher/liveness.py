@@ -308,7 +308,8 @@ class LivenessMixin(DispatcherBase):
     def _collect_iterations(self) -> None:
         """Collects each unfinished iteration of a named job that had consumers,
                 has none now, and has had none for `job_gc_timeout_ms` (default 5 min;
-        checked every `job_gc_check_interval_ms`, default 10 min):
+        checked every `job_gc_check_interval_ms`, by default every
+        `job_gc_timeout_ms`, at most every 10 min):
                 its tasks are deleted on the workers (they no longer list them), and a
                 consumer that later asks for its repetition gets FailedPreconditionError.
 

@@ -416,9 +416,9 @@ class TaskRunner:
                     if len(self._buffer) < num_consumers:  # the stream ended mid-round
                         return [], True, self._error
                     items = [self._buffer.popleft() for _ in range(num_consumers)]
-                    taken = sum(nbytes for _, nbytes in items)
-                    self._buffered_bytes -= taken
-                    self._note_taken_locked(taken)
+                    taken_bytes = sum(nbytes for _, nbytes in items)
+                    self._buffered_bytes -= taken_bytes
+                    self._note_taken_locked(taken_bytes)
                     self._rounds[round_index] = [element for element, _ in items]
                     self._round_taken[round_index] = set()
                     self._max_round = max(self._max_round, round_index)

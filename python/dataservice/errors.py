@@ -17,9 +17,12 @@ import base64
 import builtins
 import importlib
 import json
+import linecache
 import pickle
+import re
 import sys
 import traceback as traceback_module
+import types
 from typing import Any, NamedTuple
 
 
@@ -391,6 +394,73 @@ def _remote_class(original: type | None) -> type[WorkerError]:
     return cls
 
 
+_DYNAMIC_FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+), in (\S+)$')
+
+
+def _code_objects(root: Any, limit: int = 10_000) -> list[types.CodeType]:
+    """The code objects of the functions (and class methods) defined in the
+    namespace `root`, nested ones included, at most `limit`."""
+    out: list[types.CodeType] = []
+    seen: set[int] = set()
+    stack: list[Any] = list(vars(root).values())
+    while stack and len(out) < limit:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, staticmethod | classmethod):
+            obj = obj.__func__
+        if isinstance(obj, types.CodeType):
+            out.append(obj)
+            stack.extend(c for c in obj.co_consts if isinstance(c, types.CodeType))
+        elif isinstance(obj, types.FunctionType):
+            stack.append(obj.__code__)
+        elif isinstance(obj, type) and obj.__module__ == root.__name__:
+            stack.extend(vars(obj).values())
+    return out
+
+
+def _resolve_dynamic_code(tb: str) -> str:
+    """`tb` with each `File "<dynamic-code>"` frame named by its real file.
+
+    cloudpickle ships a function of the training script (`__main__`) by value
+    and replaces its code's file name with "<dynamic-code>" (to keep its
+    pickle deterministic), so the worker's traceback has the line and the
+    function's name but not the file. The consumer defined that function:
+    a frame whose function name and line match exactly one function of this
+    process's `__main__` gets that function's file and source line. Never
+    raises; an ambiguous or unknown frame is left as it was.
+    """
+    if "<dynamic-code>" not in tb:
+        return tb
+    try:
+        main = sys.modules.get("__main__")
+        codes = _code_objects(main) if main is not None else []
+        out: list[str] = []
+        for line in tb.splitlines():
+            out.append(line)
+            m = _DYNAMIC_FRAME.match(line)
+            if m is None:
+                continue
+            indent, lineno, name = m.group(1), int(m.group(2)), m.group(3)
+            files = set()
+            for code in codes:
+                if code.co_name != name or code.co_filename.startswith("<"):
+                    continue
+                lines = [n for _, _, n in code.co_lines() if n is not None]
+                if lines and min(code.co_firstlineno, *lines) <= lineno <= max(lines):
+                    files.add(code.co_filename)
+            if len(files) == 1:
+                (filename,) = files
+                out[-1] = f'{indent}File "{filename}", line {lineno}, in {name}'
+                source = linecache.getline(filename, lineno).strip()
+                if source:
+                    out.append(f"{indent}    {source}")
+        return "\n".join(out) + ("\n" if tb.endswith("\n") else "")
+    except Exception:  # a namespace that cannot be walked: keep the worker's text
+        return tb
+
+
 def remote_error(
     type_name: str,
     message: str,
@@ -406,6 +476,7 @@ def remote_error(
     `RemoteTraceback` of `traceback`. Never raises: whatever goes wrong in
     rebuilding the original gives a plain `WorkerError` naming its type.
     """
+    traceback = _resolve_dynamic_code(traceback)
     original: BaseException | None = None
     if pickled:
         try:

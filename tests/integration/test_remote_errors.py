@@ -8,7 +8,10 @@ unshippable capture at `distribute` / `register_dataset` time."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 import traceback
 
@@ -301,3 +304,45 @@ def test_cardinality_of_distributed_and_by_id_datasets(cluster):
     assert coordinated.cardinality() == INF
     with pytest.raises(errors.NotFoundError):
         ds.from_dataset_id(OFF, cluster.target, "no-such-id").cardinality()
+
+
+SCRIPT = """
+import numpy as np
+import dataservice as ds
+
+
+def parse(x):
+    if x == 3:
+        raise ValueError(f"bad record {x}")  # the line the traceback must show
+    return np.int64(x)
+
+
+dispatcher = ds.DispatchServer()
+worker = ds.WorkerServer(ds.WorkerConfig(dispatcher.target))
+dataset = ds.Dataset.range(10).map(parse).apply(ds.distribute("off", dispatcher.target))
+try:
+    list(dataset)
+except ValueError as err:
+    print("CAUSE-BEGIN")
+    print(err.__cause__)
+    print("CAUSE-END")
+worker.stop()
+dispatcher.stop()
+"""
+
+
+def test_traceback_of_a_training_script_function_names_the_script(tmp_path):
+    """cloudpickle ships a function of `__main__` by value with its file name
+    replaced by "<dynamic-code>"; the consumer names the script's file and
+    shows the source line again."""
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    cause = out.stdout.split("CAUSE-BEGIN", 1)[1].split("CAUSE-END", 1)[0]
+    assert f'File "{script}", line 8, in parse' in cause, cause
+    assert "the line the traceback must show" in cause, cause
+    assert "<dynamic-code>" not in cause, cause

@@ -335,6 +335,37 @@ def test_sigkill_of_the_only_cli_worker_raises_after_the_worker_loss_timeout(
         dispatcher.stop()
 
 
+def test_coordinated_reads_raise_after_the_worker_loss_timeout(servers: Servers) -> None:
+    """Coordinated reads (num_consumers) whose only worker was SIGKILLed raise
+    WorkerCrashedError after worker_loss_timeout_ms, naming the worker and the
+    round, not after the dispatcher's client_timeout_ms (5 min by default)."""
+    dispatcher = _inprocess_dispatcher()
+    try:
+        target = dispatcher.target.replace("localhost", "127.0.0.1")
+        (worker,) = servers.workers(target.removeprefix("grpc://"), 1, heartbeat_interval_ms=500)
+        data = ds.Dataset.range(10**6).repeat().apply(
+            ds.distribute(
+                "off",
+                target,
+                job_name="coordinated-loss",
+                consumer_index=0,
+                num_consumers=1,
+                worker_loss_timeout_ms=2000,
+            )
+        )
+        reader = _Reader(iter(data))
+        wait_until(lambda: reader.count >= 10, 30, "10 rounds")
+        killed_at = worker.kill()
+        reader.join(30)
+        assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+        message = str(reader.error)
+        assert worker.address in message, message
+        took = reader.ended_at - killed_at
+        assert took < 15, f"raised {took:.1f} s after the kill"
+    finally:
+        dispatcher.stop()
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_sigstopped_worker_raises_after_the_worker_loss_timeout(
     servers: Servers, protocol: str

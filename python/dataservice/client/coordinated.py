@@ -101,12 +101,17 @@ class CoordinatedReads:
                 dispatcher's client_timeout_ms: another consumer stopped reading.
             FailedPreconditionError: The round was already read (a restarted
                 consumer set on an old job name).
+            WorkerCrashedError: The worker serving the round could not be
+                reached for `worker_loss_timeout_ms` and no other took it.
         """
         start = time.monotonic()
         round_index = self._round
         dead = 0
         backoff = rpc_util.Backoff(0.05, 0.5)
         task_of_round = [0]
+        # Since when no worker could be reached for this round: past
+        # `worker_loss_timeout_ms` the read fails, as an uncoordinated one does.
+        unreachable_since: float | None = None
         slow = _waits.SlowWait(
             log,
             lambda: (
@@ -155,6 +160,19 @@ class CoordinatedReads:
                 )
             except (errors.UnavailableError, errors.NotFoundError) as err:
                 log.debug("round %d on task %d: %s", round_index, task_id, err)
+                now = time.monotonic()
+                if unreachable_since is None:
+                    unreachable_since = now
+                loss_timeout_ms = self.options.worker_loss_timeout_ms
+                if loss_timeout_ms is not None and now - unreachable_since > loss_timeout_ms / 1000:
+                    address = self._endpoints[task_id].worker_address
+                    raise errors.WorkerCrashedError(
+                        f"coordinated read: consumer {self.options.consumer_index} of "
+                        f"{self.options.num_consumers} could not reach the worker of round "
+                        f"{round_index} ({address}, task {task_id}) for "
+                        f"{now - unreachable_since:.1f} s (worker_loss_timeout_ms="
+                        f"{loss_timeout_ms}), and no other worker took the round: {err}"
+                    ) from err
                 dead = task_id
                 backoff.sleep(time.monotonic() + 0.5, self._stop)
                 continue
@@ -164,6 +182,7 @@ class CoordinatedReads:
                 log.debug("round %d on task %d: %s", round_index, task_id, err)
                 backoff.sleep(time.monotonic() + 0.5, self._stop)
                 continue
+            unreachable_since = None
             if result.elements:
                 slow.done(f"round {round_index} of {self._what_iteration()} arrived")
                 self._round += 1

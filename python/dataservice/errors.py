@@ -332,6 +332,16 @@ def capture(err: BaseException) -> RemoteErrorInfo:
             pickled = data
     except Exception:
         pickled = b""
+    if not pickled:
+        # The class cannot travel (defined in the training script, shipped by
+        # value): its args alone still can, for the consumer's class of that name.
+        try:
+            data = pickle.dumps((_ARGS_MARK, tuple(err.args)), protocol=pickle.HIGHEST_PROTOCOL)
+            if len(data) <= _MAX_PICKLE_BYTES:
+                pickle.loads(data)
+                pickled = data
+        except Exception:
+            pickled = b""
     return RemoteErrorInfo(
         _type_name(type(err)),
         _cut(_safe_str(err), _MAX_TRACEBACK_CHARS),
@@ -393,6 +403,9 @@ def _remote_class(original: type | None) -> type[WorkerError]:
         _REMOTE_CLASSES[original] = cls
     return cls
 
+
+# A pickled (mark, args) pair: the exception's args without its class.
+_ARGS_MARK = "dataservice.errors:args"
 
 _DYNAMIC_FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+), in (\S+)$')
 
@@ -478,11 +491,14 @@ def remote_error(
     """
     traceback = _resolve_dynamic_code(traceback)
     original: BaseException | None = None
+    args_only: tuple[Any, ...] | None = None
     if pickled:
         try:
             loaded = pickle.loads(pickled)
             if isinstance(loaded, BaseException):
                 original = loaded
+            elif isinstance(loaded, tuple) and len(loaded) == 2 and loaded[0] == _ARGS_MARK:
+                args_only = tuple(loaded[1])
         except Exception:  # the class is not importable here, or changed
             original = None
     cls = _remote_class(type(original) if original is not None else _find_class(type_name))
@@ -492,6 +508,8 @@ def remote_error(
             if original is not None:
                 err = cls(*original.args)
                 err.__dict__.update(original.__dict__)
+            elif args_only is not None:
+                err = cls(*args_only)
             else:
                 err = cls.__new__(cls)
                 err.args = (message,)

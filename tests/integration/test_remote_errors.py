@@ -346,3 +346,41 @@ def test_traceback_of_a_training_script_function_names_the_script(tmp_path):
     assert f'File "{script}", line 8, in parse' in cause, cause
     assert "the line the traceback must show" in cause, cause
     assert "<dynamic-code>" not in cause, cause
+
+
+SCRIPT_CLASS = """
+import numpy as np
+import dataservice as ds
+
+
+class LocalErr(Exception):
+    pass
+
+
+def parse(x):
+    if x == 3:
+        raise LocalErr("local class", np.int64(x))
+    return np.int64(x)
+
+
+with ds.LocalCluster(num_workers=1) as cluster:  # a worker process: another __main__
+    dataset = ds.Dataset.range(10).map(parse).apply(ds.distribute("off", cluster.target))
+    try:
+        list(dataset)
+    except LocalErr as err:
+        print("ARGS", repr(err.args))
+"""
+
+
+def test_an_exception_class_of_the_training_script_keeps_its_args(tmp_path):
+    """The class travels by value with the pipeline and cannot be pickled by
+    reference on the worker: its args travel alone and the consumer builds its
+    own class of that name with them (they arrived as one string)."""
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT_CLASS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ARGS ('local class', np.int64(3))" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -509,7 +509,11 @@ def remote_error(
                 err = cls(*original.args)
                 err.__dict__.update(original.__dict__)
             elif args_only is not None:
-                err = cls(*args_only)
+                try:
+                    err = cls(*args_only)
+                except Exception:  # a constructor that takes other arguments
+                    err = cls.__new__(cls)
+                    err.args = args_only
             else:
                 err = cls.__new__(cls)
                 err.args = (message,)

@@ -136,7 +136,8 @@ def test_user_class_that_pickles_keeps_its_attributes():
 
 def test_exception_that_cannot_be_pickled_still_arrives_by_name():
     info, _ = raise_and_capture(HoldsLock("held"))
-    assert info.pickled == b""
+    # The exception (and its lock) could not travel; its args alone do.
+    assert not isinstance(pickle.loads(info.pickled), BaseException)
     err = over_the_wire(info)
     assert isinstance(err, HoldsLock) and err.args == ("held",)
     assert_reads_well(err, "held")

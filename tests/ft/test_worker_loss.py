@@ -343,14 +343,18 @@ def test_coordinated_reads_raise_after_the_worker_loss_timeout(servers: Servers)
     try:
         target = dispatcher.target.replace("localhost", "127.0.0.1")
         (worker,) = servers.workers(target.removeprefix("grpc://"), 1, heartbeat_interval_ms=500)
-        data = ds.Dataset.range(10**6).repeat().apply(
-            ds.distribute(
-                "off",
-                target,
-                job_name="coordinated-loss",
-                consumer_index=0,
-                num_consumers=1,
-                worker_loss_timeout_ms=2000,
+        data = (
+            ds.Dataset.range(10**6)
+            .repeat()
+            .apply(
+                ds.distribute(
+                    "off",
+                    target,
+                    job_name="coordinated-loss",
+                    consumer_index=0,
+                    num_consumers=1,
+                    worker_loss_timeout_ms=2000,
+                )
             )
         )
         reader = _Reader(iter(data))

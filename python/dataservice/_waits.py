@@ -28,21 +28,26 @@ WAIT_WARNING_ENV = "DATASERVICE_WAIT_WARNING_MS"
 WAIT_REPEAT_ENV = "DATASERVICE_WAIT_REPEAT_MS"
 
 
-def _env_s(name: str, default_s: float) -> float:
+def env_ms(name: str, default_ms: int) -> int:
+    """$`name` as a positive int of milliseconds, else `default_ms` when unset.
+
+    Raises:
+        ValueError: Set but not a positive int (the message names the variable).
+    """
     raw = os.environ.get(name)
     if not raw:
-        return default_s
+        return default_ms
     try:
         value = int(raw)
     except ValueError:
         raise ValueError(f"${name} must be an int (milliseconds), got {raw!r}") from None
     if value <= 0:
         raise ValueError(f"${name} must be positive (milliseconds), got {raw!r}")
-    return value / 1000
+    return value
 
 
-FIRST_WARNING_S = _env_s(WAIT_WARNING_ENV, 10.0)
-REPEAT_WARNING_S = _env_s(WAIT_REPEAT_ENV, 30.0)
+FIRST_WARNING_S = env_ms(WAIT_WARNING_ENV, 10_000) / 1000
+REPEAT_WARNING_S = env_ms(WAIT_REPEAT_ENV, 30_000) / 1000
 
 
 class SlowWait:

@@ -67,9 +67,12 @@ def test_slow_wait_warns_after_the_first_interval_then_every_repeat_interval(
 def test_slow_wait_intervals_from_the_environment_reject_bad_values(monkeypatch) -> None:
     monkeypatch.setenv(_waits.WAIT_WARNING_ENV, "soon")
     with pytest.raises(ValueError, match=_waits.WAIT_WARNING_ENV):
-        _waits._env_s(_waits.WAIT_WARNING_ENV, 10.0)
+        _waits.env_ms(_waits.WAIT_WARNING_ENV, 10_000)
     monkeypatch.setenv(_waits.WAIT_WARNING_ENV, "250")
-    assert _waits._env_s(_waits.WAIT_WARNING_ENV, 10.0) == 0.25
+    assert _waits.env_ms(_waits.WAIT_WARNING_ENV, 10_000) == 250
+    monkeypatch.setenv(_waits.WAIT_WARNING_ENV, "-1")
+    with pytest.raises(ValueError, match=_waits.WAIT_WARNING_ENV):
+        _waits.env_ms(_waits.WAIT_WARNING_ENV, 10_000)
 
 
 @pytest.mark.timeout(60)

@@ -8,7 +8,6 @@ bigger than gRPC's 4 MiB default arrive in one message.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -17,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from dataservice import auth, errors
+from dataservice import _waits, auth, errors
 
 log = logging.getLogger(__name__)
 
@@ -222,16 +221,7 @@ def unreachable_timeout_ms(value: int | None = None) -> int:
     """
     if value is not None:
         return value
-    raw = os.environ.get(UNREACHABLE_ENV)
-    if not raw:
-        return DEFAULT_UNREACHABLE_TIMEOUT_MS
-    try:
-        ms = int(raw)
-    except ValueError:
-        ms = 0
-    if ms <= 0:
-        raise ValueError(f"${UNREACHABLE_ENV} must be a positive int (milliseconds), got {raw!r}")
-    return ms
+    return _waits.env_ms(UNREACHABLE_ENV, DEFAULT_UNREACHABLE_TIMEOUT_MS)
 
 
 def server_answered(err: grpc.RpcError) -> bool:
@@ -288,8 +278,6 @@ def call_with_retries(
         CancelledError: `stop` was set while retrying.
         DataServiceError: The RPC failed for another reason (matching subclass).
     """
-    from dataservice import _waits
-
     start = time.monotonic()
     deadline = start + timeout_ms / 1000
     fast_ms = min(timeout_ms, unreachable_timeout_ms(unreachable_ms))

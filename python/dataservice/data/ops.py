@@ -632,8 +632,11 @@ class ZipDataset(Dataset):
     Under DYNAMIC sharding each input's splittable sources read their own split
     providers, so on a worker element k pairs the k-th element of each input *on that
     worker*: inputs are not aligned by split index across workers (tf.data service's
-    rule). It ends when any input ends; the other inputs' splits already taken by that
-    worker are not seen again in this epoch.
+    rule). It ends when any input ends. A worker takes the inputs' splits in joint
+    grants (the same count of each; `worker.splits.JointSplitFetch`), so inputs with
+    the same number of splits run out together on every worker and each element of
+    each input is produced once; of inputs with more splits, the excess is dropped
+    (as a local zip drops the longer input's tail, but not necessarily its tail).
     """
 
     _op_name = "zip"

@@ -68,46 +68,67 @@ class SplitHandoutMixin(DispatcherBase):
                 raise errors.NotFoundError(
                     f"GetSplits: task {request.task_id} is not a task of iteration {iteration_id}"
                 )
-            index = request.split_provider_index
+            joint = list(request.joint_split_provider_indices)
+            indices = joint or [request.split_provider_index]
+            if len(set(indices)) != len(indices):
+                raise errors.InvalidArgumentError(
+                    f"GetSplits: joint_split_provider_indices {joint} names a source twice"
+                )
             response = pb.GetSplitsResponse()
+            batches = [response.batches.add() for _ in indices] if joint else [response]
             task_id = st.TaskId(request.task_id)
             task = iteration.tasks.get(task_id)
             # (A task whose worker was declared lost still gets splits: only a
             # live process asks, and it is revived when it heartbeats again.)
-            if iteration.finished or iteration.splits_ended_by_provider.get(index, False):
-                response.end_of_splits = True
+            open_indices = [
+                i
+                for i in indices
+                if not (iteration.finished or iteration.splits_ended_by_provider.get(i, False))
+            ]
+            for index, batch in zip(indices, batches, strict=True):
+                batch.end_of_splits = index not in open_indices
+            if not open_indices:
                 return response
             providers = self._split_providers.get(iteration_id)
             if providers is None:  # built outside the lock, then asked again
                 raise NotLoaded(lambda: self._build_split_providers(iteration_id))
-            if not 0 <= index < len(providers):
-                raise errors.InvalidArgumentError(
-                    f"split provider {index} requested, the pipeline has {len(providers)}"
-                )
-            provider = providers[index]
+            for index in indices:
+                if not 0 <= index < len(providers):
+                    raise errors.InvalidArgumentError(
+                        f"split provider {index} requested, the pipeline has {len(providers)}"
+                    )
             # Fair shares: never hand one task more than half of its even share
             # of what is left, so a small epoch (16 files) spreads over the workers.
-            total = provider.cardinality()
-            if total > 0:
-                remaining = max(0, total - iteration.splits_produced.get(index, 0))
-                share = remaining // (2 * max(1, len(iteration.live_tasks())))
-                max_splits = max(1, min(max_splits, share))
-            splits = []
-            end = False
-            for _ in range(max_splits):
-                split = provider.get_next()
-                if split is None:
-                    end = True
-                    break
-                splits.append(split)
-            self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end, index))
+            # A joint grant is the same count of each source (the smallest share),
+            # so a worker's zip does not hold one input's splits while another
+            # worker holds the other input's.
+            live = max(1, len(iteration.live_tasks()))
+            for index in open_indices:
+                total = providers[index].cardinality()
+                if total > 0:
+                    remaining = max(0, total - iteration.splits_produced.get(index, 0))
+                    max_splits = max(1, min(max_splits, remaining // (2 * live)))
+            handed = 0
+            for index, batch in zip(indices, batches, strict=True):
+                if index not in open_indices:
+                    continue
+                splits = []
+                end = False
+                for _ in range(max_splits):
+                    split = providers[index].get_next()
+                    if split is None:
+                        end = True
+                        break
+                    splits.append(split)
+                self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end, index))
+                handed += len(splits)
+                if splits and isinstance(splits[0], str):
+                    batch.str_splits.extend(splits)
+                else:
+                    batch.int_splits.extend(int(s) for s in splits)
+                batch.end_of_splits = end
             if task is not None:
-                self._task_splits[task_id] = self._task_splits.get(task_id, 0) + len(splits)
-            if splits and isinstance(splits[0], str):
-                response.str_splits.extend(splits)
-            else:
-                response.int_splits.extend(int(s) for s in splits)
-            response.end_of_splits = end
+                self._task_splits[task_id] = self._task_splits.get(task_id, 0) + handed
             return response
 
     def _build_split_providers(self, iteration_id: st.IterationId) -> None:

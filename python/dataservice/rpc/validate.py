@@ -51,6 +51,7 @@ MAX_CONSUMERS = 1 << 16
 MAX_REPETITION = 2**31 - 1
 MAX_ROUND = 2**62
 MAX_SPLIT_PROVIDERS = 1 << 16
+MAX_JOINT_SPLIT_PROVIDERS = 1024  # sources of one pipeline fetched in one GetSplits
 MAX_HEARTBEAT_INTERVAL_MS = 24 * 3600 * 1000
 MAX_ELEMENTS_PER_READ = 1 << 20
 MAX_BYTES_PER_READ = 2**31 - 1  # gRPC's message limit (rpc/util.py MAX_MESSAGE_BYTES)
@@ -310,6 +311,10 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("max_splits", int_range(0, 2**31 - 1)),
         _INCARNATION,
         Field("split_provider_index", int_range(0, MAX_SPLIT_PROVIDERS)),
+        Field(
+            "joint_split_provider_indices",
+            repeated(int_range(0, MAX_SPLIT_PROVIDERS), MAX_JOINT_SPLIT_PROVIDERS),
+        ),
     ),
     "dataservice.rpc.GetRoundsRequest": (
         Field("iteration_id", an_id),

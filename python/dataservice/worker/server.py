@@ -41,7 +41,7 @@ from dataservice.sharding import STATIC_POLICIES, ShardingPolicy
 from dataservice.transfer import base as transfer
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
 from dataservice.worker.serving import ElementServing, WorkerServicer
-from dataservice.worker.splits import SplitFetcher
+from dataservice.worker.splits import split_sources
 from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner
 
 DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
@@ -560,9 +560,7 @@ class WorkerServer(ElementServing):
                     dataset, policy, task.num_workers, task.worker_index
                 )
             if policy == ShardingPolicy.DYNAMIC:
-                n = graph.num_split_sources(dataset)
-                # Several sources (zip, ...): no prefetch, see SplitFetcher.
-                sources = tuple(SplitFetcher(self, task, i, prefetch=n == 1) for i in range(n))
+                sources = split_sources(self, task, graph.num_split_sources(dataset))
                 return graph.make_iterator(dataset, split_sources=sources)
             return iter(dataset)
 

@@ -86,6 +86,34 @@ def to_sharding_policy(processing_mode: object) -> ShardingPolicy:
     )
 
 
+def sharding_policy_from_proto(value: int) -> ShardingPolicy:
+    """The `ShardingPolicy` of a protobuf `processing_mode` field (service.proto's
+    `int32`, journal.proto's `ShardingPolicy` enum: both read as an int). The one
+    way in from the wire and the journal; everything above them carries the enum.
+
+    Raises:
+        ValueError: `value` is no policy's value; the message names it and lists
+            the valid values with their names.
+    """
+    try:
+        return ShardingPolicy(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a ShardingPolicy value (valid: {_VALID})") from None
+
+
+def sharding_policy_to_proto(policy: ShardingPolicy) -> int:
+    """The int that a protobuf `processing_mode` field holds for `policy` (the
+    one way out to the wire and the journal).
+
+    Raises:
+        ValueError: `policy` is no `ShardingPolicy` member; the message names it
+            and lists the valid values with their names.
+    """
+    return int(sharding_policy_from_proto(policy))
+
+
+_VALID = ", ".join(f"{p.value} ({p.name})" for p in ShardingPolicy)
+
 STATIC_POLICIES = (
     ShardingPolicy.FILE,
     ShardingPolicy.DATA,

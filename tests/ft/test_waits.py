@@ -19,6 +19,7 @@ import dataservice as ds
 from dataservice import _waits
 from dataservice.client import reader as reader_module
 from dataservice.locality import host_id
+from dataservice.sharding import ShardingPolicy
 from dataservice.transfer import base as transfer
 
 from .conftest import Servers, wait_until
@@ -140,7 +141,7 @@ def test_the_falling_back_line_is_logged_once_per_worker(caplog) -> None:
     reader = reader_module._Reader(
         reader_module.ReadOptions(
             dispatcher_address=f"127.0.0.1:{_free_port()}",
-            processing_mode=0,
+            processing_mode=ShardingPolicy.OFF,
             job_name="",
             num_consumers=0,
             consumer_index=0,

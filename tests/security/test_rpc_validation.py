@@ -65,7 +65,7 @@ BAD_DISPATCHER_REQUESTS = [
     (
         "GetOrCreateJob",
         pb.GetOrCreateJobRequest(dataset_id="0", processing_mode=99),
-        "processing_mode=99",
+        "processing_mode=99: 99 is not a ShardingPolicy value (valid: 0 (OFF), 1 (DYNAMIC),",
     ),
     (
         "GetOrCreateJob",

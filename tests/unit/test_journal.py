@@ -12,13 +12,14 @@ from dataservice import errors
 from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.journal import Journal
+from dataservice.sharding import ShardingPolicy
 
 
 def _updates() -> list:
     return [
         st.SetIncarnation("abc"),
         st.RegisterDataset("1000", "f" * 64, b"", -1, True),
-        st.CreateJob(st.JobId(1000), "1000", "job", 1, 0, "AUTO", "host"),
+        st.CreateJob(st.JobId(1000), "1000", "job", ShardingPolicy.DYNAMIC, 0, "AUTO", "host"),
         st.CreateIteration(st.IterationId(2000), st.JobId(1000), 0, 7),
         st.CreateTask(st.TaskId(4000), st.IterationId(2000), "w:1", -1),
         st.ProduceSplits(st.IterationId(2000), 16, False),

@@ -24,7 +24,6 @@ from dataservice.rpc import journal_pb2 as pb
 from dataservice.sharding import ShardingPolicy
 
 INT64 = hs.integers(-(2**63), 2**63 - 1)
-INT32 = hs.integers(-(2**31), 2**31 - 1)
 TEXT = hs.text(max_size=20)
 IDS = hs.integers(0, 2**40)
 
@@ -106,9 +105,11 @@ def test_non_default_updates_round_trip_exactly():
                 assert getattr(u, f.name) != f.default, (u, f.name)
         back = codec.decode_update(codec.encode_update(u))
         assert back == u and type(back) is type(u)
-        for f in dataclasses.fields(u):  # plain values: an IntEnum comes back as its int
+        for f in dataclasses.fields(u):  # plain values, and processing_mode as the enum
             want = getattr(u, f.name)
             plain = int if isinstance(want, int) and not isinstance(want, bool) else type(want)
+            if f.name == "processing_mode":
+                plain = ShardingPolicy
             assert type(getattr(back, f.name)) is plain, (u, f.name)
 
 
@@ -139,7 +140,8 @@ def _update_strategy(cls: type) -> hs.SearchStrategy:
     }
     fields = {}
     for f in dataclasses.fields(cls):
-        fields[f.name] = INT32 if f.name == "processing_mode" else kinds[_kind(f)]
+        policies = hs.sampled_from(ShardingPolicy)
+        fields[f.name] = policies if f.name == "processing_mode" else kinds[_kind(f)]
     return hs.builds(cls, **fields)
 
 
@@ -152,11 +154,31 @@ def test_any_update_round_trips_exactly(u):
     assert codec.decode_update(codec.encode_update(u)) == u
 
 
-def test_processing_mode_enum_and_unknown_values_round_trip():
-    for mode in (*ShardingPolicy, 99, -7):
+def test_processing_mode_round_trips_as_the_enum():
+    for mode in ShardingPolicy:
         u = st.CreateJob(st.JobId(1000), "d", "", mode, 0, "AUTO", "")
-        back = codec.decode_update(codec.encode_update(u))
-        assert back == u and back.processing_mode == int(mode)
+        record = codec.update_to_proto(u)
+        assert record.create_job.processing_mode == mode.value
+        back = codec.decode_update(record.SerializeToString())
+        assert back == u and back.processing_mode is mode
+
+
+@pytest.mark.parametrize("value", [99, 6, -7])
+def test_an_unknown_processing_mode_is_a_codec_error_naming_it(value):
+    """A value this version has no policy for (a newer dataservice's, or damage)
+    stops the replay naming the value and the valid policies, in a record and in
+    a snapshot; it is never written either."""
+    record = pb.JournalRecord(format_version=codec.FORMAT_VERSION)
+    record.create_job.processing_mode = value
+    valid = r"0 \(OFF\), 1 \(DYNAMIC\), 2 \(FILE\), 3 \(DATA\), 4 \(FILE_OR_DATA\), 5 \(HINT\)"
+    with pytest.raises(codec.CodecError, match=rf"create_job's processing_mode: {value} .*{valid}"):
+        codec.decode_update(record.SerializeToString())
+    snapshot = pb.Snapshot(format_version=codec.FORMAT_VERSION)
+    snapshot.jobs.add(job_id=1000, processing_mode=value)
+    with pytest.raises(codec.CodecError, match=rf"job 1000's processing_mode: {value} .*{valid}"):
+        codec.decode_snapshot(snapshot.SerializeToString())
+    with pytest.raises(ValueError, match=rf"{value} is not a ShardingPolicy value .*{valid}"):
+        codec.encode_update(st.CreateJob(st.JobId(1000), "d", "", value, 0, "AUTO", ""))
 
 
 # ------------------------------------------------------------------ scenarios

@@ -350,7 +350,7 @@ class DistributedDataset(Dataset):
             dispatcher_address=self._address,
             # Peeking at the first element (element_spec of an op after this one)
             # reads an anonymous OFF job, so it consumes nothing of the real job.
-            processing_mode=int(ShardingPolicy.OFF if peek else self._processing_mode),
+            processing_mode=ShardingPolicy.OFF if peek else self._processing_mode,
             job_name="" if peek else self._job_name,
             num_consumers=self._num_consumers,
             consumer_index=self._consumer_index,

@@ -28,7 +28,7 @@ from dataservice.data import graph
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.base import DispatcherBase, _Worker, log
 from dataservice.rpc import service_pb2 as pb
-from dataservice.sharding import STATIC_POLICIES, ShardingPolicy
+from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, sharding_policy_from_proto
 
 
 class JobsMixin(DispatcherBase):
@@ -55,7 +55,8 @@ class JobsMixin(DispatcherBase):
         def _probe_unreachable_locked(self, addresses: Any, now: float) -> None: ...
 
     def _get_or_create_job(self, request: Any) -> Any:
-        mode = request.processing_mode
+        # Validated at the edge (rpc/validate.py), so this names a policy.
+        mode = sharding_policy_from_proto(request.processing_mode)
         if mode == ShardingPolicy.DYNAMIC:
             # Build a split provider now, outside the lock, so a pipeline that
             # cannot be split fails here, naming its first unsplittable op.
@@ -75,7 +76,7 @@ class JobsMixin(DispatcherBase):
                 raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
             if mode in STATIC_POLICIES and not self._config.worker_addresses:
                 raise errors.InvalidArgumentError(
-                    f"static sharding ({ShardingPolicy(mode).name}) needs a fixed worker list: "
+                    f"static sharding ({mode.name}) needs a fixed worker list: "
                     "set DispatcherConfig.worker_addresses (a worker's index is its position "
                     f"in it); got {self._config.worker_addresses!r}"
                 )
@@ -117,8 +118,7 @@ class JobsMixin(DispatcherBase):
                     if job.processing_mode != mode:
                         diffs.append(
                             "processing mode (existing: "
-                            f"{ShardingPolicy(job.processing_mode).name}, requested: "
-                            f"{ShardingPolicy(mode).name})"
+                            f"{job.processing_mode.name}, requested: {mode.name})"
                         )
                     if job.target_workers != target:
                         diffs.append(

@@ -8,10 +8,13 @@ equal entities in the same (insertion) order, with each task one object shared
 by `DispatcherState.tasks` and its `Iteration.tasks`, as `apply` builds it.
 
 Every update message has the fields of its dataclass, under the same names
-(tests/unit/test_journal_codec.py checks it), so updates convert field by field.
+(tests/unit/test_journal_codec.py checks it), so updates convert field by field;
+`processing_mode` is a `ShardingPolicy` in state.py and an int in the record,
+converted by `sharding.sharding_policy_to_proto`/`sharding_policy_from_proto`.
 Decoding raises `CodecError` for bytes that are not a message of this format:
 unparseable, another `format_version`, an update kind this version does not
-know, or a snapshot whose parts do not fit together.
+know, a processing mode that is no `ShardingPolicy`, or a snapshot whose parts
+do not fit together.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from google.protobuf.message import DecodeError, Message
 
 from dataservice.dispatcher import state as st
 from dataservice.rpc import journal_pb2 as pb
+from dataservice.sharding import (
+    ShardingPolicy,
+    sharding_policy_from_proto,
+    sharding_policy_to_proto,
+)
 
 # The format written, and the only one read. Bump it on any change an older
 # reader would misread (a new update kind, a field whose meaning changes).
@@ -66,6 +74,21 @@ def _check_version(kind: str, version: int) -> None:
         )
 
 
+def _policy_from_proto(value: int, where: str) -> ShardingPolicy:
+    """`processing_mode` as the journal holds it -> the enum state.py carries.
+
+    Raises:
+        CodecError: `value` is no policy (a corrupt record, or one written by a
+            newer dataservice that knows more policies); names `where` and the value.
+    """
+    try:
+        return sharding_policy_from_proto(value)
+    except ValueError as err:
+        raise CodecError(
+            f"{where}'s processing_mode: {err} (written by a newer dataservice?)"
+        ) from err
+
+
 def _parse(message: type[Message], data: bytes, kind: str) -> Any:
     try:
         return message.FromString(data)
@@ -85,6 +108,8 @@ def update_to_proto(update: st.Update) -> pb.JournalRecord:
         value = getattr(update, field)
         if isinstance(value, tuple):
             getattr(message, field).extend(value)
+        elif field == "processing_mode":
+            setattr(message, field, sharding_policy_to_proto(value))
         else:
             setattr(message, field, value)
     return record
@@ -100,11 +125,14 @@ def update_from_proto(record: pb.JournalRecord) -> st.Update:
         )
     cls = _UPDATE_CLASS[name]
     message = getattr(record, name)
-    values = {}
+    values: dict[str, Any] = {}
     for field in _FIELD_NAMES[cls]:
         value = getattr(message, field)
-        # Scalars come back as int/str/bytes/bool; a repeated field as a container.
-        values[field] = value if isinstance(value, int | str | bytes) else tuple(value)
+        if field == "processing_mode":
+            values[field] = _policy_from_proto(value, f"the journal record's {name}")
+        else:
+            # Scalars come back as int/str/bytes/bool; a repeated field as a container.
+            values[field] = value if isinstance(value, int | str | bytes) else tuple(value)
     return cls(**values)
 
 
@@ -149,7 +177,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             job_id=job.job_id,
             dataset_id=job.dataset_id,
             job_name=job.job_name,
-            processing_mode=job.processing_mode,
+            processing_mode=sharding_policy_to_proto(job.processing_mode),
             num_consumers=job.num_consumers,
             target_workers=job.target_workers,
             client_host_id=job.client_host_id,
@@ -222,7 +250,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
             job_id=st.JobId(j.job_id),
             dataset_id=j.dataset_id,
             job_name=j.job_name,
-            processing_mode=int(j.processing_mode),
+            processing_mode=_policy_from_proto(j.processing_mode, f"the snapshot's job {j.job_id}"),
             num_consumers=j.num_consumers,
             target_workers=j.target_workers,
             client_host_id=j.client_host_id,

@@ -61,7 +61,7 @@ class SplitHandoutMixin(DispatcherBase):
             if job.processing_mode != ShardingPolicy.DYNAMIC:
                 raise errors.FailedPreconditionError(
                     f"GetSplits: iteration {iteration_id} belongs to job {job.job_id}, whose "
-                    f"processing mode is {ShardingPolicy(job.processing_mode).name}: only "
+                    f"processing mode is {job.processing_mode.name}: only "
                     "DYNAMIC iterations hand out splits"
                 )
             if st.TaskId(request.task_id) not in iteration.tasks:

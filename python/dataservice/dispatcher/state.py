@@ -57,7 +57,7 @@ class CreateJob:
     job_id: JobId
     dataset_id: str
     job_name: str
-    processing_mode: int
+    processing_mode: ShardingPolicy
     num_consumers: int
     target_workers: str
     client_host_id: str
@@ -196,7 +196,7 @@ class Job:
     job_id: JobId
     dataset_id: str
     job_name: str
-    processing_mode: int
+    processing_mode: ShardingPolicy
     num_consumers: int
     target_workers: str
     client_host_id: str

@@ -22,7 +22,7 @@ from dataservice import errors
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.base import DispatcherBase, _probe_after_s, _Worker, log
 from dataservice.rpc import service_pb2 as pb
-from dataservice.sharding import ShardingPolicy, worker_index_in
+from dataservice.sharding import ShardingPolicy, sharding_policy_to_proto, worker_index_in
 
 
 class WorkerTasksMixin(DispatcherBase):
@@ -117,7 +117,7 @@ class WorkerTasksMixin(DispatcherBase):
         why = "Local reads require local workers"
         if job.target_workers == "AUTO":
             why = (
-                f"Static sharding ({ShardingPolicy(job.processing_mode).name}) with "
+                f"Static sharding ({job.processing_mode.name}) with "
                 "target_workers=AUTO reads the workers local to the client only"
             )
         raise errors.InvalidArgumentError(
@@ -222,7 +222,7 @@ class WorkerTasksMixin(DispatcherBase):
                     iteration_id=iteration.iteration_id,
                     job_id=job.job_id,
                     dataset_id=job.dataset_id,
-                    processing_mode=job.processing_mode,
+                    processing_mode=sharding_policy_to_proto(job.processing_mode),
                     repetition=iteration.repetition,
                     num_consumers=job.num_consumers,
                     worker_index=task.worker_index,

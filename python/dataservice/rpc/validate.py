@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataservice import errors
-from dataservice.sharding import ShardingPolicy
+from dataservice.sharding import sharding_policy_from_proto
 
 # Bounds. Generous for real use, small enough that no field sizes a big allocation
 # or makes the dispatcher's state (and its journal) grow without limit.
@@ -143,10 +143,9 @@ def one_of(values: Sequence[str], *, allow_empty: bool, ignore_case: bool = Fals
 def sharding_policy(name: str, value: Any) -> str | None:
     """A `ShardingPolicy` value."""
     try:
-        ShardingPolicy(value)
-    except ValueError:
-        known = ", ".join(f"{p.value} ({p.name})" for p in ShardingPolicy)
-        return f"is not a ShardingPolicy; known: {known}"
+        sharding_policy_from_proto(value)
+    except ValueError as err:
+        return str(err)
     return None
 
 

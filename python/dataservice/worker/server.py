@@ -37,7 +37,7 @@ from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
-from dataservice.sharding import STATIC_POLICIES, ShardingPolicy
+from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, sharding_policy_from_proto
 from dataservice.transfer import base as transfer
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
 from dataservice.worker.serving import ElementServing, WorkerServicer
@@ -554,7 +554,7 @@ class WorkerServer(ElementServing):
         def make_iterator(runner: TaskRunner) -> Any:
             dataset = self._dataset(task.dataset_id)
             runner.allow_pickled_elements = graph.allows_pickled_elements(dataset)
-            policy = ShardingPolicy(task.processing_mode)
+            policy = sharding_policy_from_proto(task.processing_mode)
             if policy in STATIC_POLICIES:
                 dataset = apply_static_sharding(
                     dataset, policy, task.num_workers, task.worker_index

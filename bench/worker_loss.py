@@ -31,7 +31,7 @@ import time
 
 import dataservice as ds
 from dataservice import errors
-from dataservice.cli import READY_RE
+from dataservice._serverproc import READY_RE
 from dataservice.cluster import _child_env
 
 

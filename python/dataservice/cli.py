@@ -17,7 +17,8 @@ The server subcommands print one line when they serve, e.g.
 `dataservice dispatcher listening on 127.0.0.1:5050` (flushed; `LocalCluster`
 reads the address from it), then block. A worker also prints `dataservice
 worker handed out its first element` once, before that element leaves it
-(`LocalCluster`'s sign that a restarted worker made progress). SIGTERM or
+(`LocalCluster`'s sign that a restarted worker made progress). Both lines, and
+the patterns that read them, are `dataservice._serverproc`'s. SIGTERM or
 SIGINT stops the server (in-flight RPCs finish) and exits 0; a second signal
 exits at once. With the hidden `--parent-pid PID` the server also stops when
 that process dies.
@@ -46,7 +47,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from dataservice import _proc
+from dataservice import _proc, _serverproc
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 
 logger = logging.getLogger("dataservice.cli")
@@ -60,14 +61,6 @@ before the process exits anyway (code 1)."""
 ORPHAN_STOP_TIMEOUT_S = 3.0
 """The same bound when the parent died (CASES C-23: orphans gone within 5 s)."""
 
-READY_RE = re.compile(r"^dataservice (dispatcher|worker) listening on (\S+)")
-"""Matches the ready line; group 2 is the address ("host:port")."""
-
-FIRST_ELEMENT_LINE = "dataservice worker handed out its first element"
-FIRST_ELEMENT_RE = re.compile("^" + re.escape(FIRST_ELEMENT_LINE) + "$")
-"""Matches the line a worker prints when it hands out its first element."""
-
-_STDOUT_MU = threading.Lock()  # whole lines: the ready line and the first-element line
 
 # Flags besides the field's own kebab-case name.
 _FLAG_ALIASES: dict[str, list[str]] = {
@@ -288,8 +281,7 @@ def _serve(
         logger.info("%s: interrupted by signal %d while starting", kind, e.signum)
         watchdog.arm(STOP_TIMEOUT_S, code=128 + e.signum)
         return 128 + e.signum
-    with _STDOUT_MU:
-        print(f"dataservice {kind} listening on {address}", flush=True)
+    _serverproc.announce_ready(kind, address)
 
     ended_by_itself = threading.Event()
     join_error: list[BaseException] = []
@@ -331,10 +323,6 @@ def _serve(
     return 0
 
 
-def _strip_scheme(target: str) -> str:
-    return target.split("://", 1)[1] if "://" in target else target
-
-
 def _wait_for_dispatcher(address: str, timeout_ms: int) -> None:
     """Blocks until a TCP/HTTP2 connection to the dispatcher is up.
 
@@ -342,24 +330,12 @@ def _wait_for_dispatcher(address: str, timeout_ms: int) -> None:
         UnavailableError: Not reachable within `timeout_ms` milliseconds; the
             message names the address.
     """
-    import grpc  # type: ignore[import-untyped,unused-ignore]
-
-    from dataservice.rpc import util as rpc_util
-
-    target = _strip_scheme(address)
-    channel = grpc.insecure_channel(target)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_ms / 1000)
-    except grpc.FutureTimeoutError:
-        raise rpc_util.unreachable_error(
+    with _serverproc.DispatcherStub(address) as dispatcher:
+        dispatcher.wait_connected(
+            timeout_ms,
             "worker: connecting to the dispatcher (--dispatcher, bounded by "
             "--dispatcher-unreachable-timeout-ms)",
-            target,
-            timeout_ms,
-            "no connection",
-        ) from None
-    finally:
-        channel.close()
+        )
 
 
 def _check_auth_at_start(kind: str, args: argparse.Namespace, config: Any) -> None:
@@ -398,16 +374,9 @@ def _run_dispatcher(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         from dataservice.dispatcher.server import DispatchServer
 
         server = DispatchServer(config, start=True)
-        return server, _strip_scheme(server.target)
+        return server, _serverproc.strip_scheme(server.target)
 
     return _serve("dispatcher", make, args.parent_pid)
-
-
-def _announce_first_element() -> None:
-    """Prints FIRST_ELEMENT_LINE (on the serving thread, before the element is sent)."""
-    with _STDOUT_MU:
-        sys.stdout.write(FIRST_ELEMENT_LINE + "\n")
-        sys.stdout.flush()
 
 
 def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -434,7 +403,7 @@ def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             config,
             start=True,
             lazy_tasks=args.lazy_tasks,
-            on_first_element=_announce_first_element,
+            on_first_element=_serverproc.announce_first_element,
         )
         # Ready means registered, where the server can tell us (else the first
         # heartbeat registers it right after start).

@@ -2,8 +2,9 @@
 
 Each server runs as `python -m dataservice dispatcher|worker ... --parent-pid
 <this pid>` (see `dataservice.cli`), binds 127.0.0.1, and prints a ready line
-with its address; the dispatcher binds port 0 and the cluster reads the chosen
-port from that line, so there is no port race.
+with its address (the format is `dataservice._serverproc`'s); the dispatcher
+binds port 0 and the cluster reads the chosen port from that line, so there is
+no port race.
 
 Lifecycle (CASES C-01, C-23, C-24):
 
@@ -53,8 +54,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from dataservice import _proc, auth, errors
-from dataservice.cli import FIRST_ELEMENT_RE, READY_RE
+from dataservice import _proc, _serverproc, auth, errors
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 from dataservice.dispatcher import buffer_store
 
@@ -367,9 +367,9 @@ class LocalCluster:
             stdout=_proc.OutputPump(
                 popen.stdout,
                 name,
-                READY_RE,
+                _serverproc.READY_RE,
                 forward=self._forward,
-                progress_pattern=FIRST_ELEMENT_RE if kind == "worker" else None,
+                progress_pattern=_serverproc.FIRST_ELEMENT_RE if kind == "worker" else None,
             ),
             stderr=_proc.OutputPump(popen.stderr, name, None, forward=self._forward),
         )
@@ -650,28 +650,24 @@ class LocalCluster:
     ) -> None:
         """ReportWorkerFailure to the dispatcher (retried for up to 5 s)."""
         from dataservice.rpc import service_pb2 as pb
-        from dataservice.rpc import service_pb2_grpc
         from dataservice.rpc import util as rpc_util
 
-        target = self.dispatcher_address
-        metadata = rpc_util.call_metadata(self._auth_token)
-        channel = rpc_util.make_channel(target)
-        try:
-            stub = service_pb2_grpc.DispatcherServiceStub(channel)
-            request = pb.ReportWorkerFailureRequest(
-                worker_address=address, reason=reason, pid=pid, restarting=restarting
-            )
-            rpc_util.call_with_retries(
-                lambda: stub.ReportWorkerFailure(request, timeout=2.0, metadata=metadata),
-                address=target,
-                what="ReportWorkerFailure to the dispatcher",
-                timeout_ms=5_000,
-                stop=self._stopping,
-            )
-        except errors.DataServiceError as e:
-            logger.warning("LocalCluster: could not tell the dispatcher: %s", e)
-        finally:
-            channel.close()
+        request = pb.ReportWorkerFailureRequest(
+            worker_address=address, reason=reason, pid=pid, restarting=restarting
+        )
+        with _serverproc.DispatcherStub(self.dispatcher_address, self._auth_token) as dispatcher:
+            try:
+                rpc_util.call_with_retries(
+                    lambda: dispatcher.stub.ReportWorkerFailure(
+                        request, timeout=2.0, metadata=dispatcher.metadata
+                    ),
+                    address=dispatcher.address,
+                    what="ReportWorkerFailure to the dispatcher",
+                    timeout_ms=5_000,
+                    stop=self._stopping,
+                )
+            except errors.DataServiceError as e:
+                logger.warning("LocalCluster: could not tell the dispatcher: %s", e)
 
     # ----------------------------------------------------------------- stop
 

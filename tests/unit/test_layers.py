@@ -4,6 +4,7 @@
   transfer, cluster, cli), at module level or inside functions;
 * `dataservice.sharding` imports nothing of `dataservice.data` (the rewrites that need
   the graph are `data/static_sharding.py`'s);
+* `cluster.py` and `cli.py` do not import each other (`_serverproc` is their contract);
 * code outside `data/` reaches a pipeline only through public names: it neither imports
   a `_`-name from a `data` module nor reads or sets, on anything but `self`/`cls`, a
   `_`-attribute that a `data/` class defines (use `dataservice.data.graph`).
@@ -73,6 +74,20 @@ def test_data_imports_nothing_of_the_service():
 def test_sharding_policy_module_imports_nothing_of_data():
     tree = ast.parse((PACKAGE / "sharding.py").read_text(encoding="utf-8"))
     found = [m for _, m, _ in _imported_modules(tree) if m.startswith("dataservice.data")]
+    assert found == []
+
+
+def test_cluster_and_cli_do_not_import_each_other():
+    """What the CLI prints and `LocalCluster` reads is `_serverproc`'s."""
+    found = []
+    for name, other in (("cluster.py", "dataservice.cli"), ("cli.py", "dataservice.cluster")):
+        tree = ast.parse((PACKAGE / name).read_text(encoding="utf-8"))
+        found += [f"{name}:{line}" for line, m, _ in _imported_modules(tree) if m == other]
+        found += [
+            f"{name}:{line}"
+            for line, m, names in _imported_modules(tree)
+            if m == "dataservice" and other.rsplit(".", 1)[1] in names
+        ]
     assert found == []
 
 

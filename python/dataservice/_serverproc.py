@@ -1,0 +1,118 @@
+"""A server process's contract with whoever starts it (`LocalCluster`, scripts).
+
+Two lines on stdout, written by `dataservice dispatcher|worker` (cli.py) and
+read by its launcher (cluster.py, through `_proc.OutputPump`):
+
+* the ready line, `dataservice dispatcher listening on 127.0.0.1:5050`, once
+  the server serves (a worker: once registered); `READY_RE` matches it, group 2
+  is the address ("host:port"). A dispatcher bound to port 0 tells its
+  launcher the chosen port this way, so there is no port race.
+* the first-element line, `dataservice worker handed out its first element`,
+  once per worker process, before that element leaves it; `FIRST_ELEMENT_RE`
+  matches it (`LocalCluster`'s sign that a restarted worker made progress).
+
+Both are written whole under one lock (`announce_ready`,
+`announce_first_element`), so a line never interleaves with the other.
+
+`DispatcherStub` is how these tools talk to a dispatcher they did not build a
+client for: the CLI worker waits for it to be reachable, `LocalCluster`
+reports worker exits to it. gRPC is imported when a stub is opened, so the
+CLI's flag parsing does not load it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from types import TracebackType
+from typing import Any
+
+READY_RE = re.compile(r"^dataservice (dispatcher|worker) listening on (\S+)")
+"""Matches the ready line; group 1 is the kind, group 2 the address ("host:port")."""
+
+FIRST_ELEMENT_LINE = "dataservice worker handed out its first element"
+FIRST_ELEMENT_RE = re.compile("^" + re.escape(FIRST_ELEMENT_LINE) + "$")
+"""Matches the line a worker prints when it hands out its first element."""
+
+_STDOUT_MU = threading.Lock()  # whole lines: the ready line and the first-element line
+
+
+def ready_line(kind: str, address: str) -> str:
+    """The ready line of a `kind` ("dispatcher" or "worker") server at `address`
+    ("host:port"), without its newline; `READY_RE` matches it."""
+    return f"dataservice {kind} listening on {address}"
+
+
+def announce_ready(kind: str, address: str) -> None:
+    """Writes `ready_line(kind, address)` to stdout and flushes it."""
+    with _STDOUT_MU:
+        print(ready_line(kind, address), flush=True)
+
+
+def announce_first_element() -> None:
+    """Writes `FIRST_ELEMENT_LINE` to stdout and flushes it (called on the
+    worker's serving thread, before the element is sent)."""
+    with _STDOUT_MU:
+        sys.stdout.write(FIRST_ELEMENT_LINE + "\n")
+        sys.stdout.flush()
+
+
+def strip_scheme(target: str) -> str:
+    """'grpc://host:port' -> 'host:port'; 'host:port' unchanged."""
+    return target.split("://", 1)[1] if "://" in target else target
+
+
+class DispatcherStub:
+    """A channel to the dispatcher at `address` ('host:port' or
+    'grpc://host:port') and its `DispatcherService` stub, with the call metadata
+    of `auth_token` (None: no token). Closes the channel on `close()` or at the
+    end of a `with` block. Thread-safe (gRPC channels and stubs are).
+
+    Attributes:
+        address: 'host:port'.
+        stub: the `service_pb2_grpc.DispatcherServiceStub`.
+        metadata: what each call sends (`rpc.util.call_metadata`).
+    """
+
+    def __init__(self, address: str, auth_token: str | None = None) -> None:
+        from dataservice.rpc import service_pb2_grpc
+        from dataservice.rpc import util as rpc_util
+
+        self.address = strip_scheme(address)
+        self.metadata = rpc_util.call_metadata(auth_token)
+        self._channel = rpc_util.make_channel(self.address)
+        self.stub: Any = service_pb2_grpc.DispatcherServiceStub(self._channel)
+
+    def wait_connected(self, timeout_ms: int, what: str) -> None:
+        """Blocks until a TCP/HTTP2 connection to the dispatcher is up (no RPC
+        is made, so no token is checked), for at most `timeout_ms` milliseconds.
+
+        Raises:
+            UnavailableError: Not connected within `timeout_ms`; the message
+                names `what` waited and the address.
+        """
+        import grpc  # type: ignore[import-untyped,unused-ignore]
+
+        from dataservice.rpc import util as rpc_util
+
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_ms / 1000)
+        except grpc.FutureTimeoutError:
+            raise rpc_util.unreachable_error(
+                what, self.address, timeout_ms, "no connection"
+            ) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DispatcherStub:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

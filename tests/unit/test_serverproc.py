@@ -1,0 +1,48 @@
+"""`dataservice._serverproc`: the lines a server process prints for its launcher
+are the ones its patterns read, and the tools' dispatcher stub bounds its wait
+for a connection, naming the address."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from dataservice import _serverproc, errors
+
+
+@pytest.mark.parametrize("kind", ["dispatcher", "worker"])
+def test_the_ready_line_is_what_the_launcher_reads(kind, capsys):
+    _serverproc.announce_ready(kind, "127.0.0.1:5050")
+    out = capsys.readouterr().out
+    assert out == f"dataservice {kind} listening on 127.0.0.1:5050\n"
+    match = _serverproc.READY_RE.match(out.rstrip("\n"))
+    assert match is not None and match.groups() == (kind, "127.0.0.1:5050")
+
+
+def test_the_first_element_line_is_what_the_launcher_reads(capsys):
+    _serverproc.announce_first_element()
+    out = capsys.readouterr().out
+    assert out == "dataservice worker handed out its first element\n"
+    assert _serverproc.FIRST_ELEMENT_RE.match(out.rstrip("\n"))
+    assert not _serverproc.READY_RE.match(out.rstrip("\n"))
+
+
+def test_strip_scheme():
+    assert _serverproc.strip_scheme("grpc://h:1") == "h:1"
+    assert _serverproc.strip_scheme("h:1") == "h:1"
+
+
+@pytest.mark.timeout(30)
+def test_waiting_for_an_absent_dispatcher_is_bounded_and_names_it():
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with _serverproc.DispatcherStub(f"grpc://127.0.0.1:{port}", "token") as dispatcher:
+        assert dispatcher.address == f"127.0.0.1:{port}"
+        assert dispatcher.metadata == [("authorization", "Bearer token")]
+        start = time.monotonic()
+        with pytest.raises(errors.UnavailableError, match=rf"waiting here.*127\.0\.0\.1:{port}"):
+            dispatcher.wait_connected(500, "waiting here")
+        assert 0.4 < time.monotonic() - start < 5.0

@@ -202,6 +202,7 @@ def test_unknown_ids_stay_not_found_and_stale_incarnation_restarted(servers):
     for call, request in cases:
         code, details = _code(call, request)
         assert code == grpc.StatusCode.NOT_FOUND, (request, code, details)
+        assert "123456" in details or "nope" in details, details  # names the unknown id
     code, details = _code(
         stub.GetOrCreateJob, pb.GetOrCreateJobRequest(dataset_id="nope", incarnation_id="old")
     )

@@ -12,7 +12,8 @@ writes `_split_providers` (iteration -> providers, built under
 `self._load_mu`) and `_task_splits` (the
 splits handed to each task's current process, for worker_loss.py); `_state`
 changes only through `_apply_locked`. Uses datasets.py's `_dataset_object`
-and tasks.py's `_add_task_info_locked`.
+and tasks.py's `_add_task_info_locked`; both handlers find the iteration a
+request names (or raise NotFoundError) through `_iteration_and_job_locked`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ class SplitHandoutMixin(DispatcherBase):
 
         def _add_task_info_locked(self, infos: Any, task: st.Task) -> None: ...
 
+    def _iteration_and_job_locked(
+        self, iteration_id: st.IterationId
+    ) -> tuple[st.Iteration, st.Job]:
+        """The iteration a request names, and its job.
+
+        Raises:
+            NotFoundError: No iteration has this id.
+        """
+        iteration = self._state.iterations.get(iteration_id)
+        if iteration is None:
+            raise errors.NotFoundError(f"Iteration {iteration_id} not found")
+        return iteration, self._state.jobs[iteration.job_id]
+
     def _get_splits(self, request: Any) -> Any:
         # An iteration's split providers are built outside the lock (base.py
         # `NotLoaded`, `_build_split_providers`).
@@ -54,10 +68,7 @@ class SplitHandoutMixin(DispatcherBase):
         max_splits = max(1, min(request.max_splits or 1, _MAX_SPLITS_PER_RPC))
         with self._mu:
             self._check_incarnation_locked(request.incarnation_id)
-            iteration = self._state.iterations.get(iteration_id)
-            if iteration is None:
-                raise errors.NotFoundError(f"Iteration {iteration_id} not found")
-            job = self._state.jobs[iteration.job_id]
+            iteration, job = self._iteration_and_job_locked(iteration_id)
             if job.processing_mode != ShardingPolicy.DYNAMIC:
                 raise errors.FailedPreconditionError(
                     f"GetSplits: iteration {iteration_id} belongs to job {job.job_id}, whose "
@@ -177,10 +188,7 @@ class SplitHandoutMixin(DispatcherBase):
         first = request.first_round - request.first_round % _ROUND_BLOCK
         with self._mu:
             self._check_incarnation_locked(request.incarnation_id)
-            iteration = self._state.iterations.get(iteration_id)
-            if iteration is None:
-                raise errors.NotFoundError(f"Iteration {iteration_id} not found")
-            job = self._state.jobs[iteration.job_id]
+            iteration, job = self._iteration_and_job_locked(iteration_id)
             if not job.num_consumers:
                 raise errors.FailedPreconditionError(
                     f"GetRounds: iteration {iteration_id} belongs to job {job.job_id}, which is "

@@ -7,7 +7,13 @@
 * `cluster.py` and `cli.py` do not import each other (`_serverproc` is their contract);
 * code outside `data/` reaches a pipeline only through public names: it neither imports
   a `_`-name from a `data` module nor reads or sets, on anything but `self`/`cls`, a
-  `_`-attribute that a `data/` class defines (use `dataservice.data.graph`).
+  `_`-attribute that a `data/` class defines (use `dataservice.data.graph`);
+* more generally, no subpackage (nor the root's modules) touches another one's private
+  names: no import of its `_`-names or private modules, no `_`-attribute read or set
+  (also through getattr/setattr with a literal name) on anything but `self`/`cls` that
+  only other subpackages define. The root's private modules (`_core`, `_waits`,
+  `_proc`, `_serverproc`) are for every subpackage. transfer/ alone has a short
+  allowlist (`ALLOWED_CROSSINGS`).
 """
 
 from __future__ import annotations
@@ -113,3 +119,231 @@ def test_nothing_outside_data_touches_a_private_name_of_data():
             ):
                 found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
     assert found == [], "use dataservice.data.graph instead: " + "; ".join(found)
+
+
+# ----------------------------------------------------- private names across subpackages
+# A unit is one subpackage of dataservice (client, data, dispatcher, ...), or the
+# package root's own modules ("<root>").
+ROOT_UNIT = "<root>"
+
+# Known crossings, each "path:name" (path relative to python/dataservice). Only
+# transfer/ may have any: shm.py's reads of the worker's private state go when the
+# transfer refactor (the worker hands each transfer server one element-source
+# function, issue 12) lands; delete these entries with it.
+ALLOWED_CROSSINGS = {
+    "transfer/shm.py:_uid",  # the worker's uid, for the peer uid check
+    "transfer/shm.py:_config",  # the worker's WorkerConfig (shm ring sizes)
+}
+
+
+def _unit(path: Path, package: Path) -> str:
+    parts = path.relative_to(package).parts
+    return parts[0] if len(parts) > 1 else ROOT_UNIT
+
+
+def _unit_of_module(module: str, package: Path) -> str | None:
+    """The unit of `dataservice.<...>` module `module`; None outside the package."""
+    parts = module.split(".")
+    if parts[0] != "dataservice":
+        return None
+    if len(parts) > 1 and (package / parts[1]).is_dir():
+        return parts[1]
+    return ROOT_UNIT
+
+
+def _absolute(path: Path, node: ast.ImportFrom, package: Path) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = ["dataservice", *path.relative_to(package).parts[:-1]]
+    base = parts[: len(parts) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _defined_private_names(tree: ast.Module) -> set[str]:
+    """`_`-names a module defines: module-level functions, classes and variables,
+    class-body methods and attributes (wherever the class is), and attributes
+    set on `self`/`cls`. A function's local variables are not names it defines."""
+    names: set[str] = set()
+
+    def add(target: ast.AST, in_function: bool) -> None:
+        if isinstance(target, ast.Name) and not in_function and _is_private(target.id):
+            names.add(target.id)
+        elif (
+            isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id in ("self", "cls")
+            and _is_private(target.attr)
+        ):
+            names.add(target.attr)
+        elif isinstance(target, ast.Tuple | ast.List):
+            for element in target.elts:
+                add(element, in_function)
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if not in_function and _is_private(child.name):
+                    names.add(child.name)
+                visit(child, isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
+                continue
+            if isinstance(child, ast.Assign):
+                for target in child.targets:
+                    add(target, in_function)
+            elif isinstance(child, ast.AnnAssign | ast.AugAssign):
+                add(child.target, in_function)
+            visit(child, in_function)
+
+    visit(tree, False)
+    return names
+
+
+def _on_self(value: ast.AST) -> bool:
+    """`self`, `cls` or `super()`: the class's own (inherited) interface."""
+    if isinstance(value, ast.Name):
+        return value.id in ("self", "cls")
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == "super"
+    )
+
+
+def _private_attribute_uses(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, name, source) of each `_`-attribute read or set on anything but
+    `self`/`cls`/`super()`, getattr/setattr/hasattr/delattr with a literal name
+    included."""
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if not _on_self(node.value):
+                uses.append((node.lineno, node.attr, ast.unparse(node)))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _is_private(node.args[1].value)
+            and not _on_self(node.args[0])
+        ):
+            uses.append((node.lineno, node.args[1].value, ast.unparse(node)))
+    return uses
+
+
+def _crossings(package: Path) -> list[tuple[str, str]]:
+    """("path:name", where and what) of each use, in the `dataservice` package at
+    `package`, of a private name of another unit: an import of its `_`-name or of a
+    private module of another subpackage, or a `_`-attribute (not on self/cls) that
+    only other units define. Names no unit defines (`os._exit`, a namedtuple's
+    `_fields`) are not the package's."""
+    sources = sorted(
+        p for p in package.rglob("*.py*") if "_pb2" not in p.name and p.suffix in (".py", ".pyi")
+    )
+    trees = {p: ast.parse(p.read_text(encoding="utf-8")) for p in sources}
+    defined: dict[str, set[str]] = {}
+    for path, tree in trees.items():
+        defined.setdefault(_unit(path, package), set()).update(_defined_private_names(tree))
+    found = []
+    for path, tree in trees.items():
+        if path.suffix != ".py":
+            continue
+        unit, where = _unit(path, package), path.relative_to(package).as_posix()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute(path, node, package)
+                names = [(module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [tuple(a.name.rsplit(".", 1)) for a in node.names if "." in a.name]
+            else:
+                continue
+            for module, name in names:
+                owner = _unit_of_module(module, package)
+                if owner is None or owner == unit:
+                    continue
+                # A private module of the root (`_core`, `_waits`) is for every unit.
+                path_parts = module.split(".")[1:] if owner != ROOT_UNIT else []
+                root_module = module == "dataservice" and any(package.glob(f"{name}.*"))
+                hidden = [p for p in [*path_parts, name] if _is_private(p)]
+                if not hidden or root_module:
+                    continue
+                what = f"{where}:{node.lineno} imports {module}.{name}"
+                found.append((f"{where}:{hidden[-1]}", what))
+        for line, name, shown in _private_attribute_uses(tree):
+            if name in defined[unit]:
+                continue  # a name of its own unit too: not a crossing
+            owners = sorted(u for u, names in defined.items() if name in names)
+            if owners:
+                what = f"{where}:{line} {shown} (a private name of {', '.join(owners)})"
+                found.append((f"{where}:{name}", what))
+    return found
+
+
+def test_no_subpackage_touches_another_subpackages_private_names():
+    """Each subpackage (and the root's modules) uses another one only through
+    its public names; the root's private modules (`_core`, `_waits`, `_proc`,
+    `_serverproc`) are the package's shared internals, which any subpackage may
+    import (their public names)."""
+    assert all(key.startswith("transfer/") for key in ALLOWED_CROSSINGS)
+    found = [what for key, what in _crossings(PACKAGE) if key not in ALLOWED_CROSSINGS]
+    assert found == [], "give it a public name in its owner's interface: " + "; ".join(found)
+
+
+def test_the_crossing_check_finds_each_kind_of_crossing(tmp_path):
+    """The check above can fail: each kind of crossing in a small package is
+    found, and what is allowed is not."""
+    files = {
+        "__init__.py": "",
+        "_waits.py": "def env_ms(): ...\n_HIDDEN = 1\n",
+        "worker/__init__.py": "",
+        "worker/_impl.py": "",
+        "worker/server.py": (
+            "class _Task: ...\n"
+            "class Worker:\n"
+            "    _kind = 'w'\n"
+            "    def __init__(self):\n"
+            "        self._uid = 1\n"
+            "        self._mu = None\n"
+            "        _local = 2\n"
+        ),
+        "client/__init__.py": "",
+        "client/reader.py": "class R:\n    def __init__(self):\n        self._mu = None\n",
+        "transfer/__init__.py": "",
+        "transfer/shm.py": (
+            "from dataservice import _waits\n"  # allowed: a private module of the root
+            "from dataservice._waits import env_ms, _HIDDEN\n"  # _HIDDEN: not allowed
+            "from dataservice.worker.server import Worker, _Task\n"
+            "import dataservice.worker._impl\n"
+            "from ..worker import _impl\n"
+            "def serve(worker, other):\n"
+            "    worker._uid\n"
+            "    getattr(worker, '_kind')\n"
+            "    setattr(other, '_uid', 2)\n"
+            "    worker.__class__\n"  # dunder: not private
+            "    other._local\n"  # a local variable elsewhere: not a defined name
+            "    os._exit\n"  # defined by no unit
+            "class Server:\n"
+            "    def __init__(self):\n"
+            "        self._mu = None\n"
+            "    def run(self):\n"
+            "        self._uid\n"  # on self: its own interface
+            "        super()._kind\n"
+        ),
+        "client/api.py": "def f(reader):\n    reader._mu\n",  # client defines _mu too
+    }
+    package = tmp_path / "dataservice"
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    found = sorted(key for key, _ in _crossings(package))
+    assert found == sorted(
+        [
+            "transfer/shm.py:_HIDDEN",
+            "transfer/shm.py:_Task",
+            "transfer/shm.py:_impl",
+            "transfer/shm.py:_impl",
+            "transfer/shm.py:_uid",
+            "transfer/shm.py:_kind",
+            "transfer/shm.py:_uid",
+        ]
+    )

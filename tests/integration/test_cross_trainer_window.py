@@ -183,7 +183,8 @@ def test_grpc_and_shm_trainers_read_the_same_window(make_cluster):
         via_shm = [int(e["i"]) for e in read_n(c, "shm", 20)]
         raw = []
         while len(raw) < 20:  # what GetElements serves
-            elements, end, error = cache.get_elements("grpc", 20 - len(raw), 5.0)
+            read = cache.get_elements("grpc", 20 - len(raw), 5.0)
+            elements, end, error = read.elements, read.end_of_sequence, read.error
             assert (end, error) == (False, None)
             raw.extend(elements)
         assert consecutive(via_shm)

@@ -224,7 +224,7 @@ def test_cache_same_host_trainers_read_through_shared_memory(make_cluster, proto
     # "auto": every same-host trainer reads the cached window from the one
     # shared-memory segment it lives in (a connection and a hold slot a trainer,
     # no ring); data_transfer_protocol="grpc" still forces gRPC.
-    from dataservice.transfer import shm
+    from dataservice.transfer import shm_server
 
     c = cache_cluster(make_cluster)
     its = [
@@ -238,7 +238,12 @@ def test_cache_same_host_trainers_read_through_shared_memory(make_cluster, proto
     got.append([to_py(next(late)) for _ in range(25)])  # a newcomer starts at the oldest
     its.append(late)
     (worker,) = c.workers
-    rings = [r for s in shm.live_servers() if s.worker is worker for r in s.ring_stats()]
+    rings = [
+        r
+        for s in shm_server.live_servers()
+        if s.host.address == worker.address
+        for r in s.ring_stats()
+    ]
     (task,) = worker._tasks.values()
     attached = task.cross_trainer_cache.stats()["attached_slots"]
     protocols = []

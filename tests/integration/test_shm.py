@@ -22,7 +22,7 @@ import pytest
 
 import dataservice as ds
 from dataservice import _core, errors
-from dataservice.transfer import base, shm
+from dataservice.transfer import base, shm, shm_server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -351,8 +351,8 @@ def test_c25_slow_consumer_bounds_bytes_in_flight(make_cluster):
     for x in dist(data, cluster, data_transfer_protocol="shm"):
         got.append(int(x[0]) if (x == x[0]).all() else -1)
         time.sleep(0.25)
-        for server in shm.live_servers():
-            if server.worker is worker:
+        for server in shm_server.live_servers():
+            if server.host.address == worker.address:
                 for stats in server.ring_stats():
                     peak = max(peak, stats["buffered_bytes"])
     assert got == list(range(6))
@@ -442,7 +442,7 @@ def test_c13_local_cluster_4_streams_1_gb_under_64_mib_dev_shm():
 def test_ring_budget_halves_then_refuses():
     """Past the memory cap, new rings are halved (floor 8 MiB), then refused
     (and "auto" clients fall back to gRPC)."""
-    server = shm.ShmTransferServer.__new__(shm.ShmTransferServer)
+    server = shm_server.ShmTransferServer.__new__(shm_server.ShmTransferServer)
     server._ring_bytes = 16 << 20
     server._budget = 30 << 20
     server._ring_total = 0

@@ -37,7 +37,7 @@ from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
 from dataservice.sharding import ShardingPolicy
-from dataservice.transfer import shm
+from dataservice.transfer import shm, shm_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -310,9 +310,9 @@ def test_fuzz_rpc_slow(live, service, method, request_class):
 
 
 # ---------------------------------------------------------------- shm handshake
-def _shm_server(live: Live) -> shm.ShmTransferServer:
+def _shm_server(live: Live) -> shm_server.ShmTransferServer:
     for server in live.worker._transfer_servers:
-        if isinstance(server, shm.ShmTransferServer):
+        if isinstance(server, shm_server.ShmTransferServer):
             return server
     pytest.skip("the worker serves no shared-memory transfer here")
 

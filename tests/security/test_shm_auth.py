@@ -20,7 +20,7 @@ import pytest
 import dataservice as ds
 from dataservice import auth
 from dataservice.transfer import base as transfer
-from dataservice.transfer import shm, shm_admission
+from dataservice.transfer import shm, shm_admission, shm_server
 from tests.conftest import values
 
 TOKEN = "shm-s3cret"
@@ -179,7 +179,7 @@ def test_a_thousand_idle_connections_do_not_make_threads(secured, monkeypatch):
         proc.wait(10)
     # The worker's threads are the same few, not one per connection (was 1,013).
     assert peak - before < 30, (before, peak)
-    server = shm.live_servers()[0]
+    server = shm_server.live_servers()[0]
     with server._mu:
         assert len(server._connections) <= 2
 

@@ -20,14 +20,15 @@ def test_max_bytes_bounds_a_read_and_keeps_the_cursor_on_the_rest():
         size = element_nbytes(np.full(100, 0, np.int64))
         got = []
         while len(got) < 10:
-            elements, end, error = cache.get_elements("t", 4, 5.0, max_bytes=2 * size)
+            read = cache.get_elements("t", 4, 5.0, max_bytes=2 * size)
+            elements, end, error = read.elements, read.end_of_sequence, read.error
             assert (end, error) == (False, None)
             assert 1 <= len(elements) <= 2
             got.extend(int(e[0]) for e in elements)
         # One element is always read, however small the bound.
-        (one,), _, _ = cache.get_elements("t", 4, 5.0, max_bytes=1)
+        (one,) = cache.get_elements("t", 4, 5.0, max_bytes=1).elements
         # Another trainer, unbounded, reads from the oldest element on.
-        other, _, _ = cache.get_elements("u", 4, 5.0)
+        other = cache.get_elements("u", 4, 5.0).elements
         assert got == list(range(len(got)))
         assert int(one[0]) == len(got)
         assert [int(e[0]) for e in other] == [0, 1, 2, 3]
@@ -49,7 +50,7 @@ def test_the_window_is_written_once_and_grows_to_its_bound():
         got = {t: [] for t in "abc"}
         for _ in range(30):
             for t in got:
-                got[t].extend(int(e[0]) for e in cache.get_elements(t, 4, 5.0)[0])
+                got[t].extend(int(e[0]) for e in cache.get_elements(t, 4, 5.0).elements)
         assert got["a"] == got["b"] == got["c"] == list(range(len(got["a"])))
         stats = cache.stats()
         assert stats["frames_written"] == stats["first_index"] + stats["elements"]
@@ -67,7 +68,8 @@ def test_a_grant_in_the_way_moves_the_window_to_a_fresh_segment():
         cache = CrossTrainerCache(runner, 256 << 10)
         slot = cache.attach()
         # A trainer is sent element 0 and never says it is done with it.
-        read, end, error = cache.get_window("t", slot, -1, set(), 1, 5.0)
+        got = cache.get_window("t", slot, -1, set(), 1, 5.0)
+        read, end, error = got.frames, got.end_of_sequence, got.error
         assert (read.count, read.first_index, end, error) == (1, 0, False, None)
         reader = _core.ShmWindowReader(read.fd, slot, read.generation, nonce=read.nonce)
         os.close(read.fd)
@@ -75,7 +77,7 @@ def test_a_grant_in_the_way_moves_the_window_to_a_fresh_segment():
             reader.add_spec(spec_id, body)
         others = []
         while len(others) < 40:  # another trainer reads on, well past the segment
-            others.extend(int(e[0]) for e in cache.get_elements("u", 8, 5.0)[0])
+            others.extend(int(e[0]) for e in cache.get_elements("u", 8, 5.0).elements)
         assert others == list(range(40))
         assert cache.stats()["abandons"] >= 1
         # The granted frame was never overwritten: the old segment was left to it.

@@ -209,7 +209,7 @@ def test_task_buffer_bound_holds_with_object_elements():
                 assert len(runner._buffer) <= 3
             assert pulled[0] <= 4
             time.sleep(0.01)
-        got, _, _ = runner.get_elements_raw(100, 3 << 20, 1.0)
+        got = runner.get_elements_raw(100, 3 << 20, 1.0).elements
         assert len(got) == 2  # a read's byte bound counts real bytes too
     finally:
         runner.stop()
@@ -226,7 +226,8 @@ def test_task_runner_delivers_the_refusal_after_the_good_elements():
         error = None
         deadline = time.monotonic() + 10
         while error is None and time.monotonic() < deadline:
-            got, end, error = runner.get_elements_raw(10, 1 << 20, 1.0)
+            read = runner.get_elements_raw(10, 1 << 20, 1.0)
+            got, end, error = read.elements, read.end_of_sequence, read.error
             out += got
         assert len(out) == 1
         assert error is not None and error[0] == "InvalidArgumentError"
@@ -239,9 +240,11 @@ def test_task_runner_delivers_the_refusal_after_the_good_elements():
 def test_task_runner_may_allow_pickled_elements():
     runner = TaskRunner(4002, lambda: iter([{"s": {1, 2}}]), "w:1", allow_pickled_elements=True)
     try:
-        got, end, error = runner.get_elements_raw(10, 1 << 20, 5.0)
+        read = runner.get_elements_raw(10, 1 << 20, 5.0)
+        got, end, error = read.elements, read.end_of_sequence, read.error
         while not end and not got:
-            got, end, error = runner.get_elements_raw(10, 1 << 20, 5.0)
+            read = runner.get_elements_raw(10, 1 << 20, 5.0)
+            got, end, error = read.elements, read.end_of_sequence, read.error
         assert got == [{"s": {1, 2}}] and error is None
     finally:
         runner.stop()

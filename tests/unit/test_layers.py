@@ -12,8 +12,11 @@
   names: no import of its `_`-names or private modules, no `_`-attribute read or set
   (also through getattr/setattr with a literal name) on anything but `self`/`cls` that
   only other subpackages define. The root's private modules (`_core`, `_waits`,
-  `_proc`, `_serverproc`) are for every subpackage. transfer/ alone has a short
-  allowlist (`ALLOWED_CROSSINGS`).
+  `_proc`, `_serverproc`) are for every subpackage;
+* `dataservice.transfer` knows no worker, client or dispatcher: it imports nothing of
+  them, and reads or sets no `_`-attribute of anything but `self`/`cls` (getattr and
+  friends with a literal `_`-name included), whoever defines it: a transfer server
+  gets what it needs of the worker through `transfer.base.TransferHost`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataservice
 
 PACKAGE = Path(dataservice.__file__).parent
 DATA = PACKAGE / "data"
+TRANSFER = PACKAGE / "transfer"
 SERVICE = ("client", "worker", "dispatcher", "transfer", "cluster", "cli")
 
 
@@ -126,14 +130,10 @@ def test_nothing_outside_data_touches_a_private_name_of_data():
 # package root's own modules ("<root>").
 ROOT_UNIT = "<root>"
 
-# Known crossings, each "path:name" (path relative to python/dataservice). Only
-# transfer/ may have any: shm.py's reads of the worker's private state go when the
-# transfer refactor (the worker hands each transfer server one element-source
-# function, issue 12) lands; delete these entries with it.
-ALLOWED_CROSSINGS = {
-    "transfer/shm.py:_uid",  # the worker's uid, for the peer uid check
-    "transfer/shm.py:_config",  # the worker's WorkerConfig (shm ring sizes)
-}
+# Known crossings, each "path:name" (path relative to python/dataservice): none. (The
+# last, transfer/shm.py's reads of the worker's _uid and _config, went with issue 12's
+# TransferHost.)
+ALLOWED_CROSSINGS: set[str] = set()
 
 
 def _unit(path: Path, package: Path) -> str:
@@ -284,7 +284,6 @@ def test_no_subpackage_touches_another_subpackages_private_names():
     its public names; the root's private modules (`_core`, `_waits`, `_proc`,
     `_serverproc`) are the package's shared internals, which any subpackage may
     import (their public names)."""
-    assert all(key.startswith("transfer/") for key in ALLOWED_CROSSINGS)
     found = [what for key, what in _crossings(PACKAGE) if key not in ALLOWED_CROSSINGS]
     assert found == [], "give it a public name in its owner's interface: " + "; ".join(found)
 
@@ -347,3 +346,54 @@ def test_the_crossing_check_finds_each_kind_of_crossing(tmp_path):
             "transfer/shm.py:_uid",
         ]
     )
+
+
+def test_transfer_imports_nothing_of_the_worker_client_or_dispatcher():
+    found = []
+    for path in _sources(TRANSFER):
+        for line, module, _ in _imported_modules(ast.parse(path.read_text(encoding="utf-8"))):
+            parts = module.split(".")
+            if parts[0] == "dataservice" and len(parts) > 1:
+                if parts[1] in ("worker", "client", "dispatcher", "cluster", "cli"):
+                    found.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")
+    assert found == []
+
+
+# A namedtuple's `_fields` is its public API (the underscore only keeps it apart from
+# field names): the codec tells namedtuples from tuples by it.
+_TRANSFER_ALLOWED = {"_fields"}
+
+
+def test_transfer_reads_no_private_field_of_another_object():
+    """Stricter than the crossing check: within transfer/ too, an object's `_`-fields
+    are its own (the worker's, before the TransferHost, were read by name)."""
+    found = []
+    for path in _sources(TRANSFER):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found.extend(
+            f"{path.relative_to(PACKAGE)}:{line} {shown}"
+            for line, name, shown in _private_attribute_uses(tree)
+            if name not in _TRANSFER_ALLOWED
+        )
+    assert found == [], "use transfer.base.TransferHost instead: " + "; ".join(found)
+
+
+def test_the_transfer_private_field_check_finds_what_it_looks_for():
+    source = (
+        "def f(server, worker, self):\n"
+        "    self._ok = 1\n"
+        "    a = server.worker.task_runner(4)\n"
+        "    b = getattr(server.worker, '_uid', '')\n"
+        "    c = worker._config.shm_ring_bytes\n"
+        "    d = getattr(worker, 'address')\n"
+        "    e = hasattr(d, '_fields')\n"
+    )
+    found = [
+        (name, shown)
+        for _, name, shown in _private_attribute_uses(ast.parse(source))
+        if name not in _TRANSFER_ALLOWED
+    ]
+    assert sorted(found) == [
+        ("_config", "worker._config"),
+        ("_uid", "getattr(server.worker, '_uid', '')"),
+    ]

@@ -40,7 +40,8 @@ def test_unread_task_holds_initial_bound() -> None:
         assert runner.buffered_bytes == INITIAL_BUFFER_BYTES  # 8 elements of 256 KiB
         assert runner.buffer_bound_bytes == INITIAL_BUFFER_BYTES
         # Two elements read (a dropped iterator's first reads) do not grow it.
-        out, end, error = runner.get_elements_raw(2, 16 << 20, 5)
+        read = runner.get_elements_raw(2, 16 << 20, 5)
+        out, end, error = read.elements, read.end_of_sequence, read.error
         assert len(out) == 2 and not end and error is None
         assert runner.buffer_bound_bytes == INITIAL_BUFFER_BYTES
     finally:
@@ -56,7 +57,8 @@ def test_bound_doubles_as_consumer_drains_and_every_element_arrives() -> None:
         deadline = time.monotonic() + 60
         while True:
             assert time.monotonic() < deadline
-            out, end, error = runner.get_elements_raw(64, 16 << 20, 5)
+            read = runner.get_elements_raw(64, 16 << 20, 5)
+            out, end, error = read.elements, read.end_of_sequence, read.error
             assert error is None
             seen.extend(int(e[0]) for e in out)
             bounds.append(runner.buffer_bound_bytes)

@@ -202,13 +202,15 @@ def test_close_counts_what_was_never_acknowledged_and_refuses_more():
 def test_requeue_puts_elements_back_at_the_front_in_order():
     runner = TaskRunner(4009, lambda: iter(range(10)), "localhost:0")
     try:
-        got, end, error = runner.get_elements_raw(3, 1 << 20, 5.0)
+        read = runner.get_elements_raw(3, 1 << 20, 5.0)
+        got, end, error = read.elements, read.end_of_sequence, read.error
         assert got == [0, 1, 2] and not end and error is None
         runner.requeue(got)
         out: list[int] = []
         deadline = time.monotonic() + 10
         while True:
-            elements, end, _ = runner.get_elements_raw(100, 1 << 20, 1.0)
+            read = runner.get_elements_raw(100, 1 << 20, 1.0)
+            elements, end = read.elements, read.end_of_sequence
             out.extend(elements)
             if end:
                 break
@@ -224,7 +226,7 @@ def test_a_runners_failed_replies_go_back_into_its_buffer_decoded():
 
     runner = TaskRunner(4011, lambda: iter(range(5)), "localhost:0")
     try:
-        taken, _, _ = runner.get_elements_raw(2, 1 << 20, 5.0)
+        taken = runner.get_elements_raw(2, 1 << 20, 5.0).elements
         assert taken == [0, 1]
         turn = runner.unacked.begin("c", 1, 1.0)
         turn.store(reply(*(codec.encode(e) for e in taken)))
@@ -234,7 +236,8 @@ def test_a_runners_failed_replies_go_back_into_its_buffer_decoded():
         assert runner.unacked.settle_failed(0.0) == (2, False)
         out: list[int] = []
         while True:
-            elements, end, _ = runner.get_elements_raw(100, 1 << 20, 1.0)
+            read = runner.get_elements_raw(100, 1 << 20, 1.0)
+            elements, end = read.elements, read.end_of_sequence
             out.extend(elements)
             if end:
                 break

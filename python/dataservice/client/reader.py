@@ -3,7 +3,8 @@
 `DataServiceIterator` joins (or creates) the iteration at the dispatcher,
 heartbeats to learn the iteration's tasks, runs one fetch thread per task
 (bounded by `max_outstanding_requests` concurrent requests and by a results
-buffer), and yields elements as they arrive. The iteration ends when the
+buffer; its transfer client, and the protocol fallback, are `connect.py`'s),
+and yields elements as they arrive. The iteration ends when the
 dispatcher says it is finished and every buffered element was yielded.
 
 Threads hold only `_Reader` (not the iterator), so an abandoned iterator is
@@ -23,6 +24,7 @@ from typing import Any
 import grpc
 
 from dataservice import _waits, auth, errors
+from dataservice.client import connect
 from dataservice.client.coordinated import CoordinatedReads
 from dataservice.client.stats import ReadStats, WorkerLossTracking, WorkerStats
 from dataservice.locality import host_id
@@ -351,45 +353,22 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
 
     # ------------------------------------------------------------ fetching
     def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
-        """A transfer client for `endpoint`: the first candidate protocol whose
-        handshake succeeds ("auto": shared memory on the same host, else gRPC).
+        """A transfer client for `endpoint` (`connect.connect`: "auto" tries shared
+        memory on the same host, then gRPC).
 
         Raises:
             UnavailableError: A forced protocol cannot reach the worker.
             NotFoundError: An unknown protocol was requested.
         """
-        candidates = transfer.protocol_candidates(self.options.data_transfer_protocol, endpoint)
-        for protocol in candidates:
-            try:
-                client = transfer.make_client(
-                    protocol,
-                    endpoint,
-                    self._token,
-                    zero_copy=self.options.zero_copy,
-                    trainer_id=self.options.trainer_id,
-                )
-            except transfer.TransferUnavailable as err:
-                if len(candidates) == 1:  # forced: no fallback
-                    raise errors.UnavailableError(
-                        f"data transfer protocol {protocol!r} cannot reach worker "
-                        f"{endpoint.worker_address}: {err}"
-                    ) from err
-                # Once per worker and protocol: a restarting worker refuses every
-                # reconnect, and each would log the same line.
-                _waits.warn_once(
-                    log,
-                    ("fallback", protocol, endpoint.worker_address),
-                    "%s transfer to %s unavailable (%s); falling back",
-                    protocol,
-                    endpoint.worker_address,
-                    err,
-                )
-                continue
-            compression = self._compression_for(endpoint)
-            if compression:
-                client.set_compression(compression)
-            return client
-        raise errors.UnavailableError(f"no transfer protocol reaches {endpoint.worker_address}")
+        options = self.options
+        return connect.connect(
+            endpoint,
+            options.data_transfer_protocol,
+            self._token,
+            zero_copy=options.zero_copy,
+            trainer_id=options.trainer_id,
+            compression=options.compression,
+        )
 
     def _fetch_loop(self, state: _TaskState) -> None:
         endpoint = state.endpoint
@@ -451,15 +430,9 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
                         client = self._connect(endpoint)
                         self._connected(state, client)
                         forced_error = None
-                    if self.options.trainer_id:
-                        result = client.get_elements(
-                            want,
-                            max_bytes,
-                            _FETCH_WAIT_S,
-                            trainer_id=self.options.trainer_id,
-                        )
-                    else:
-                        result = client.get_elements(want, max_bytes, _FETCH_WAIT_S)
+                    result = client.get_elements(
+                        want, max_bytes, _FETCH_WAIT_S, trainer_id=self.options.trainer_id
+                    )
                 except (
                     errors.UnavailableError,
                     errors.NotFoundError,
@@ -573,13 +546,6 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
         ):
             self._started = True
         return self._started
-
-    def _compression_for(self, endpoint: transfer.TaskEndpoint) -> str:
-        """ "zstd" or "": AUTO compresses only elements that cross hosts."""
-        requested = (self.options.compression or "NONE").upper()
-        if requested == "AUTO":
-            return "zstd" if endpoint.host_id != host_id() else ""
-        return "" if requested == "NONE" else requested.lower()
 
     def _read_ahead_locked(self) -> int:
         """How many elements may wait here unconsumed: it grows with what the

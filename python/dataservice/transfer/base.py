@@ -1,9 +1,20 @@
-"""The transfer-protocol registry: how a client fetches a task's elements.
+"""The transfer-protocol registry: how a client fetches a task's elements, and
+what a worker gives the servers of its protocols.
 
 A protocol is a name ("grpc"; "shm" plugs in here) and a factory of
 `TransferClient`s. The client picks one per task from the iterator's
 `data_transfer_protocol` (None/"auto": the best available for that worker,
 "grpc", or an explicitly registered name).
+
+On the worker, a protocol other than gRPC registers a `TransferServer` factory
+(`register_server`), which the worker calls with one `TransferHost` when it starts,
+as tf.data service's data-transfer server registry hands each server one
+`GetElement` function: the host's address, token, process id and settings, and
+`element_source`, the worker's one decision of which `ElementSource` serves a read
+(a task's first come, first served buffer, a coordinated round, or the task's
+cross-trainer cache for a trainer). A transfer server knows nothing else of the
+worker; this package imports nothing of `worker`, `client` or `dispatcher`
+(tests/unit/test_layers.py).
 """
 
 from __future__ import annotations
@@ -12,9 +23,12 @@ import abc
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataservice import errors
+
+if TYPE_CHECKING:
+    from dataservice.transfer.shm import TrainerWindow
 
 
 @dataclasses.dataclass
@@ -33,6 +47,114 @@ class ElementsResult:
     nbytes: int
     end_of_sequence: bool
     worker_uid: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskRead:
+    """What one read of a task's `ElementSource` took, on the worker.
+
+    Attributes:
+        elements: Raw elements (nested numpy values, not encoded), in the task's
+            order; empty when none was ready within the read's wait.
+        end_of_sequence: The source has no element after these.
+        error: The pipeline's failure (or the element the codec could not carry),
+            reported once the elements before it were read; None if none.
+    """
+
+    elements: list[Any]
+    end_of_sequence: bool = False
+    error: errors.RemoteErrorInfo | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRequest:
+    """Which elements of a task a consumer asks for: what chooses its source.
+
+    Attributes:
+        task_id: The task read.
+        trainer_id: Non-empty: read through the task's cross-trainer cache as this
+            trainer (its cursor).
+        consumer_index: A coordinated read's consumer (-1: not coordinated).
+        round_index: A coordinated read's round (-1: not coordinated).
+    """
+
+    task_id: int
+    trainer_id: str = ""
+    consumer_index: int = -1
+    round_index: int = -1
+
+
+class ElementSource(abc.ABC):
+    """Where one consumer's reads of a task take elements from, as the worker chose
+    it for a `ReadRequest` (`TransferHost.element_source`). Thread-safe.
+
+    Attributes:
+        task_id: The task it reads.
+        gives_back: True when a read takes its elements out of the task's buffer
+            shared by the task's consumers (first come, first served): elements a
+            consumer never got must be handed to `give_back`. False when the source
+            keeps them (a trainer's cursor in the cross-trainer cache, a round).
+    """
+
+    task_id: int
+    gives_back: bool = False
+
+    @abc.abstractmethod
+    def read(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
+        """Takes up to `max_elements` elements (about `max_bytes` payload bytes at
+        most, but always one), waiting up to `timeout_s` seconds for the first.
+
+        Raises:
+            FailedPreconditionError: The read no longer fits the task (e.g. a
+                round every consumer already read).
+        """
+
+    def give_back(self, elements: list[Any]) -> None:  # noqa: B027  (optional hook)
+        """Puts raw elements taken by `read` and never delivered back at the front
+        of the task's buffer, in their order, for the task's other consumers. Only
+        meaningful when `gives_back`; other sources keep their elements."""
+
+    def window(self) -> TrainerWindow | None:
+        """The cross-trainer cache's shared-memory window for this source's trainer,
+        when the cache keeps one (same-host trainers then map it: see
+        `shm.TrainerWindow`); None for every other source."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferHost:
+    """Everything a worker gives a transfer server (`register_server`'s factory):
+    the server may use nothing else of the worker. Source: tf.data service's
+    `DataTransferServer::ServerFactoryT`, which gets one `GetElementT` function.
+
+    Attributes:
+        address: The worker's "host:port", as advertised to the dispatcher and
+            clients (the "shm" endpoint's socket name is derived from it).
+        auth_token: The token every client must prove (None: none required).
+        worker_uid: Id of the worker process, new at each start (hex string):
+            sent to clients, which notice a restarted worker by it.
+        element_source: `element_source(request, timeout_s)` returns the
+            `ElementSource` that serves `request` (a `ReadRequest`), waiting up to
+            `timeout_s` seconds for a task the client heard of before the worker
+            (and asking the dispatcher now); None if the task is still unknown then.
+            It is the worker's one decision of which source serves a read, shared
+            with its gRPC servicer. Thread-safe. Raises `NotFoundError` (the
+            dispatcher deleted the task) and `FailedPreconditionError` (the read
+            does not fit the task: a trainer read of a task without a cross-trainer
+            cache, a plain read of a coordinated task, a consumer index out of
+            range).
+        shm_ring_bytes: Bytes asked for each shared-memory ring (None: the
+            protocol's default); rounded down to a power of two by the server.
+        shm_allowed_uids: User ids let into shared memory besides the worker's own
+            and root.
+    """
+
+    address: str
+    auth_token: str | None
+    worker_uid: str
+    element_source: Callable[[ReadRequest, float], ElementSource | None]
+    shm_ring_bytes: int | None = None
+    shm_allowed_uids: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +220,8 @@ class TransferUnavailable(Exception):
 
 class TransferServer(abc.ABC):
     """The worker side of a protocol other than gRPC (which the worker's own
-    gRPC server serves). Created by its factory when the worker starts."""
+    gRPC server serves). Created by its factory, from the worker's `TransferHost`,
+    when the worker starts."""
 
     @abc.abstractmethod
     def stop(self) -> None:
@@ -109,7 +232,7 @@ class TransferServer(abc.ABC):
 # whose elements are always copies (gRPC) ignores zero_copy; trainer_id is passed
 # only for cross-trainer cache reads (a protocol's connection may be bound to it).
 ClientFactory = Callable[..., TransferClient]
-ServerFactory = Callable[[Any], TransferServer]
+ServerFactory = Callable[[TransferHost], TransferServer]
 
 _lock = threading.Lock()
 _factories: dict[str, ClientFactory] = {}  # guarded by _lock
@@ -124,7 +247,8 @@ def register_protocol(name: str, factory: ClientFactory) -> None:
 
 def register_server(name: str, factory: ServerFactory) -> None:
     """Makes every worker started from now on serve protocol `name`:
-    `factory(worker)` is called in `WorkerServer.start()`."""
+    `factory(host)` is called in `WorkerServer.start()` with the worker's
+    `TransferHost`; what it raises is logged and the worker serves gRPC only."""
     with _lock:
         _server_factories[name] = factory
 

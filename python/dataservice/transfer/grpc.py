@@ -67,7 +67,8 @@ class _Watchdog:
             self._cv.notify()
         return watch
 
-    def _forget(self, watch_id: int) -> None:
+    def forget(self, watch_id: int) -> None:
+        """Stops watching call `watch_id` (`_Watch.done`)."""
         with self._cv:
             self._calls.pop(watch_id, None)
 
@@ -111,7 +112,7 @@ class _Watch:
         self.deadline = time.monotonic() + timeout_s
 
     def done(self) -> None:
-        self._owner._forget(self.id)
+        self._owner.forget(self.id)
 
 
 _watchdog = _Watchdog()

@@ -1,5 +1,11 @@
 """The "shm" transfer protocol: same-host elements through shared-memory rings.
 
+This module owns the protocol (the socket name, the messages both ends exchange,
+`TrainerWindow`: what a worker's cross-trainer cache offers a same-host trainer)
+and the consumer's end (`ShmTransferClient`). The worker's end is
+`shm_server.py`; its accept thread and token handshake are `shm_admission.py`'s,
+its ring budget `shm_budget.py`'s.
+
 A worker serves a Unix SOCK_SEQPACKET socket at the abstract name
 `shm_socket_name(worker.address)`. A client connects once per task (one
 connection per consumer iterator and task). Any local process can connect to
@@ -49,15 +55,15 @@ every leaf out of the ring instead.
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import socket
 import struct
-import threading
 import time
-import weakref
 from typing import Any
 
 from dataservice import _core, auth, errors
@@ -67,29 +73,31 @@ from dataservice.transfer.shm_admission import AUTH_DEADLINE_S as AUTH_DEADLINE_
 from dataservice.transfer.shm_admission import (
     HELLO_MAX_BYTES,
     LAYOUT_VERSION,
-    ShmAdmission,
 )
 from dataservice.transfer.shm_admission import MAX_CONNECTIONS as MAX_CONNECTIONS
 from dataservice.transfer.shm_admission import MAX_PENDING_HANDSHAKES as MAX_PENDING_HANDSHAKES
 from dataservice.transfer.shm_admission import MAX_PENDING_PER_PEER as MAX_PENDING_PER_PEER
-from dataservice.transfer.shm_budget import ring_budget_bytes
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "shm"
-DEFAULT_RING_BYTES = 64 << 20
-MIN_RING_BYTES = 8 << 20
 ZERO_COPY_ENV = "DATASERVICE_SHM_ZERO_COPY"
-_HANDSHAKE_TIMEOUT_S = 10.0
-_TASK_WAIT_S = 4.0  # a worker learns of a new task by its next heartbeat
 _CONNECT_RETRY_S = 3.0
-_REQUEST = struct.Struct("<cQQI")  # b"G", max elements, max bytes, timeout (ms)
-_RESPONSE = struct.Struct("<cQB")  # b"R", elements that follow in the ring, flags
-_END_FLAG = 1  # an END frame follows them
-_ERROR_FLAG = 2  # an ERROR frame follows them
-_PUT_SLICE_MS = 200
-_DONE = b"D"  # a cache-window trainer finished decoding the frames of its last reply
 _WINDOW_REPLY_BYTES = 256 << 10  # a reply: JSON, specs included (SEQPACKET: ~200 KB at most)
+
+# The wire, after the handshake (both ends: this module's client, shm_server.py's worker).
+HANDSHAKE_TIMEOUT_S = 10.0
+"""Longest wait (s) for the handshake's messages, and for the worker to send a reply."""
+REQUEST = struct.Struct("<cQQI")
+"""A client's request: b"G", max elements, max bytes, timeout (ms)."""
+RESPONSE = struct.Struct("<cQB")
+"""The worker's ring reply: b"R", elements that follow in the ring, flags."""
+END_FLAG = 1
+"""RESPONSE flag: an END frame follows the elements."""
+ERROR_FLAG = 2
+"""RESPONSE flag: an ERROR frame follows the elements."""
+DONE = b"D"
+"""A cache-window trainer finished decoding the frames of its last reply."""
 
 
 def shm_socket_name(worker_address: str) -> str:
@@ -103,400 +111,74 @@ def shm_socket_name(worker_address: str) -> str:
     return f"\0dataservice/{digest}/{worker_address}"
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
+@dataclasses.dataclass
+class WindowRead:
+    """Frames of a cross-trainer cache's window a same-host trainer is to read:
+    `count` frames from byte position `pos` of segment `generation`, the first being
+    element `first_index`; `reclaim_below`: the writer reuses space below that
+    position within its next quarter of the segment (views of frames there are
+    copied, not leased). `specs`: encoded element specs (by id) the trainer has not
+    seen; `fd` (with `nonce`): the segment, when the trainer has not mapped it yet
+    (a new fd the server closes once sent)."""
+
+    generation: int
+    pos: int
+    count: int
+    first_index: int
+    reclaim_below: int
+    specs: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    fd: int | None = None
+    nonce: bytes = b""
 
 
-class _Connection:
-    """One authenticated client's ring and the producer thread feeding it."""
+@dataclasses.dataclass(frozen=True)
+class WindowReply:
+    """What one `TrainerWindow.read` took: the frames to read (None: none was ready
+    within the read's wait), whether the stream ends after them, and the
+    pipeline's failure reported there (None if none)."""
 
-    def __init__(
-        self, server: ShmTransferServer, sock: socket.socket, hello: dict[str, Any], peer_pid: int
-    ) -> None:
-        self._server = server
-        self._sock = sock
-        self._hello = hello
-        self._peer_pid = peer_pid
-        self.ring: Any = None
-        self.ring_bytes = 0
-        self.thread = threading.Thread(target=self._run, name="ds-shm-producer", daemon=True)
-        # The last reply's elements until the consumer has taken them all (it asks again
-        # only then): if it goes away first, what it did not take goes back to the task.
-        self._reply_elements: list[Any] = []
-        self._reply_first = 0  # elements written into the ring before the last reply
-        self._written = 0  # elements written into the ring
-
-    def _reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
-        data = json.dumps(message).encode()
-        if fds:
-            socket.send_fds(self._sock, [data], fds)
-        else:
-            self._sock.send(data)
-
-    def _next_message(self) -> bytes | None:
-        """The client's next control message (a request, or a window reply's DONE);
-        None once it closed the connection or the server is stopping (checked every
-        0.2 s)."""
-        while not self._server.stopping:
-            self._sock.settimeout(0.2)
-            try:
-                data = self._sock.recv(64)
-            except (TimeoutError, InterruptedError):
-                continue
-            except OSError:
-                return None
-            return data or None
-        return None
-
-    def _run(self) -> None:
-        try:
-            self._serve()
-        except (errors.UnavailableError, ConnectionError) as err:
-            # ConnectionError: the client closed its end before a reply (BrokenPipe,
-            # ConnectionReset): gone, not a failure of this worker.
-            log.debug("shm consumer gone: %s", err)
-        except Exception:
-            log.exception("shm producer failed")
-        finally:
-            self.close()
-
-    def _serve(self) -> None:
-        server = self._server
-        self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-        hello, peer_pid = self._hello, self._peer_pid
-        task_id = int(hello["task_id"])
-        trainer_id = str(hello.get("trainer_id") or "")
-        runner = server.worker.task_runner(task_id)
-        deadline = time.monotonic() + _TASK_WAIT_S
-        while runner is None and time.monotonic() < deadline and not server.stopping:
-            time.sleep(0.01)
-            runner = server.worker.task_runner(task_id)
-        if runner is None:
-            self._reply({"ok": False, "error": f"worker does not run task {task_id}"})
-            return
-        cache = runner.cross_trainer_cache if trainer_id else None
-        if cache is not None and hello.get("window") and cache.shared:
-            slot = cache.attach()
-            if slot is not None:
-                try:
-                    self._serve_window(cache, trainer_id, slot, peer_pid)
-                finally:
-                    cache.detach(slot)
-                return
-        try:
-            self.ring, self.ring_bytes = server.create_ring()
-        except Exception as err:
-            self._reply({"ok": False, "error": str(err)})
-            return
-        self._reply(
-            {
-                "ok": True,
-                "capacity_bytes": self.ring.capacity_bytes,
-                "nonce": self.ring.nonce.hex(),
-                "pid": os.getpid(),
-                "worker_uid": getattr(server.worker, "_uid", ""),  # new at each start
-                "trainer_id": trainer_id,  # what the requests are served for
-            },
-            [self.ring.fileno()],
-        )
-        self.ring.set_peer(self._sock.fileno(), peer_pid)
-        self._produce(runner, trainer_id)
-
-    def _serve_window(self, cache: Any, trainer_id: str, slot: int, peer_pid: int) -> None:
-        """Serves a same-host trainer from the cache's shared window: the handshake
-        hands over the segment's memfd and hold slot `slot`; each request is answered
-        with the frames to read (position, count, first element's index, the specs and
-        segment the trainer has not seen), which the trainer decodes from its own
-        mapping, then acknowledges with DONE (its holds are stored by then), which
-        lifts the grant the reply set. See rust/shm/window.rs."""
-        server = self._server
-        generation, fd, nonce = cache.segment()
-        try:
-            self._reply(
-                {
-                    "ok": True,
-                    "window": True,
-                    "slot": slot,
-                    "generation": generation,
-                    "nonce": nonce.hex(),
-                    "pid": os.getpid(),
-                    "worker_uid": getattr(server.worker, "_uid", ""),
-                    "trainer_id": trainer_id,
-                },
-                [fd],
-            )
-        finally:
-            os.close(fd)
-        known_specs: set[int] = set()
-        # Until the trainer closes the connection (detach clears its slot).
-        while (data := self._next_message()) is not None:
-            if data == _DONE:
-                cache.writer.ungrant(slot)
-                continue
-            if len(data) != _REQUEST.size or data[:1] != b"G":
-                log.warning("shm: unexpected %d-byte message from a client", len(data))
-                return
-            _, want, max_bytes, timeout_ms = _REQUEST.unpack(data)
-            cache.writer.ungrant(slot)  # a new request: the last reply is done with too
-            read, end, error = cache.get_window(
-                trainer_id,
-                slot,
-                generation,
-                known_specs,
-                max(1, want),
-                timeout_ms / 1000,
-                max_bytes=max(1, max_bytes),
-            )
-            reply: dict[str, Any] = {
-                "n": 0,
-                "end": end,
-                "error": list(error.to_frame()) if error else None,
-            }
-            fds = []
-            if read is not None:
-                reply.update(
-                    n=read.count, pos=read.pos, seq=read.first_index, below=read.reclaim_below
-                )
-                reply["specs"] = {str(i): b.hex() for i, b in read.specs.items()}
-                known_specs.update(read.specs)
-                if read.fd is not None:
-                    generation = read.generation
-                    reply.update(generation=generation, nonce=read.nonce.hex())
-                    fds = [read.fd]
-            self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            try:
-                self._reply(reply, fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-
-    def _produce(self, runner: Any, trainer_id: str = "") -> None:
-        """Serves requests as gRPC's GetElements does: each request takes up to its
-        number of elements from the task (waiting up to its timeout for the first),
-        announces how many follow on the socket, then writes them into the ring. The
-        worker never takes an element from a shared task that no request asked for.
-
-        A connection whose HELLO named a `trainer_id` reads through the task's
-        cross-trainer cache instead, as gRPC's GetElements with that trainer id
-        does: from that trainer's cursor, each element copied into this ring.
-
-        A consumer that goes away (crash, closed connection) before taking all of its
-        last reply gives back what it did not take (`_give_back_untaken`), except for
-        a trainer's cache reads and the reply that ends the stream."""
-        server = self._server
-        max_frame = max(1, self.ring.max_frame_bytes)
-        cache = runner.cross_trainer_cache if trainer_id else None
-        try:
-            self._serve_requests(runner, trainer_id, cache, max_frame)
-        finally:
-            if not trainer_id and not server.stopping:
-                self._give_back_untaken(runner)
-
-    def _give_back_untaken(self, runner: Any) -> None:
-        """The consumer went away (or the serving ended) before asking again: the
-        elements of its last reply it did not take out of the ring (the ring's
-        `consumer_elements`) or that were never written go back to the front of the
-        task's buffer, for the task's other consumers (first come, first served). The
-        elements it took are its own, even if it crashed before using them."""
-        reply, self._reply_elements = self._reply_elements, []
-        if not reply:
-            return
-        taken = self._written
-        ring = self.ring
-        if ring is not None:
-            taken = int(ring.stats().get("consumer_elements", self._written))
-        untaken = reply[max(0, taken - self._reply_first) :]
-        if untaken:
-            log.info(
-                "shm consumer of task %d went away without %d of the %d elements of its "
-                "last reply; they go back to the task",
-                runner.task_id,
-                len(untaken),
-                len(reply),
-            )
-            runner.requeue(untaken)
-
-    def _serve_requests(self, runner: Any, trainer_id: str, cache: Any, max_frame: int) -> None:
-        server = self._server
-        while (data := self._next_message()) is not None:  # until the client closes
-            if len(data) != _REQUEST.size or data[:1] != b"G":
-                log.warning("shm: unexpected %d-byte message from a client", len(data))
-                return
-            _, want, max_bytes, timeout_ms = _REQUEST.unpack(data)
-            max_bytes = max(1, min(max_bytes, 16 * max_frame))
-            self._reply_elements = []  # a new request: the consumer took the last reply
-            if not trainer_id:
-                elements, end, error = runner.get_elements_raw(
-                    max(1, want), max_bytes, timeout_ms / 1000
-                )
-            elif cache is not None:
-                elements, end, error = cache.get_elements(
-                    trainer_id, max(1, want), timeout_ms / 1000, max_bytes=max_bytes
-                )
-            else:
-                elements, end = [], True
-                error = errors.RemoteErrorInfo(
-                    "FailedPreconditionError",
-                    f"task {runner.task_id} does not use a cross-trainer cache, but a "
-                    f"read for trainer {trainer_id!r} asked for one",
-                )
-            flags = (_END_FLAG if end and error is None else 0) | (_ERROR_FLAG if error else 0)
-            if not trainer_id:
-                self._reply_elements, self._reply_first = elements, self._written
-            self._sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            self._sock.send(_RESPONSE.pack(b"R", len(elements), flags))
-            put = 0
-            while put < len(elements):
-                try:
-                    n = self.ring.put_many(elements[put:], _PUT_SLICE_MS)
-                except errors.UnavailableError:
-                    return  # the consumer is gone (what it did not take goes back)
-                except Exception as err:  # e.g. an unpicklable leaf: a worker error
-                    self._reply_elements = []
-                    self.ring.put_error(*errors.capture(err).to_frame(), None)
-                    return
-                put += n
-                self._written += n
-                if server.stopping:
-                    return
-            if error is not None or end:
-                # The stream's last reply: the connection ends with it, so it is not
-                # waited on (nor given back should the consumer crash reading it).
-                self._reply_elements = []
-                if error is not None:
-                    self.ring.put_error(*error.to_frame(), None)
-                else:
-                    self.ring.put_end(None)
-                return
-
-    def close(self) -> None:
-        ring, self.ring = self.ring, None
-        if ring is not None:
-            ring.close()
-            self._server.release_ring(self.ring_bytes)
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        self._server.forget(self)
+    frames: WindowRead | None
+    end_of_sequence: bool = False
+    error: errors.RemoteErrorInfo | None = None
 
 
-_live_servers: weakref.WeakSet[ShmTransferServer] = weakref.WeakSet()
+class TrainerWindow(abc.ABC):
+    """A cross-trainer cache's window in one shared-memory segment, as one trainer
+    reads it (`ElementSource.window`; rust/shm/window.rs). Each same-host trainer
+    connection holds a hold slot: the frames of its last reply are granted to it
+    (never overwritten) until it says DONE or asks again. Thread-safe."""
 
+    @abc.abstractmethod
+    def attach(self) -> int | None:
+        """A hold slot for a new trainer connection (None: all slots are taken)."""
 
-def live_servers() -> list[ShmTransferServer]:
-    """The "shm" servers of this process's running workers (for tests and stats)."""
-    return list(_live_servers)
+    @abc.abstractmethod
+    def detach(self, slot: int) -> None:
+        """The connection holding `slot` is gone: its grant and holds go."""
 
+    @abc.abstractmethod
+    def segment(self) -> tuple[int, int, bytes]:
+        """(generation, a new fd, nonce) of the current segment; the caller closes
+        the fd."""
 
-class ShmTransferServer(base.TransferServer):
-    """A worker's "shm" endpoint: accepts connections and feeds rings. Thread-safe."""
+    @abc.abstractmethod
+    def ungrant(self, slot: int) -> None:
+        """Lifts the grant of `slot`'s last reply (the trainer stored its holds)."""
 
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.stopping = False
-        config = getattr(worker, "_config", None)
-        requested = getattr(config, "shm_ring_bytes", None) or DEFAULT_RING_BYTES
-        self._ring_bytes = max(64 << 10, min(_pow2_floor(requested), 4 << 30))
-        self._mu = threading.Lock()
-        self._ring_total = 0  # guarded by self._mu
-        self._budget = ring_budget_bytes()
-        self._connections: set[_Connection] = set()  # guarded by self._mu
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.name = shm_socket_name(worker.address)
-        try:
-            self._listener.bind(self.name)
-        except OSError:
-            self._listener.close()
-            raise
-        self._listener.listen(64)
-        self._listener.setblocking(False)
-        self._admission = ShmAdmission(
-            self._listener,
-            worker.address,
-            worker.auth_token,  # required of every HELLO when set
-            frozenset(getattr(config, "shm_allowed_uids", None) or ()),
-            serving=self._serving,
-            admit=self._admit,
-            stopping=lambda: self.stopping,
-        )
-        self._thread = threading.Thread(
-            target=self._admission.run, name="ds-shm-accept", daemon=True
-        )
-        self._thread.start()
-        _live_servers.add(self)
-
-    def _serving(self) -> int:
-        """How many authenticated connections are being served (any thread)."""
-        with self._mu:
-            return len(self._connections)
-
-    def _admit(self, sock: socket.socket, hello: dict[str, Any], peer_pid: int) -> None:
-        """Serves an authenticated connection on a thread of its own (called by the
-        accept thread once the HELLO checked out)."""
-        conn = _Connection(self, sock, hello, peer_pid)
-        with self._mu:
-            self._connections.add(conn)
-        conn.thread.start()
-
-    def create_ring(self) -> tuple[Any, int]:
-        """A new producer ring within the memory budget (halved down to 8 MiB).
-
-        Raises:
-            ResourceExhaustedError: Even the smallest ring does not fit.
-        """
-        size = self._ring_bytes
-        floor = min(MIN_RING_BYTES, size)
-        with self._mu:
-            while size > floor and self._ring_total + size > self._budget:
-                size //= 2
-            if self._ring_total + size > self._budget:
-                raise errors.ResourceExhaustedError(
-                    f"shared-memory ring budget exhausted: {self._ring_total} of "
-                    f"{self._budget} bytes in use, {size} more requested"
-                )
-            self._ring_total += size
-        while True:
-            try:
-                return _core.ShmRingProducer(size), size
-            except errors.ResourceExhaustedError:
-                if size // 2 < floor:
-                    self.release_ring(size)
-                    raise
-                with self._mu:
-                    self._ring_total -= size // 2
-                size //= 2
-
-    def release_ring(self, size: int) -> None:
-        with self._mu:
-            self._ring_total -= size
-
-    def forget(self, conn: _Connection) -> None:
-        with self._mu:
-            self._connections.discard(conn)
-
-    def ring_bytes_in_use(self) -> int:
-        with self._mu:
-            return self._ring_total
-
-    def ring_stats(self) -> list[dict[str, int]]:
-        """Counters of each live ring (`buffered_bytes`: published, not yet freed)."""
-        with self._mu:
-            rings = [c.ring for c in self._connections if c.ring is not None]
-        return [dict(r.stats()) for r in rings]
-
-    def stop(self) -> None:
-        self.stopping = True
-        _live_servers.discard(self)
-        self._thread.join(timeout=2)  # the accept loop checks `stopping` every 0.2 s
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-        with self._mu:
-            conns = list(self._connections)
-        for conn in conns:
-            conn.thread.join(timeout=2)
+    @abc.abstractmethod
+    def read(
+        self,
+        slot: int,
+        known_generation: int,
+        known_specs: set[int],
+        max_elements: int,
+        timeout_s: float,
+        max_bytes: int,
+    ) -> WindowReply:
+        """Names the next frames of the trainer's cursor (up to `max_elements`, about
+        `max_bytes` payload bytes, always one), waiting up to `timeout_s` seconds for
+        the pipeline, and grants them to `slot`. The frames carry the segment when it
+        is not `known_generation`, and the specs not in `known_specs`."""
 
 
 class ShmTransferClient(base.TransferClient):
@@ -527,7 +209,7 @@ class ShmTransferClient(base.TransferClient):
         self._window: Any = None  # a cross-trainer cache's shared window, instead of a ring
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
             self._connect(sock, endpoint.worker_address)
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             peer_pid, peer_uid, _ = struct.unpack("3i", creds)
@@ -682,14 +364,14 @@ class ShmTransferClient(base.TransferClient):
         if self._window is not None:
             return self._get_window_elements(max_elements, max_bytes, timeout_s, timeout_ms)
         try:
-            self._sock.send(_REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
+            self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
             self._sock.settimeout(timeout_s + 10.0)
             reply = self._sock.recv(64)
         except OSError:
             reply = b""
-        if len(reply) != _RESPONSE.size:
+        if len(reply) != RESPONSE.size:
             return self._after_death([], 0)
-        _, count, flags = _RESPONSE.unpack(reply)
+        _, count, flags = RESPONSE.unpack(reply)
         out: list[Any] = []
         nbytes = 0
         while len(out) < count:
@@ -707,7 +389,7 @@ class ShmTransferClient(base.TransferClient):
                     raise self._error
                 return base.ElementsResult(out, nbytes, False, self.worker_uid)
         end = False
-        if flags & (_END_FLAG | _ERROR_FLAG):
+        if flags & (END_FLAG | ERROR_FLAG):
             try:
                 _, _, end, error = ring.get_many(1, 30_000)
             except errors.UnavailableError:
@@ -731,7 +413,7 @@ class ShmTransferClient(base.TransferClient):
         window = self._window
         address = self._endpoint.worker_address
         try:
-            self._sock.send(_REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
+            self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
             self._sock.settimeout(timeout_s + 10.0)
             data, fds, _, _ = socket.recv_fds(self._sock, _WINDOW_REPLY_BYTES, 1)
         except OSError:
@@ -765,7 +447,7 @@ class ShmTransferClient(base.TransferClient):
                 os.close(fd)
             if count:  # the holds of what we leased are stored: lift the grant
                 try:
-                    self._sock.send(_DONE)
+                    self._sock.send(DONE)
                 except OSError:
                     pass
         error = reply.get("error")
@@ -821,4 +503,3 @@ class ShmTransferClient(base.TransferClient):
 
 
 base.register_protocol(PROTOCOL, ShmTransferClient)
-base.register_server(PROTOCOL, ShmTransferServer)

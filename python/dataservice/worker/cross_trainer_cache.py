@@ -13,7 +13,7 @@ always kept, so an element larger than the cache still passes through).
 
 The window lives in one shared-memory segment (`_core.ShmWindowWriter`, see
 rust/shm/window.rs): each element is written once, as an encoded frame, into
-a sealed memfd. Same-host trainers (`transfer/shm.py`, a HELLO naming a
+a sealed memfd. Same-host trainers (`transfer/shm_server.py`, a HELLO naming a
 trainer id) map that memfd and read the frames the worker names in its replies
 (`get_window`): large numpy leaves become views that the trainer's hold slot
 keeps from being overwritten, so N trainers on one host cost one pipeline and
@@ -33,14 +33,17 @@ trainers get copies through private rings, as before.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dataservice import errors
+from dataservice.transfer.base import TaskRead
+from dataservice.transfer.shm import TrainerWindow, WindowRead, WindowReply
+from dataservice.transfer.shm_budget import ring_budget_bytes
 from dataservice.worker.task_runner import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -59,30 +62,11 @@ def _pow2_ceil(n: int) -> int:
 def segment_bound(max_bytes: int) -> int:
     """The largest segment for a window of `max_bytes`: rounded up to a power of two,
     within [64 KiB, 4 GiB] and a quarter of the memory available now."""
-    from dataservice.transfer.shm import ring_budget_bytes
-
     bound = min(_pow2_ceil(max(max_bytes, 1)), _MAX_SEGMENT_BYTES)
     budget = ring_budget_bytes()
     while bound > _MIN_SEGMENT_BYTES and bound > budget:
         bound //= 2
     return max(bound, _MIN_SEGMENT_BYTES)
-
-
-@dataclasses.dataclass
-class WindowRead:
-    """Frames of the window a same-host trainer is to read: `count` frames from
-    position `pos` of segment `generation`, the first being element `first_index`;
-    `reclaim_below`: the writer reuses space below it within its next quarter of
-    the segment (views of frames there are copied, not leased)."""
-
-    generation: int
-    pos: int
-    count: int
-    first_index: int
-    reclaim_below: int
-    specs: dict[int, bytes] = dataclasses.field(default_factory=dict)
-    fd: int | None = None  # the segment, when the trainer has not mapped it yet
-    nonce: bytes = b""
 
 
 class CrossTrainerCache:
@@ -150,13 +134,22 @@ class CrossTrainerCache:
                 self.writer.release_slot(slot)
             self._free_slots.append(slot)
 
+    def ungrant(self, slot: int) -> None:
+        """Lifts the grant of `slot`'s last reply (its trainer stored its holds)."""
+        self.writer.ungrant(slot)
+
+    def trainer_window(self, trainer_id: str) -> TrainerWindow | None:
+        """The shared window as trainer `trainer_id` reads it (None: the window is in
+        process memory, see `shared`)."""
+        return _TrainerWindow(self, trainer_id) if self.shared else None
+
     def get_elements(
         self,
         trainer_id: str,
         max_elements: int,
         timeout_s: float,
         max_bytes: int | None = None,
-    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
+    ) -> TaskRead:
         """Up to `max_elements` elements for `trainer_id`, from its cursor on,
         waiting up to `timeout_s` seconds for the pipeline when it is at the newest.
         `max_bytes` (None: no bound) stops a read before the element that would
@@ -164,7 +157,7 @@ class CrossTrainerCache:
         rest stay for the trainer's next read. Elements are decoded copies.
 
         Returns:
-            (elements, end_of_sequence, error), as `TaskRunner.get_elements_raw`.
+            The elements read, as `TaskRunner.get_elements_raw`'s.
         """
 
         def take(start: int, n: int, index: int) -> list[Any]:
@@ -172,8 +165,7 @@ class CrossTrainerCache:
                 return [self._window[start + i][0] for i in range(n)]
             return list(self.writer.decode(start, n))
 
-        out, end, error = self._read(trainer_id, max_elements, timeout_s, max_bytes, take)
-        return out or [], end, error
+        return self._read(trainer_id, max_elements, timeout_s, max_bytes, take)
 
     def segment(self) -> tuple[int, int, bytes]:
         """(generation, a new fd, nonce) of the current segment; the caller closes
@@ -191,7 +183,7 @@ class CrossTrainerCache:
         max_elements: int,
         timeout_s: float,
         max_bytes: int | None = None,
-    ) -> tuple[WindowRead | None, bool, errors.RemoteErrorInfo | None]:
+    ) -> WindowReply:
         """As `get_elements`, for a same-host trainer in hold slot `slot`: names the
         frames instead of decoding them, and grants the slot those frames until the
         trainer says it is done (`writer.ungrant(slot)`) or hangs up (`detach`).
@@ -199,10 +191,10 @@ class CrossTrainerCache:
         `known_generation`, and the encoded specs not in `known_specs`.
 
         Returns:
-            (read or None, end_of_sequence, error).
+            The frames to read (None if none was ready within `timeout_s`).
         """
 
-        def take(start: int, n: int, index: int) -> WindowRead:
+        def take(start: int, n: int, index: int) -> list[WindowRead]:
             generation, pos, spec_ids, reclaim_below = self.writer.span(start, n)
             self.writer.grant(slot, pos)
             read = WindowRead(generation, pos, n, index, reclaim_below)
@@ -210,9 +202,11 @@ class CrossTrainerCache:
             if generation != known_generation:
                 _, fd, read.nonce = self.writer.segment()
                 read.fd = os.dup(fd)
-            return read
+            return [read]
 
-        return self._read(trainer_id, max_elements, timeout_s, max_bytes, take)
+        got = self._read(trainer_id, max_elements, timeout_s, max_bytes, take)
+        frames = got.elements[0] if got.elements else None
+        return WindowReply(frames, got.end_of_sequence, got.error)
 
     def _read(
         self,
@@ -220,8 +214,13 @@ class CrossTrainerCache:
         max_elements: int,
         timeout_s: float,
         max_bytes: int | None,
-        take: Any,
-    ) -> tuple[Any, bool, errors.RemoteErrorInfo | None]:
+        take: Callable[[int, int, int], list[Any]],
+    ) -> TaskRead:
+        """Moves `trainer_id`'s cursor past up to `max_elements` cached elements (and
+        `max_bytes`), extending the window from the pipeline for up to `timeout_s`
+        seconds when the cursor is at the newest. `take(start, n, index)` makes what
+        the read returns as its elements from the `n` cached elements at window
+        position `start` (global index `index`), under the lock."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._mu:
@@ -239,12 +238,12 @@ class CrossTrainerCache:
                         total += nbytes
                     result = take(start, n, cursor)
                     self._cursors[trainer_id] = cursor + n
-                    return result, False, None
+                    return TaskRead(result)
                 if self._end:
-                    return None, True, self._error
+                    return TaskRead([], True, self._error)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return None, False, None
+                return TaskRead([])
             self._extend(end_index, remaining)
 
     # ------------------------------------------------------------ filling
@@ -261,17 +260,15 @@ class CrossTrainerCache:
             # At most a quarter of the window, so the trainer that asked (at the newest
             # element) finds every new element still cached, and one fill does not
             # sweep over the views trainers hold of what they read last.
-            elements, end, error = self._runner.get_elements_raw(
-                64, max(1, self._max_bytes // 4), timeout_s
-            )
+            read = self._runner.get_elements_raw(64, max(1, self._max_bytes // 4), timeout_s)
             from dataservice.transfer.codec import element_nbytes
 
-            for element in elements:
+            for element in read.elements:
                 if not self._append(element, element_nbytes(element)):
                     return
-            if end:
+            if read.end_of_sequence:
                 with self._mu:
-                    self._end, self._error = True, error
+                    self._end, self._error = True, read.error
         finally:
             self._fill.release()
 
@@ -326,3 +323,42 @@ class CrossTrainerCache:
                     grace_deadline = None
                     continue
             time.sleep(0.001)
+
+
+class _TrainerWindow(TrainerWindow):
+    """`CrossTrainerCache`'s shared window as one trainer reads it (transfer/shm.py)."""
+
+    def __init__(self, cache: CrossTrainerCache, trainer_id: str) -> None:
+        self._cache = cache
+        self._trainer_id = trainer_id
+
+    def attach(self) -> int | None:
+        return self._cache.attach()
+
+    def detach(self, slot: int) -> None:
+        self._cache.detach(slot)
+
+    def segment(self) -> tuple[int, int, bytes]:
+        return self._cache.segment()
+
+    def ungrant(self, slot: int) -> None:
+        self._cache.ungrant(slot)
+
+    def read(
+        self,
+        slot: int,
+        known_generation: int,
+        known_specs: set[int],
+        max_elements: int,
+        timeout_s: float,
+        max_bytes: int,
+    ) -> WindowReply:
+        return self._cache.get_window(
+            self._trainer_id,
+            slot,
+            known_generation,
+            known_specs,
+            max_elements,
+            timeout_s,
+            max_bytes=max_bytes,
+        )

@@ -97,21 +97,21 @@ class _WorkerTaskRunner(TaskRunner):
 
     def get_elements_raw(
         self, max_elements: int, max_bytes: int, timeout_s: float
-    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
+    ) -> transfer.TaskRead:
         if not self._go.is_set():
             self._go.set()
         result = super().get_elements_raw(max_elements, max_bytes, timeout_s)
-        if result[0] and not self._handed_out:
+        if result.elements and not self._handed_out:
             self._handed()
         return result
 
     def get_round_element(
         self, consumer_index: int, num_consumers: int, round_index: int, timeout_s: float
-    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
+    ) -> transfer.TaskRead:
         if not self._go.is_set():
             self._go.set()
         result = super().get_round_element(consumer_index, num_consumers, round_index, timeout_s)
-        if result[0] and not self._handed_out:
+        if result.elements and not self._handed_out:
             self._handed()
         return result
 
@@ -193,16 +193,9 @@ class WorkerServer(ElementServing):
             return len(self._tasks)
 
     def task_runner(self, task_id: int) -> TaskRunner | None:
-        """The runner of a task this worker runs, for transfer servers (a
-        consumer is asking for it: with `lazy_tasks`, its pipeline starts)."""
-        with self._mu:
-            runner = self._tasks.get(task_id)
-            deleted = task_id in self._deleted
-        if runner is None and not deleted:
-            # The client heard of the task before this worker did: heartbeat now.
-            self._wake.set()
-        if isinstance(runner, _WorkerTaskRunner):
-            runner.start_producing()
+        """The runner of a task this worker runs (None: unknown or deleted). A
+        consumer is taken to ask for it: with `lazy_tasks`, its pipeline starts."""
+        runner, _ = self._runner_now(task_id)
         return runner
 
     def _note_handout(self) -> None:
@@ -284,9 +277,17 @@ class WorkerServer(ElementServing):
         self._server = server
         self._channel = rpc_util.make_channel(self._dispatcher_address)
         self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
+        host = transfer.TransferHost(
+            address=self._address,
+            auth_token=self._token,
+            worker_uid=self._uid,
+            element_source=self.element_source,
+            shm_ring_bytes=self._config.shm_ring_bytes,
+            shm_allowed_uids=frozenset(self._config.shm_allowed_uids or ()),
+        )
         for name, factory in transfer.server_factories().items():
             try:
-                self._transfer_servers.append(factory(self))
+                self._transfer_servers.append(factory(host))
             except Exception as err:  # the worker still serves gRPC
                 log.warning("worker %s: %s transfer unavailable: %s", self._address, name, err)
         self._heartbeat_thread = threading.Thread(

@@ -3,12 +3,14 @@
 
 `WorkerServicer` is the gRPC servicer; `ElementServing` (a base class of
 `WorkerServer`) owns what a read does: finding the request's task (waiting a
-moment for one the client heard of before the worker did), taking its elements
-(a cross-trainer cache read, a coordinated round, or first come, first served),
-encoding and compressing them into a reply, keeping an acknowledged reply with
-its consumer until the next request (`task_runner.UnackedReplies`), and
-streaming a reply in messages of about `_CHUNK_BYTES`. Registration, heartbeats
-and starting or stopping tasks are `server.py`'s.
+moment for one the client heard of before the worker did) and its source
+(`element_source`, which also serves every other transfer protocol through the
+worker's `TransferHost`; the choice itself is `sources.py`'s: a cross-trainer
+cache read, a coordinated round, or first come, first served), taking its
+elements, encoding and compressing them into a reply, keeping an acknowledged
+reply with its consumer until the next request (`task_runner.UnackedReplies`),
+and streaming a reply in messages of about `_CHUNK_BYTES`. Registration,
+heartbeats and starting or stopping tasks are `server.py`'s.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
 from dataservice.transfer import codec
+from dataservice.transfer.base import ReadRequest, TaskRead
+from dataservice.worker.sources import TaskSource, choose_source
 from dataservice.worker.task_runner import Reply, TaskRunner, encode_elements
 
 log = logging.getLogger(__name__)
@@ -77,87 +81,77 @@ class ElementServing:
     _tasks: dict[int, TaskRunner]  # guarded by _mu
     _deleted: OrderedDict[int, None]  # guarded by _mu
 
-    def _find_runner(self, request: Any, deadline: float) -> TaskRunner | None:
-        """The runner of `request.task_id`, waiting until `deadline` for a task the
-        client heard of before this worker did; None if it is still unknown then.
-
-        Raises:
-            NotFoundError: The dispatcher deleted the task.
-        """
+    def _runner_now(self, task_id: int) -> tuple[TaskRunner | None, bool]:
+        """(The runner of `task_id` or None, whether the dispatcher deleted the task).
+        A consumer asks for the task: one the worker does not know yet makes it
+        heartbeat now; a runner waiting for a consumer (`lazy_tasks`) starts."""
         with self._mu:
-            runner = self._tasks.get(request.task_id)
-            deleted = request.task_id in self._deleted
+            runner = self._tasks.get(task_id)
+            deleted = task_id in self._deleted
         if runner is None and not deleted:
             # The client heard of the task before this worker did: heartbeat now.
             self._wake.set()
-            while runner is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-                with self._mu:
-                    runner = self._tasks.get(request.task_id)
-                    deleted = request.task_id in self._deleted
-                if deleted:
-                    break
-            if runner is None and not deleted:
-                return None
+        if runner is not None:
+            runner.start_producing()
+        return runner, deleted
+
+    def element_source(self, request: ReadRequest, timeout_s: float) -> TaskSource | None:
+        """The source that serves `request` (`sources.choose_source`), waiting up to
+        `timeout_s` seconds for a task the client heard of before this worker did;
+        None if the task is still unknown then. The `element_source` of the worker's
+        `TransferHost` (every transfer protocol's servers use it) and of its gRPC reads.
+
+        Raises:
+            NotFoundError: The dispatcher deleted the task.
+            FailedPreconditionError: The read does not fit the task (`choose_source`).
+        """
+        deadline = time.monotonic() + timeout_s
+        runner, deleted = self._runner_now(request.task_id)
+        while runner is None and not deleted and time.monotonic() < deadline:
+            time.sleep(0.01)
+            with self._mu:
+                runner = self._tasks.get(request.task_id)
+                deleted = request.task_id in self._deleted
+            if runner is not None:
+                runner.start_producing()
         if runner is None:
+            if not deleted:
+                return None
             raise errors.NotFoundError(
                 f"worker {self._address} no longer runs task {request.task_id} "
                 "(the dispatcher deleted it)"
             )
-        validate.check_read_fits_task(
-            request, runner.num_consumers, runner.cross_trainer_cache is not None
+        return choose_source(runner, request)
+
+    def _source(self, request: Any, deadline: float) -> TaskSource | None:
+        """`element_source` of a GetElements request."""
+        read = ReadRequest(
+            request.task_id, request.trainer_id, request.consumer_index, request.round_index
         )
-        return runner
+        return self.element_source(read, max(0.0, deadline - time.monotonic()))
 
-    def _read(
-        self, runner: TaskRunner, request: Any, deadline: float
-    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None, bool]:
-        """Takes the request's elements from its task: a cross-trainer cache read, a
-        coordinated round, or first come, first served.
-
-        Returns:
-            (raw elements, end_of_sequence, error, first_come_first_served).
+    @staticmethod
+    def _read(source: TaskSource, request: Any, deadline: float) -> TaskRead:
+        """Takes the request's elements from its source.
 
         Raises:
-            FailedPreconditionError: A trainer read of a task without a cache, or a
-                round every consumer already read.
+            FailedPreconditionError: A round every consumer already read.
         """
-        if request.trainer_id:
-            cache = runner.cross_trainer_cache
-            if cache is None:
-                raise errors.FailedPreconditionError(
-                    f"task {request.task_id} does not use a cross-trainer cache, but a "
-                    f"read for trainer {request.trainer_id!r} asked for one"
-                )
-            raw, end, error = cache.get_elements(
-                request.trainer_id,
-                max(1, request.max_elements or 1),
-                max(0.0, deadline - time.monotonic()),
-            )
-            return raw, end, error, False
-        if request.round_index >= 0:
-            raw, end, error = runner.get_round_element(
-                request.consumer_index,
-                runner.num_consumers,
-                request.round_index,
-                max(0.0, deadline - time.monotonic()),
-            )
-            return raw, end, error, False
-        raw, end, error = runner.get_elements_raw(
+        read = source.read(
             max(1, request.max_elements or 1),
             request.max_bytes or (16 << 20),
             max(0.0, deadline - time.monotonic()),
         )
-        if end:
-            given_back, waiting = runner.unacked.settle_failed(
+        if source.gives_back and read.end_of_sequence:
+            given_back, waiting = source.runner.unacked.settle_failed(
                 max(0.0, deadline - time.monotonic())
             )
             if given_back or waiting:
                 # Replies other consumers did not get are all that is left of the stream:
                 # they go to their consumers' retries, or (those gone) to this one, and
                 # the end (or error) comes after them.
-                return raw, False, None, True
-        return raw, end, error, True
+                return TaskRead(read.elements)
+        return read
 
     def _response(self, reply: Reply | None, request: Any, with_elements: bool) -> Any:
         """The GetElementsResponse of `reply` (None: no element ready, nothing to say)."""
@@ -176,13 +170,12 @@ class ElementServing:
         return response
 
     @staticmethod
-    def _encoded(
-        raw: list[Any], end: bool, error: errors.RemoteErrorInfo | None, request: Any
-    ) -> Reply:
-        """A reply of `raw` elements, encoded and compressed as the request asks; an
-        element the codec cannot carry ends the reply (and the read) with its error,
-        after the elements before it."""
-        elements, encode_error = encode_elements(raw)
+    def _encoded(read: TaskRead, request: Any) -> Reply:
+        """A reply of `read`'s raw elements, encoded and compressed as the request
+        asks; an element the codec cannot carry ends the reply (and the read) with
+        its error, after the elements before it."""
+        elements, encode_error = encode_elements(read.elements)
+        end, error = read.end_of_sequence, read.error
         if encode_error is not None:
             end, error = True, encode_error
         if request.compression:
@@ -192,21 +185,20 @@ class ElementServing:
     def _get_elements(self, request: Any) -> Any:
         """GetElements: one reply in one message (see `_get_elements_stream`)."""
         deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
-        runner = self._find_runner(request, deadline)
-        if runner is None:
+        source = self._source(request, deadline)
+        if source is None:
             return pb.GetElementsResponse()
         if not request.consumer_key:
-            raw, end, error, _ = self._read(runner, request, deadline)
-            return self._response(self._encoded(raw, end, error, request), request, True)
-        turn = runner.unacked.begin(
+            read = self._read(source, request, deadline)
+            return self._response(self._encoded(read, request), request, True)
+        turn = source.runner.unacked.begin(
             request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
         )
         try:
             reply = turn.replay
             if reply is None:
-                raw, end, error, fcfs = self._read(runner, request, deadline)
-                reply = self._encoded(raw, end, error, request)
-                reply.requeue_on_failure = fcfs
+                reply = self._encoded(self._read(source, request, deadline), request)
+                reply.requeue_on_failure = source.gives_back
                 turn.store(reply)
             # A unary reply's delivery is not observable here: it counts as sent and
             # stays until the consumer's next request acknowledges it.
@@ -230,22 +222,23 @@ class ElementServing:
             GetElementsChunk messages; the last has `last` set and the response.
         """
         deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
-        runner = self._find_runner(request, deadline)
-        if runner is None:
+        source = self._source(request, deadline)
+        if source is None:
             yield pb.GetElementsChunk(last=True, response=pb.GetElementsResponse())
             return
         turn = None
         if request.consumer_key:
-            turn = runner.unacked.begin(
+            turn = source.runner.unacked.begin(
                 request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
             )
         raw: list[Any] = []  # taken from the task, not yet stored as a reply
-        fcfs = False
+        fcfs = source.gives_back
         sent = False
         try:
             reply = turn.replay if turn is not None else None
             if reply is None:
-                raw, end, error, fcfs = self._read(runner, request, deadline)
+                read = self._read(source, request, deadline)
+                raw, end, error = read.elements, read.end_of_sequence, read.error
                 if fcfs and raw and codec.element_nbytes(raw[0]) >= _CHUNK_BYTES:
                     # Large elements: one at a time, telling the client the worker is
                     # alive while it encodes (and it can still take them back, raw).
@@ -256,14 +249,14 @@ class ElementServing:
                         if time.monotonic() - last_yield > 1.0:
                             yield pb.GetElementsChunk()
                             last_yield = time.monotonic()
-                        one = self._encoded([element], end, error, request)
+                        one = self._encoded(TaskRead([element], end, error), request)
                         elements.extend(one.elements)
                         if not one.elements:  # it cannot be encoded: its error ends the read
                             end, error = one.end_of_sequence, one.error
                             break
                     reply = Reply(elements, end, error)
                 else:
-                    reply = self._encoded(raw, end, error, request)
+                    reply = self._encoded(read, request)
                 reply.requeue_on_failure = fcfs
                 if turn is not None:
                     turn.store(reply)
@@ -274,7 +267,7 @@ class ElementServing:
             if turn is not None:
                 turn.finish(sent)
             if raw and fcfs and not sent:
-                runner.requeue(raw)  # taken, never stored nor sent completely
+                source.give_back(raw)  # taken, never stored nor sent completely
 
     def _chunks(self, reply: Reply, request: Any) -> Iterator[Any]:
         """`reply` as GetElementsChunk messages of about `_CHUNK_BYTES` each."""

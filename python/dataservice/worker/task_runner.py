@@ -38,6 +38,7 @@ import numpy as np
 
 from dataservice import errors
 from dataservice.transfer import codec
+from dataservice.transfer.base import TaskRead
 
 log = logging.getLogger(__name__)
 
@@ -282,15 +283,17 @@ class TaskRunner:
                 self._cv.notify_all()
         return True
 
-    def get_elements_raw(
-        self, max_elements: int, max_bytes: int, timeout_s: float
-    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
+    def start_producing(self) -> None:
+        """A consumer asks for the task: a runner that waits for one before it runs
+        the pipeline (a lazily started worker's) starts now; this one already runs."""
+
+    def get_elements_raw(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
         """Takes up to `max_elements` elements (at most ~`max_bytes` payload
         bytes, but always one), waiting up to `timeout_s` seconds for the first.
 
         Returns:
-            (elements, end_of_sequence, error): `error` is (type name, message)
-            of a pipeline failure, reported once the elements before it are taken.
+            The raw elements taken (none if none was ready in time); its `error`,
+            a pipeline failure, comes once the elements before it are taken.
         """
         deadline = time.monotonic() + timeout_s
         out: list[Any] = []
@@ -298,7 +301,7 @@ class TaskRunner:
             while not self._buffer and not self._end and not self._stopped:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return out, False, None
+                    return TaskRead(out)
                 self._waiting += 1
                 try:
                     self._cv.wait(remaining)
@@ -322,12 +325,12 @@ class TaskRunner:
             self._note_taken_locked(total)
             self._cv.notify_all()
             if self._buffer or not self._end:
-                return out, False, None
+                return TaskRead(out)
             if self._error is not None:
                 if out:
-                    return out, False, None
-                return out, True, self._error
-            return out, True, None
+                    return TaskRead(out)
+                return TaskRead(out, True, self._error)
+            return TaskRead(out, True)
 
     def _note_taken_locked(self, nbytes: int) -> None:
         """Grows the bytes bound (doubling, up to `buffer_bytes`) once consumers
@@ -370,20 +373,18 @@ class TaskRunner:
     def _requeue_encoded(self, elements: list[bytes]) -> None:
         self.requeue([codec.decode(e) for e in elements])
 
-    def get_elements(
-        self, max_elements: int, max_bytes: int, timeout_s: float
-    ) -> tuple[list[bytes], bool, errors.RemoteErrorInfo | None]:
-        """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`);
-        an element the codec cannot carry ends the read with its error."""
-        elements, end, error = self.get_elements_raw(max_elements, max_bytes, timeout_s)
-        encoded, encode_error = encode_elements(elements)
+    def get_elements(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
+        """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`,
+        `bytes`); an element the codec cannot carry ends the read with its error."""
+        read = self.get_elements_raw(max_elements, max_bytes, timeout_s)
+        encoded, encode_error = encode_elements(read.elements)
         if encode_error is not None:
-            return encoded, True, encode_error
-        return encoded, end, error
+            return TaskRead(encoded, True, encode_error)
+        return TaskRead(encoded, read.end_of_sequence, read.error)
 
     def get_round_element(
         self, consumer_index: int, num_consumers: int, round_index: int, timeout_s: float
-    ) -> tuple[list[Any], bool, errors.RemoteErrorInfo | None]:
+    ) -> TaskRead:
         """Coordinated reads (tf.data service's RoundRobinTaskRunner): consumer
         `consumer_index` of `num_consumers` takes its element of round
         `round_index`. The first request for a round takes the next
@@ -393,7 +394,7 @@ class TaskRunner:
         letting its elements pile up.
 
         Returns:
-            ([element] or [] if not ready within `timeout_s`, end_of_sequence, error).
+            [element], or no element if it is not ready within `timeout_s`.
 
         Raises:
             FailedPreconditionError: The round was already read by every consumer
@@ -414,7 +415,7 @@ class TaskRunner:
                     len(self._buffer) >= num_consumers or self._end
                 ):
                     if len(self._buffer) < num_consumers:  # the stream ended mid-round
-                        return [], True, self._error
+                        return TaskRead([], True, self._error)
                     items = [self._buffer.popleft() for _ in range(num_consumers)]
                     taken_bytes = sum(nbytes for _, nbytes in items)
                     self._buffered_bytes -= taken_bytes
@@ -426,7 +427,7 @@ class TaskRunner:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopped:
-                    return [], False, None
+                    return TaskRead([])
                 self._cv.wait(remaining)
             element = self._rounds[round_index][consumer_index]
             taken = self._round_taken[round_index]
@@ -439,7 +440,7 @@ class TaskRunner:
                     floor = self._max_round - 50_000
                     self._completed_rounds = {r for r in self._completed_rounds if r > floor}
                 self._cv.notify_all()
-            return [element], False, None
+            return TaskRead([element])
 
     def stop(self) -> None:
         """Stops producing (the producer thread exits at its next element)."""

@@ -1,0 +1,100 @@
+"""Which source serves a read of a task's elements: the worker's one decision,
+used by its gRPC servicer (`serving.py`) and, through `TransferHost.element_source`,
+by the server of every other transfer protocol (`transfer/shm_server.py`).
+
+A read naming a `trainer_id` takes from the task's cross-trainer cache at that
+trainer's cursor (`CacheSource`); a coordinated read (`round_index` >= 0) takes its
+consumer's element of that round (`RoundSource`); any other read takes from the
+task's buffer, first come, first served (`BufferSource`), and what its consumer
+never got goes back to that buffer. Source: tf.data service's
+`DataServiceWorkerImpl::GetElementResult`, which makes the same choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataservice import errors
+from dataservice.rpc import validate
+from dataservice.transfer.base import ElementSource, ReadRequest, TaskRead
+from dataservice.transfer.shm import TrainerWindow
+from dataservice.worker.task_runner import TaskRunner
+
+
+class TaskSource(ElementSource):
+    """An `ElementSource` over one of this worker's task runners (`runner`, whose
+    acknowledged replies the gRPC servicer keeps). Thread-safe."""
+
+    def __init__(self, runner: TaskRunner) -> None:
+        self.runner = runner
+        self.task_id = runner.task_id
+
+
+class BufferSource(TaskSource):
+    """First come, first served: reads take elements out of the task's buffer, which
+    the task's consumers share; undelivered ones go back to its front."""
+
+    gives_back = True
+
+    def read(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
+        return self.runner.get_elements_raw(max_elements, max_bytes, timeout_s)
+
+    def give_back(self, elements: list[Any]) -> None:
+        self.runner.requeue(elements)
+
+
+class RoundSource(TaskSource):
+    """A coordinated read: consumer `consumer_index`'s element of round `round_index`
+    (one element; `max_elements` and `max_bytes` do not apply)."""
+
+    def __init__(self, runner: TaskRunner, consumer_index: int, round_index: int) -> None:
+        super().__init__(runner)
+        self.consumer_index = consumer_index
+        self.round_index = round_index
+
+    def read(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
+        return self.runner.get_round_element(
+            self.consumer_index, self.runner.num_consumers, self.round_index, timeout_s
+        )
+
+
+class CacheSource(TaskSource):
+    """A trainer's read through the task's cross-trainer cache, from its cursor on
+    (decoded copies; same-host trainers may map the cache's window instead)."""
+
+    def __init__(self, runner: TaskRunner, cache: Any, trainer_id: str) -> None:
+        super().__init__(runner)
+        self.cache = cache  # a CrossTrainerCache
+        self.trainer_id = trainer_id
+
+    def read(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
+        return self.cache.get_elements(
+            self.trainer_id, max_elements, timeout_s, max_bytes=max_bytes
+        )
+
+    def window(self) -> TrainerWindow | None:
+        window: TrainerWindow | None = self.cache.trainer_window(self.trainer_id)
+        return window
+
+
+def choose_source(runner: TaskRunner, request: ReadRequest) -> TaskSource:
+    """The source of `runner`'s task that serves `request` (see the module).
+
+    Raises:
+        FailedPreconditionError: The read does not fit the task: a trainer read of
+            a task without a cross-trainer cache, a coordinated read of a task whose
+            job has no `num_consumers` (or a consumer index past it), or a plain
+            read of a coordinated task (`rpc.validate.check_read_fits_task`).
+    """
+    cache = runner.cross_trainer_cache
+    validate.check_read_fits_task(request, runner.num_consumers, cache is not None)
+    if request.trainer_id:
+        if cache is None:
+            raise errors.FailedPreconditionError(
+                f"task {request.task_id} does not use a cross-trainer cache, but a "
+                f"read for trainer {request.trainer_id!r} asked for one"
+            )
+        return CacheSource(runner, cache, request.trainer_id)
+    if request.round_index >= 0:
+        return RoundSource(runner, request.consumer_index, request.round_index)
+    return BufferSource(runner)

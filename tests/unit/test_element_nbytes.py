@@ -227,7 +227,7 @@ def test_task_runner_delivers_the_refusal_after_the_good_elements():
         deadline = time.monotonic() + 10
         while error is None and time.monotonic() < deadline:
             read = runner.get_elements_raw(10, 1 << 20, 1.0)
-            got, end, error = read.elements, read.end_of_sequence, read.error
+            got, error = read.elements, read.error
             out += got
         assert len(out) == 1
         assert error is not None and error[0] == "InvalidArgumentError"

@@ -454,7 +454,9 @@ def _shown(value: Any) -> Any:
 
 
 def check_read_fits_task(request: Any, task_num_consumers: int, has_cache: bool) -> None:
-    """A GetElements request against the kind of the task it reads: a
+    """A GetElements request (or a `transfer.base.ReadRequest`: the same
+    task_id, trainer_id, consumer_index and round_index, whatever the protocol)
+    against the kind of the task it reads: a
     coordinated read (round_index >= 0) only of a task of a job with
     num_consumers, with consumer_index below it; a plain read of a
     coordinated task is refused too (it would take other consumers' elements).
@@ -463,7 +465,7 @@ def check_read_fits_task(request: Any, task_num_consumers: int, has_cache: bool)
         FailedPreconditionError: The read does not fit the task.
     """
     if request.trainer_id:
-        return  # the cache read's own check (worker/serving.py) names the trainer
+        return  # the cache read's own check (worker/sources.py) names the trainer
     task = request.task_id
     if request.round_index >= 0:
         if task_num_consumers <= 0:

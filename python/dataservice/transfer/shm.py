@@ -70,10 +70,7 @@ from dataservice import _core, auth, errors
 from dataservice.locality import host_id
 from dataservice.transfer import base
 from dataservice.transfer.shm_admission import AUTH_DEADLINE_S as AUTH_DEADLINE_S
-from dataservice.transfer.shm_admission import (
-    HELLO_MAX_BYTES,
-    LAYOUT_VERSION,
-)
+from dataservice.transfer.shm_admission import HELLO_MAX_BYTES, LAYOUT_VERSION
 from dataservice.transfer.shm_admission import MAX_CONNECTIONS as MAX_CONNECTIONS
 from dataservice.transfer.shm_admission import MAX_PENDING_HANDSHAKES as MAX_PENDING_HANDSHAKES
 from dataservice.transfer.shm_admission import MAX_PENDING_PER_PEER as MAX_PENDING_PER_PEER

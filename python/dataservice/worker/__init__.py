@@ -8,8 +8,11 @@ Modules, one concern each:
   heartbeats with the dispatcher, dataset definitions, starting a runner per new
   task and stopping deleted ones.
 - `serving.py`: GetElements and GetElementsStream (the "grpc" transfer protocol):
-  finding a request's task, taking its elements, encoding them into a reply,
-  acknowledged replies and streaming in ~1 MiB messages.
+  finding a request's task and source (`element_source`, also what the worker's
+  `TransferHost` gives every other protocol's server), taking its elements,
+  encoding them into a reply, acknowledged replies and streaming in ~1 MiB messages.
+- `sources.py`: which source serves a read (cross-trainer cache, coordinated
+  round, or the task's first come, first served buffer): the one decision.
 - `splits.py`: a DYNAMIC task's splits, fetched from the dispatcher in batches.
 - `task_runner.py`: one task's runner (first come, first served, or coordinated
   rounds), its prefetch thread and its unacknowledged replies.

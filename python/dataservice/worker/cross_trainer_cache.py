@@ -326,7 +326,8 @@ class CrossTrainerCache:
 
 
 class _TrainerWindow(TrainerWindow):
-    """`CrossTrainerCache`'s shared window as one trainer reads it (transfer/shm.py)."""
+    """`CrossTrainerCache`'s shared window as one trainer reads it (`shm.TrainerWindow`,
+    served by transfer/shm_server.py)."""
 
     def __init__(self, cache: CrossTrainerCache, trainer_id: str) -> None:
         self._cache = cache

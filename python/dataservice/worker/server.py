@@ -277,7 +277,7 @@ class WorkerServer(ElementServing):
         self._server = server
         self._channel = rpc_util.make_channel(self._dispatcher_address)
         self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
-        host = transfer.TransferHost(
+        transfer_host = transfer.TransferHost(
             address=self._address,
             auth_token=self._token,
             worker_uid=self._uid,
@@ -287,7 +287,7 @@ class WorkerServer(ElementServing):
         )
         for name, factory in transfer.server_factories().items():
             try:
-                self._transfer_servers.append(factory(host))
+                self._transfer_servers.append(factory(transfer_host))
             except Exception as err:  # the worker still serves gRPC
                 log.warning("worker %s: %s transfer unavailable: %s", self._address, name, err)
         self._heartbeat_thread = threading.Thread(

@@ -174,13 +174,11 @@ class ElementServing:
         """A reply of `read`'s raw elements, encoded and compressed as the request
         asks; an element the codec cannot carry ends the reply (and the read) with
         its error, after the elements before it."""
-        elements, encode_error = encode_elements(read.elements)
-        end, error = read.end_of_sequence, read.error
-        if encode_error is not None:
-            end, error = True, encode_error
+        encoded = encode_elements(read)
+        elements = encoded.elements
         if request.compression:
             elements = [codec.compress(e, request.compression) for e in elements]
-        return Reply(elements, end, error)
+        return Reply(elements, encoded.end_of_sequence, encoded.error)
 
     def _get_elements(self, request: Any) -> Any:
         """GetElements: one reply in one message (see `_get_elements_stream`)."""

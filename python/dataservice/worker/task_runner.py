@@ -61,17 +61,18 @@ UNACKED_TTL_S = 300.0
 REQUEUE_AFTER_S = 5.0
 
 
-def encode_elements(elements: list[Any]) -> tuple[list[bytes], errors.RemoteErrorInfo | None]:
-    """`codec.encode` of each element, up to the first that cannot be encoded
-    (e.g. a leaf that cannot be pickled): (the ones before it, its error). That
-    error reaches the consumer as the pipeline's own, as over shared memory."""
+def encode_elements(read: TaskRead) -> TaskRead:
+    """`read` with each element `codec.encode`d (`bytes`), up to the first that
+    cannot be encoded (e.g. a leaf that cannot be pickled): then the ones before
+    it, ending the read with its error. That error reaches the consumer as the
+    pipeline's own, as over shared memory."""
     out: list[bytes] = []
-    for element in elements:
+    for element in read.elements:
         try:
             out.append(codec.encode(element))
         except Exception as err:
-            return out, errors.capture(err)
-    return out, None
+            return TaskRead(out, True, errors.capture(err))
+    return TaskRead(out, read.end_of_sequence, read.error)
 
 
 class _StructureCheck:
@@ -376,11 +377,7 @@ class TaskRunner:
     def get_elements(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
         """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`,
         `bytes`); an element the codec cannot carry ends the read with its error."""
-        read = self.get_elements_raw(max_elements, max_bytes, timeout_s)
-        encoded, encode_error = encode_elements(read.elements)
-        if encode_error is not None:
-            return TaskRead(encoded, True, encode_error)
-        return TaskRead(encoded, read.end_of_sequence, read.error)
+        return encode_elements(self.get_elements_raw(max_elements, max_bytes, timeout_s))
 
     def get_round_element(
         self, consumer_index: int, num_consumers: int, round_index: int, timeout_s: float

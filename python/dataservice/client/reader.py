@@ -108,11 +108,19 @@ class _FairSemaphore:
             self._cv.notify_all()
 
 
-_END = object()  # in the results queue: the task's elements end here
-# In the results queue: the iteration failed here (self._error); the elements
-# fetched before the failure come first, as tf.data raises an error where the
-# pipeline reached it, and nothing fetched after it is handed out.
-_FAILED = object()
+@dataclass
+class _Fetched:
+    """An entry of the results queue: one fetch's `elements` from `task`, each
+    counted as `nbytes_each` bytes; or (no elements) the mark that `task`'s stream
+    `end`s here, or that the iteration `failed` here (`_Reader._error`; no task):
+    what was fetched before comes first, as tf.data raises an error where the
+    pipeline reached it, and nothing fetched after it is handed out."""
+
+    elements: list[Any]
+    nbytes_each: int = 0
+    task: _TaskState | None = None
+    end: bool = False
+    failed: bool = False
 
 
 @dataclass
@@ -159,9 +167,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
             _SHARED_RESULT_BUFFER_ELEMENTS if shared else _RESULT_BUFFER_ELEMENTS
         )
         # guarded by self._cv:
-        # Fetched elements, one entry per fetch: (elements, bytes per element,
-        # task), or (_END, 0, task) once the task's stream ended.
-        self._results: collections.deque[tuple[Any, int, _TaskState | None]] = collections.deque()
+        # Fetched elements, one entry per fetch, and the marks of ends and failure.
+        self._results: collections.deque[_Fetched] = collections.deque()
         self._buffered_elements = 0  # in self._results
         self._buffered_bytes = 0
         self._start_time = time.monotonic()
@@ -476,7 +483,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
                         key = (endpoint.task_id, result.worker_uid)
                         self.stats.received[key] = self.stats.received.get(key, 0) + count
                         per = result.nbytes // count
-                        self._results.append((list(result.elements), per, state))
+                        self._results.append(_Fetched(list(result.elements), per, state))
                         self._buffered_elements += count
                         self._buffered_bytes += per * count
                         state.unconsumed_bytes += per * count
@@ -486,7 +493,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
                         w.elements += len(result.elements)
                         w.bytes += result.nbytes
                     if result.end_of_sequence:
-                        self._results.append((_END, 0, state))
+                        self._results.append(_Fetched([], task=state, end=True))
                     self._cv.notify_all()
                 if result.end_of_sequence:
                     return
@@ -496,25 +503,24 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
             if client is not None:
                 client.close()
 
-    def _unbuffer_locked(self, elements: list[Any], per: int, state: _TaskState) -> None:
+    def _unbuffer_locked(self, fetched: _Fetched, state: _TaskState) -> None:
         """A fetched chunk leaves the results queue (taken by next(), or dropped):
         the counters the fetch threads' bounds read go down by its size."""
-        self._buffered_elements -= len(elements)
-        self._buffered_bytes -= per * len(elements)
-        state.unconsumed_bytes -= per * len(elements)
+        self._buffered_elements -= len(fetched.elements)
+        self._buffered_bytes -= fetched.nbytes_each * len(fetched.elements)
+        state.unconsumed_bytes -= fetched.nbytes_each * len(fetched.elements)
 
     def _drop_unconsumed_locked(self, state: _TaskState) -> None:
         """The task's worker restarted, so the task started over there (tf.data
         service's OFF semantics): the elements fetched from its previous process
         and not yet handed out would come again, so they are dropped. (Those the
         consumer already took are not taken back.)"""
-        kept: collections.deque[tuple[Any, int, _TaskState | None]] = collections.deque()
+        kept: collections.deque[_Fetched] = collections.deque()
         dropped = 0
         for entry in self._results:
-            elements, per, origin = entry
-            if origin is state and elements is not _END and elements is not _FAILED:
-                dropped += len(elements)
-                self._unbuffer_locked(elements, per, state)
+            if entry.task is state and not entry.end:
+                dropped += len(entry.elements)
+                self._unbuffer_locked(entry, state)
             else:
                 kept.append(entry)
         self._results = kept
@@ -558,7 +564,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
         with self._cv:
             if self._error is None:
                 self._error = err
-                self._results.append((_FAILED, 0, None))
+                self._results.append(_Fetched([], failed=True))
             self._cv.notify_all()
 
     # ------------------------------------------------------------ consuming
@@ -641,22 +647,24 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
                 # Once failed, what was fetched before the failure is handed out
                 # without waiting for the start barrier, then the error.
                 if self._results and (self._error is not None or self._started_locked(start)):
-                    elements, nbytes, origin = self._results.popleft()
-                    if elements is _FAILED:
+                    fetched = self._results.popleft()
+                    origin = fetched.task
+                    if fetched.failed:
                         self._results.clear()
                         raise self._error  # type: ignore[misc]
-                    assert origin is not None  # only the _FAILED mark has none
-                    if elements is _END:
+                    assert origin is not None  # only the failure's mark has none
+                    if fetched.end:
                         # Consumed to the end: report it (the dispatcher then knows
                         # whether the iteration is over).
                         origin.finished = True
                         self._wake_heartbeat.set()
                         continue
-                    self._unbuffer_locked(elements, nbytes, origin)
+                    self._unbuffer_locked(fetched, origin)
                     self.stats.wait_s += time.monotonic() - start
                     if self._buffered_elements < self._read_ahead_locked():
                         self._cv.notify_all()
-                    self._chunk, self._chunk_pos, self._chunk_nbytes = elements, 0, nbytes
+                    self._chunk, self._chunk_pos = fetched.elements, 0
+                    self._chunk_nbytes = fetched.nbytes_each
                     break
                 if self._error is not None:
                     raise self._error

@@ -6,6 +6,7 @@ shared/CASES.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -241,6 +242,38 @@ def test_cache_reads_fall_back_to_grpc_when_shm_is_unavailable(cluster, monkeypa
     assert [protocols(it) for it in its] == [{"grpc"}] * 2
     for it in its:
         it.close()
+
+
+def test_the_shm_server_knows_the_worker_only_by_its_transfer_host(make_cluster):
+    """The worker hands its "shm" server one frozen TransferHost (address, token,
+    process id, shm settings, element_source), and the server serves reads through
+    that host's element_source: the worker's own choice of the read's source."""
+    cluster = make_cluster(0)
+    worker = cluster.add_worker(shm_ring_bytes=1 << 20, shm_allowed_uids=[4242])
+    (server,) = [s for s in shm_server.live_servers() if s.host.address == worker.address]
+    host = server.host
+    assert isinstance(host, base.TransferHost)
+    assert not hasattr(server, "worker")
+    assert (host.auth_token, host.shm_ring_bytes, host.shm_allowed_uids) == (
+        worker.auth_token,
+        1 << 20,
+        frozenset({4242}),
+    )
+    assert len(host.worker_uid) == 32  # a new uuid4 hex at each start
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        host.address = "elsewhere:1"  # type: ignore[misc]
+    assert host.element_source(base.ReadRequest(4999), 0.05) is None  # no such task (yet)
+    it = iter(dist(ds.Dataset.range(10**7).repeat(), cluster, data_transfer_protocol="shm"))
+    assert int(next(it)) == 0
+    (task_id,) = worker._tasks
+    source = host.element_source(base.ReadRequest(task_id), 1.0)
+    assert source is not None and source.gives_back and source.window() is None
+    read = source.read(1, 1 << 20, 5.0)
+    assert len(read.elements) == 1 and not read.end_of_sequence and read.error is None
+    source.give_back(read.elements)  # taken here, never delivered: back to the task
+    with pytest.raises(errors.FailedPreconditionError, match="does not use a cross-trainer"):
+        host.element_source(base.ReadRequest(task_id, trainer_id="t"), 1.0)
+    it.close()
 
 
 def test_cache_read_of_a_task_without_a_cache_is_a_failed_precondition(cluster):

@@ -78,6 +78,16 @@ class DeadlineExceededError(DataServiceError):
     """An operation did not finish within its deadline."""
 
 
+class TransferStalledError(DeadlineExceededError):
+    """A worker's reply cannot cross the link to the consumer: even its smallest
+    messages (`transfer/grpc.py` `MIN_MESSAGE_BYTES`) did not arrive within the
+    no-progress timeout, several times over. Raised from `next()` instead of
+    retrying forever; the message names the worker, the reply's and its largest
+    element's size, the throughput measured and the option to raise
+    ($DATASERVICE_TRANSFER_NO_PROGRESS_MS). A `DeadlineExceededError`, so code
+    that catches that catches it too."""
+
+
 class ResourceExhaustedError(DataServiceError):
     """A size or memory limit was exceeded."""
 
@@ -210,6 +220,7 @@ _BY_NAME: dict[str, type[DataServiceError]] = {
         OutOfRangeError,
         UnavailableError,
         DeadlineExceededError,
+        TransferStalledError,
         ResourceExhaustedError,
         ElementTooLargeError,
         DataLossError,

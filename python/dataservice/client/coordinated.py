@@ -176,6 +176,8 @@ class CoordinatedReads:
                 dead = task_id
                 backoff.sleep(time.monotonic() + 0.5, self._stop)
                 continue
+            except errors.TransferStalledError:
+                raise  # the link cannot carry the element (transfer/grpc.py): not retried
             except (errors.DeadlineExceededError, errors.CancelledError) as err:
                 # The reply did not arrive (the worker sent nothing for the no-progress
                 # timeout): ask again, with the same sequence number, for the same element.

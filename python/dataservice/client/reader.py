@@ -440,6 +440,12 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
                     result = client.get_elements(
                         want, max_bytes, _FETCH_WAIT_S, trainer_id=self.options.trainer_id
                     )
+                except errors.TransferStalledError:
+                    # The link cannot carry the reply (transfer/grpc.py): retrying
+                    # cannot help; the consumer gets the error.
+                    if self._outstanding is not None:
+                        self._outstanding.release()
+                    raise
                 except (
                     errors.UnavailableError,
                     errors.NotFoundError,

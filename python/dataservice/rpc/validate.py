@@ -55,6 +55,7 @@ MAX_JOINT_SPLIT_PROVIDERS = 1024  # sources of one pipeline fetched in one GetSp
 MAX_HEARTBEAT_INTERVAL_MS = 24 * 3600 * 1000
 MAX_ELEMENTS_PER_READ = 1 << 20
 MAX_BYTES_PER_READ = 2**31 - 1  # gRPC's message limit (rpc/util.py MAX_MESSAGE_BYTES)
+MIN_MESSAGE_BYTES = 1 << 10  # GetElementsRequest.max_message_bytes, when set
 MAX_PID = 2**22  # Linux's pid_max limit (PID_MAX_LIMIT on 64-bit)
 # data/dataset.py: INFINITE_CARDINALITY = -1, UNKNOWN_CARDINALITY = -2.
 MIN_CARDINALITY = -2
@@ -97,6 +98,13 @@ def int_range(lo: int, hi: int, what: str = "") -> Check:
         return what or f"must be in [{lo}, {hi}]"
 
     return check
+
+
+def _message_bytes(name: str, value: Any) -> str | None:
+    """0 (the default) or in [MIN_MESSAGE_BYTES, MAX_BYTES_PER_READ]."""
+    if value == 0 or MIN_MESSAGE_BYTES <= value <= MAX_BYTES_PER_READ:
+        return None
+    return f"must be 0 (the default) or in [{MIN_MESSAGE_BYTES}, {MAX_BYTES_PER_READ}]"
 
 
 def an_id(name: str, value: Any) -> str | None:
@@ -342,6 +350,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("consumer_key", text(MAX_CONSUMER_KEY_CHARS)),
         Field("sequence", int_range(0, MAX_ROUND)),
         Across(("consumer_key", "sequence"), _acknowledged_read_fields),
+        # Slow links (transfer/grpc.py): 0 is the worker's default message size.
+        Field("max_message_bytes", _message_bytes),
     ),
 }
 

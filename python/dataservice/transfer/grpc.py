@@ -9,17 +9,34 @@ after a failed request (`retry_in_place`): gRPC reconnects its channel itself.
 
 Replies are streamed in messages of about 1 MiB (server streaming, which gRPC
 supports natively with flow control), and the call has no overall deadline:
-instead it is cancelled when no message arrives for `_NO_PROGRESS_S` seconds
-(`timeout_s` + `_FIRST_MESSAGE_GRACE_S` for the first). A 1 GiB element over a
-slow link therefore arrives, however long it takes, while a worker that stops
-sending ends the call with `DeadlineExceededError` within a bounded time. (A
-deadline sized from the bytes in flight cannot work: the client does not know
-the reply's size before it arrives, and one element always fits a reply.)
+instead it is cancelled when no message arrives for the no-progress timeout
+($DATASERVICE_TRANSFER_NO_PROGRESS_MS, 30 s; `timeout_s` + up to
+`_FIRST_MESSAGE_GRACE_S` for the first message). A 1 GiB element over a slow
+link therefore arrives, however long it takes, while a worker that stops sending
+ends the call with `DeadlineExceededError` within a bounded time. (A deadline
+sized from the bytes in flight cannot work: the client does not know the reply's
+size before it arrives, and one element always fits a reply.)
+
+Slow links. A link that cannot move one message within the no-progress timeout
+(1 MiB in 30 s: below ~35 KB/s) would time out and resend the same reply forever.
+So after a timeout the client asks again with messages a quarter the size
+(`max_message_bytes`, down to `MIN_MESSAGE_BYTES`; an element bigger than that
+comes in pieces) and replies of at most `_REPLY_MESSAGES` of them (`max_bytes`: the
+worker cuts the stored reply, and the elements cut off come with the next
+requests, so nothing is lost or sent twice), on a new connection (the cancelled
+reply's bytes still in flight would otherwise hold the link up). Messages grow
+back, doubling, while they arrive in under a quarter of the timeout. When even
+messages of `MIN_MESSAGE_BYTES` bring nothing new `STALLED_ATTEMPTS` times in a row
+(the link moves less than 4 KiB per timeout, or the worker is stuck), the request
+fails with `TransferStalledError`, naming the worker, the reply's size and the
+throughput measured, within about (4 + `STALLED_ATTEMPTS`) no-progress timeouts of
+the reply's start. A wait past `_waits.FIRST_WARNING_S` logs what it waits for.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 import uuid
@@ -27,16 +44,33 @@ from typing import Any
 
 import grpc
 
-from dataservice import auth, errors
+from dataservice import _waits, auth, errors
 from dataservice.rpc import service_pb2, service_pb2_grpc
 from dataservice.rpc import util as rpc_util
 from dataservice.transfer import base, codec
 
-# The slowest link that still delivers: 1 MiB (one message) per 30 s, ~35 KB/s.
-_NO_PROGRESS_S = 30.0
+log = logging.getLogger(__name__)
+
+NO_PROGRESS_ENV = "DATASERVICE_TRANSFER_NO_PROGRESS_MS"
+# How long a reply may bring no message before the request is cancelled and retried
+# (read at import, so LocalCluster's processes inherit it).
+_NO_PROGRESS_S = _waits.env_ms(NO_PROGRESS_ENV, 30_000) / 1000
 # The worker answers within the request's wait (timeout_s); a large reply sends an
-# empty message before it starts encoding, so the first message comes promptly.
+# empty message before it starts encoding (and its size before its elements), so
+# the first message comes promptly. At most the no-progress timeout.
 _FIRST_MESSAGE_GRACE_S = 10.0
+# The messages of a reply on a fast link (the worker's default, serving.py).
+_FULL_MESSAGE_BYTES = 1 << 20
+# The smallest messages a client asks for after no-progress timeouts (a slow link).
+MIN_MESSAGE_BYTES = 4 << 10
+# After a timeout, messages are this many times smaller.
+_SHRINK = 4
+# A reply asked for with small messages holds at most this many of them (one element
+# always fits): a retry resends less.
+_REPLY_MESSAGES = 8
+# Timeouts in a row with messages of MIN_MESSAGE_BYTES that brought nothing new
+# before the request fails with TransferStalledError.
+STALLED_ATTEMPTS = 3
 
 
 class _Watchdog:
@@ -108,14 +142,30 @@ class _Watch:
         self.deadline = deadline  # read by the watchdog thread; only ever increases
         self.expired = False
 
-    def progress(self, timeout_s: float) -> None:
-        self.deadline = time.monotonic() + timeout_s
+    def progress(self, timeout_s: float) -> float:
+        """A message arrived: the deadline is now + `timeout_s`. Returns now."""
+        now = time.monotonic()
+        self.deadline = now + timeout_s
+        return now
 
     def done(self) -> None:
         self._owner.forget(self.id)
 
 
 _watchdog = _Watchdog()
+
+
+class _Attempt:
+    """What one streamed reply brought, for the slow-link bookkeeping."""
+
+    __slots__ = ("received", "largest_gap_s", "reply_bytes", "reply_elements", "largest_bytes")
+
+    def __init__(self) -> None:
+        self.received = 0  # element bytes received, in order from the reply's start
+        self.largest_gap_s = 0.0  # the longest wait for a data message after the first
+        self.reply_bytes = 0  # from the reply's first message, when it takes several
+        self.reply_elements = 0
+        self.largest_bytes = 0
 
 
 class GrpcTransferClient(base.TransferClient):
@@ -143,6 +193,18 @@ class GrpcTransferClient(base.TransferClient):
         self._consumer_key = uuid.uuid4().hex
         self._sequence = 1  # of the next request; repeated after a failed one
         self.no_progress_s = _NO_PROGRESS_S
+        # Slow links (see the module): the message size asked for (None: the worker's
+        # default, and replies as big as the caller asks), and the current request's
+        # attempts: when the first began, the most of its reply any one brought, the
+        # bytes all brought, how many in a row at MIN_MESSAGE_BYTES brought nothing new.
+        self.message_bytes: int | None = None
+        self._request_start: float | None = None
+        self._best_received = 0
+        self._total_received = 0
+        self._attempts = 0
+        self._stalled = 0
+        self._reply_size = _Attempt()  # the sizes the worker announced
+        self._slow: _waits.SlowWait | None = None
 
     def get_elements(
         self,
@@ -155,13 +217,26 @@ class GrpcTransferClient(base.TransferClient):
     ) -> base.ElementsResult:
         """One request (see `TransferClient.get_elements`); a failed one may be
         retried by calling again: it repeats its sequence number, so the worker sends
-        the same reply.
+        the same reply (or, after a no-progress timeout, the part of it that fits the
+        smaller messages and replies asked for now; the rest comes next).
 
         Raises:
             DeadlineExceededError: No message from the worker for the no-progress
-                timeout (`timeout_s` + 10 s for the first, 30 s between messages).
+                timeout (`timeout_s` + up to 10 s for the first, 30 s between
+                messages); the retry asks for smaller messages.
+            TransferStalledError: Not even messages of `MIN_MESSAGE_BYTES` brought
+                anything new within the no-progress timeout, `STALLED_ATTEMPTS`
+                times in a row: the link is too slow for the timeout (or the worker
+                is stuck). Not worth retrying.
             WorkerError, UnavailableError, NotFoundError: As `TransferClient`.
         """
+        if self._error is not None:  # after the elements that came with it
+            raise self._error
+        if self._request_start is None:
+            self._request_start = time.monotonic()
+        message_bytes = self.message_bytes
+        if message_bytes is not None:
+            max_bytes = max(1, min(max_bytes, _REPLY_MESSAGES * message_bytes))
         request = service_pb2.GetElementsRequest(
             task_id=self._endpoint.task_id,
             max_elements=max_elements,
@@ -172,10 +247,16 @@ class GrpcTransferClient(base.TransferClient):
             compression=self._compression,
             consumer_key=self._consumer_key,
             sequence=self._sequence,
+            max_message_bytes=message_bytes or 0,
         )
-        if self._error is not None:  # after the elements that came with it
-            raise self._error
-        encoded, response = self._receive(request, timeout_s)
+        attempt = _Attempt()
+        try:
+            encoded, response = self._receive(request, timeout_s, attempt)
+        except errors.DeadlineExceededError as err:
+            if attempt.reply_bytes:
+                self._reply_size = attempt
+            raise self._after_timeout(attempt, message_bytes, timeout_s, err) from None
+        self._reply_arrived(attempt, message_bytes)
         self._sequence += 1  # the reply is here: the next request acknowledges it
         elements: list[Any] = [codec.decode(e) for e in encoded]
         nbytes = sum(len(e) for e in encoded)
@@ -192,18 +273,129 @@ class GrpcTransferClient(base.TransferClient):
             return base.ElementsResult(elements, nbytes, False, response.worker_uid)
         return base.ElementsResult(elements, nbytes, response.end_of_sequence, response.worker_uid)
 
-    def _receive(self, request: Any, timeout_s: float) -> tuple[list[Any], Any]:
-        """Streams one reply: (encoded elements, the last message's response)."""
+    def _reply_arrived(self, attempt: _Attempt, message_bytes: int | None) -> None:
+        """A reply arrived whole: messages grow back (doubling) if they came in under a
+        quarter of the no-progress timeout; the next request starts afresh."""
+        if message_bytes is not None and attempt.largest_gap_s < self.no_progress_s / 4:
+            grown = 2 * message_bytes
+            self.message_bytes = None if grown >= _FULL_MESSAGE_BYTES else grown
+        if self._slow is not None:
+            self._slow.done(f"GetElements from {self._endpoint.worker_address}: the reply arrived")
+            self._slow = None
+        self._request_start = None
+        self._best_received = self._total_received = self._attempts = self._stalled = 0
+        self._reply_size = _Attempt()
+
+    def _after_timeout(
+        self,
+        attempt: _Attempt,
+        message_bytes: int | None,
+        timeout_s: float,
+        err: errors.DeadlineExceededError,
+    ) -> errors.DeadlineExceededError:
+        """A reply brought no message for the no-progress timeout: asks for smaller
+        messages next time, on a new connection. Returns the error to raise:
+        `TransferStalledError` after `STALLED_ATTEMPTS` attempts in a row with the
+        smallest messages that brought nothing new, else `err` (retry)."""
+        self._attempts += 1
+        self._total_received += attempt.received
+        if attempt.received > self._best_received:
+            self._best_received = attempt.received
+            self._stalled = 0
+        elif message_bytes is not None and message_bytes <= MIN_MESSAGE_BYTES:
+            self._stalled += 1
+        self.message_bytes = max(
+            MIN_MESSAGE_BYTES, (message_bytes or _FULL_MESSAGE_BYTES) // _SHRINK
+        )
+        self._reconnect()
+        now = time.monotonic()
+        if self._stalled >= STALLED_ATTEMPTS:
+            if self._slow is not None:
+                self._slow.done()
+                self._slow = None
+            return errors.TransferStalledError(self._stalled_message(now))
+        if self._slow is None:
+            self._slow = _waits.SlowWait(
+                log,
+                lambda: self._slow_message(time.monotonic()),
+                start=self._request_start,
+            )
+        self._slow.check(now)
+        return err
+
+    def _sizes(self) -> str:
+        size = self._reply_size
+        if not size.reply_bytes:
+            return "a reply of unknown size (its first message did not arrive)"
+        return (
+            f"a reply of {size.reply_bytes} bytes ({size.reply_elements} elements, the "
+            f"largest {size.largest_bytes} bytes)"
+        )
+
+    def _throughput(self, now: float) -> tuple[float, str]:
+        elapsed_s = max(1e-3, now - (self._request_start or now))
+        rate = self._total_received / elapsed_s
+        return rate, (
+            f"{self._total_received} bytes arrived in {elapsed_s:.1f} s over "
+            f"{self._attempts} tries (~{rate:.0f} B/s)"
+        )
+
+    def _slow_message(self, now: float) -> str:
+        _, measured = self._throughput(now)
+        return (
+            f"GetElements from worker {self._endpoint.worker_address} (task "
+            f"{self._endpoint.task_id}): waiting for {self._sizes()} over a slow link: "
+            f"{measured}; each try that brings no message for {self.no_progress_s:.1f} s is "
+            f"retried with smaller messages (now {self.message_bytes} bytes)"
+        )
+
+    def _stalled_message(self, now: float) -> str:
+        rate, measured = self._throughput(now)
+        timeout_ms = round(self.no_progress_s * 1000)
+        if rate > 0:
+            needed_ms = round(2000 * MIN_MESSAGE_BYTES / rate)
+            advice = f"to at least {needed_ms} ms"
+        else:
+            advice = f"above {timeout_ms} ms (messages of {MIN_MESSAGE_BYTES} bytes need longer)"
+        return (
+            f"GetElements from worker {self._endpoint.worker_address} (task "
+            f"{self._endpoint.task_id}): {self._sizes()} cannot cross the link: {measured}; "
+            f"messages of {MIN_MESSAGE_BYTES} bytes brought nothing new within "
+            f"{self.no_progress_s:.1f} s, {self._stalled} times in a row (the link moves "
+            f"less than {MIN_MESSAGE_BYTES / self.no_progress_s:.0f} B/s, or the worker is "
+            f"stuck). Raise ${NO_PROGRESS_ENV} (now {timeout_ms}) {advice} for links this "
+            "slow, or read from a nearer worker"
+        )
+
+    def _reconnect(self) -> None:
+        """A new connection, of this client only (a private subchannel pool): the
+        cancelled reply's bytes still in flight on the old one would hold the link up
+        (up to a flow-control window of them)."""
+        self._channel.close()
+        self._channel = grpc.insecure_channel(
+            self._endpoint.transfer_address,
+            options=[*rpc_util.CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)],
+        )
+        self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
+
+    def _receive(self, request: Any, timeout_s: float, attempt: _Attempt) -> tuple[list[Any], Any]:
+        """Streams one reply: (encoded elements, the last message's response);
+        `attempt` records what arrived, also when it raises."""
         call = self._stub.GetElementsStream(request, metadata=self._metadata)
-        watch = _watchdog.watch(call, timeout_s + _FIRST_MESSAGE_GRACE_S)
+        first_s = timeout_s + min(_FIRST_MESSAGE_GRACE_S, self.no_progress_s)
+        watch = _watchdog.watch(call, first_s)
         elements: list[Any] = []
         part: bytearray | None = None  # a large element being put together
         filled = 0
-        received = 0
         last: Any = None
+        last_data: float | None = None  # when the last data message arrived
         try:
             for chunk in call:
-                watch.progress(self.no_progress_s)
+                now = watch.progress(self.no_progress_s)
+                if chunk.reply_bytes:
+                    attempt.reply_bytes = chunk.reply_bytes
+                    attempt.reply_elements = chunk.reply_elements
+                    attempt.largest_bytes = chunk.largest_element_bytes
                 if chunk.element_bytes:
                     part, filled = bytearray(chunk.element_bytes), 0
                 if chunk.element_part:
@@ -215,13 +407,19 @@ class GrpcTransferClient(base.TransferClient):
                         )
                     part[filled : filled + n] = chunk.element_part
                     filled += n
-                    received += n
+                    attempt.received += n
                     if filled == len(part):
                         elements.append(part)
                         part = None
                 if chunk.elements:
                     elements.extend(chunk.elements)
-                    received += sum(len(e) for e in chunk.elements)
+                    attempt.received += sum(len(e) for e in chunk.elements)
+                if chunk.element_part or chunk.elements:
+                    if last_data is not None:
+                        attempt.largest_gap_s = max(attempt.largest_gap_s, now - last_data)
+                    last_data = now
+                    if self._slow is not None:
+                        self._slow.check(now)
                 if chunk.last:
                     last = chunk.response
             # The stream ended with status OK: only now is the reply the consumer's (a
@@ -230,9 +428,9 @@ class GrpcTransferClient(base.TransferClient):
             if watch.expired:
                 raise errors.DeadlineExceededError(
                     f"GetElements from {self._endpoint.transfer_address}: no data for "
-                    f"{self.no_progress_s if received else timeout_s + _FIRST_MESSAGE_GRACE_S:.0f}"
-                    f" s ({received} bytes of the reply received); the request is retried "
-                    "and the worker sends the same reply again"
+                    f"{self.no_progress_s if attempt.received else first_s:.1f} s "
+                    f"({attempt.received} bytes of the reply received); the request is "
+                    "retried and the worker sends the same reply again (in smaller messages)"
                 ) from None
             raise rpc_util.to_error(err, self._endpoint.transfer_address, "GetElements") from None
         finally:

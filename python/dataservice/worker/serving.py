@@ -234,6 +234,11 @@ class ElementServing:
         sent = False
         try:
             reply = turn.replay if turn is not None else None
+            if reply is None and turn is not None:
+                # Elements a cut left with this consumer (a slow link) come first.
+                reply = turn.take_rest(request.max_bytes)
+                if reply is not None:
+                    turn.store(reply)
             if reply is None:
                 read = self._read(source, request, deadline)
                 raw, end, error = read.elements, read.end_of_sequence, read.error
@@ -259,6 +264,10 @@ class ElementServing:
                 if turn is not None:
                     turn.store(reply)
                     raw = []
+            if turn is not None and request.max_bytes:
+                # A retry after a slow link's timeout asks for less than the reply it
+                # repeats: the part that fits now, the rest with the next requests.
+                reply = turn.cut(request.max_bytes) or reply
             yield from self._chunks(reply, request)
             sent = True
         finally:
@@ -268,22 +277,31 @@ class ElementServing:
                 source.give_back(raw)  # taken, never stored nor sent completely
 
     def _chunks(self, reply: Reply, request: Any) -> Iterator[Any]:
-        """`reply` as GetElementsChunk messages of about `_CHUNK_BYTES` each."""
+        """`reply` as GetElementsChunk messages of about `request.max_message_bytes`
+        each (0: `_CHUNK_BYTES`; never more). A reply that takes more than one message
+        first sends its size (`reply_bytes`, `reply_elements`,
+        `largest_element_bytes`), so a client on a slow link can say what it waits for."""
+        chunk_bytes = min(request.max_message_bytes or _CHUNK_BYTES, _CHUNK_BYTES)
+        sizes = [len(e) for e in reply.elements]
+        if sum(sizes) > chunk_bytes:
+            yield pb.GetElementsChunk(
+                reply_bytes=sum(sizes), reply_elements=len(sizes), largest_element_bytes=max(sizes)
+            )
         batch: list[bytes] = []
         batch_bytes = 0
         for element in reply.elements:
             n = len(element)
-            if n > _CHUNK_BYTES:
+            if n > chunk_bytes:
                 if batch:
                     yield pb.GetElementsChunk(elements=batch)
                     batch, batch_bytes = [], 0
-                for offset in range(0, n, _CHUNK_BYTES):
+                for offset in range(0, n, chunk_bytes):
                     yield pb.GetElementsChunk(
-                        element_part=element[offset : offset + _CHUNK_BYTES],
+                        element_part=element[offset : offset + chunk_bytes],
                         element_bytes=n if offset == 0 else 0,
                     )
                 continue
-            if batch and batch_bytes + n > _CHUNK_BYTES:
+            if batch and batch_bytes + n > chunk_bytes:
                 yield pb.GetElementsChunk(elements=batch)
                 batch, batch_bytes = [], 0
             batch.append(element)

@@ -477,6 +477,20 @@ class _Consumer:
     sent: bool = False  # the reply's transfer completed (on the worker's side)
     failed_at: float | None = None  # time.monotonic() its transfer failed, if it did
     last_seen: float = 0.0  # time.monotonic() of its last request
+    # Elements taken for this consumer and not sent yet: the end of a reply that a
+    # retry asked to cut to a smaller max_bytes (a slow link), with that reply's end
+    # of sequence and error; the next requests get them before anything else.
+    rest: Reply | None = None
+
+
+def _fitting(elements: list[bytes], max_bytes: int) -> int:
+    """How many of `elements`, from the first, fit in `max_bytes` (at least one)."""
+    total = 0
+    for k, element in enumerate(elements):
+        total += len(element)
+        if k and total > max_bytes:
+            return k
+    return len(elements)
 
 
 class ConsumerTurn:
@@ -497,6 +511,59 @@ class ConsumerTurn:
         """Keeps `reply` as the consumer's un-acknowledged one."""
         self._entry.reply = reply
         self._entry.sent = False
+
+    def take_rest(self, max_bytes: int) -> Reply | None:
+        """The next reply from the elements a cut left with this consumer (`cut`):
+        those that fit in `max_bytes` (at least one; 0: all), with the end of sequence
+        and error of the reply they came from once the last of them goes. None if no
+        element was left. `store` it."""
+        rest = self._entry.rest
+        if rest is None:
+            return None
+        k = _fitting(rest.elements, max_bytes) if max_bytes > 0 else len(rest.elements)
+        if k == len(rest.elements):
+            self._entry.rest = None
+            return rest
+        self._entry.rest = Reply(
+            rest.elements[k:], rest.end_of_sequence, rest.error, rest.requeue_on_failure
+        )
+        return Reply(rest.elements[:k], False, None, rest.requeue_on_failure)
+
+    def cut(self, max_bytes: int) -> Reply | None:
+        """Cuts the stored reply to the elements that fit in `max_bytes` (at least
+        one) and returns it: a client on a slow link retries with a smaller
+        `max_bytes` than the reply was made for. The elements cut off are not sent
+        now: first come, first served ones (of a reply without an error) go back to
+        the front of the task's buffer, for the next read; others (a coordinated
+        round's, a trainer's, or a reply that ends with an error) stay with this
+        consumer for its next requests (`take_rest`). Nothing is lost or sent twice:
+        the consumer has none of them (it asks again only for a reply it did not
+        get completely, or for the next one)."""
+        entry = self._entry
+        reply = entry.reply
+        if reply is None or max_bytes <= 0:
+            return reply
+        k = _fitting(reply.elements, max_bytes)
+        if k == len(reply.elements):
+            return reply
+        head = Reply(reply.elements[:k], False, None, reply.requeue_on_failure)
+        tail = Reply(
+            reply.elements[k:], reply.end_of_sequence, reply.error, reply.requeue_on_failure
+        )
+        entry.reply = head
+        if tail.requeue_on_failure and tail.error is None and self._owner._requeue is not None:
+            # The task still knows whether its stream ended: the end comes after them.
+            self._owner.cut_back(tail.elements)
+        elif entry.rest is None:
+            entry.rest = tail
+        else:  # (cannot happen: a reply is made from the rest before anything else)
+            entry.rest = Reply(
+                tail.elements + entry.rest.elements,
+                entry.rest.end_of_sequence,
+                entry.rest.error,
+                entry.rest.requeue_on_failure,
+            )
+        return head
 
     def finish(self, sent: bool) -> None:
         """Ends the turn. `sent`: the reply's transfer completed on the worker's side
@@ -568,22 +635,26 @@ class UnackedReplies:
         self.resent_replies = 0
         self.requeued_elements = 0
         self.dropped_elements = 0
+        self.cut_elements = 0  # cut off replies and given back to the task (slow links)
 
     def stats(self) -> dict[str, int]:
         """Counters: consumers with an entry, `unacked_elements` held now,
-        `failed_replies` waiting for their consumer's retry, `acked_elements`,
-        `resent_replies`, `requeued_elements`, `dropped_elements`."""
+        (in replies and cut-off rests), `failed_replies` waiting for their consumer's
+        retry, `acked_elements`, `resent_replies`, `requeued_elements`,
+        `dropped_elements`, `cut_elements`."""
         with self._mu:
             return {
                 "consumers": len(self._consumers),
                 "unacked_elements": sum(
-                    len(c.reply.elements) for c in self._consumers.values() if c.reply
-                ),
+                    len(c.reply.elements) if c.reply else 0 for c in self._consumers.values()
+                )
+                + sum(len(c.rest.elements) if c.rest else 0 for c in self._consumers.values()),
                 "failed_replies": self._parked,
                 "acked_elements": self.acked_elements,
                 "resent_replies": self.resent_replies,
                 "requeued_elements": self.requeued_elements,
                 "dropped_elements": self.dropped_elements,
+                "cut_elements": self.cut_elements,
             }
 
     def begin(self, key: str, sequence: int, timeout_s: float) -> ConsumerTurn:
@@ -695,14 +766,25 @@ class UnackedReplies:
             ):
                 continue
             back.extend(reply.elements)
+            self.requeued_elements += len(reply.elements)
+            if entry.rest is not None and entry.rest.requeue_on_failure:
+                back.extend(entry.rest.elements)
+                self.requeued_elements += len(entry.rest.elements)
+                entry.rest = None
             entry.reply, entry.failed_at = None, None
             self._parked -= 1
-            self.requeued_elements += len(reply.elements)
         return back
 
     def _give_back(self, elements: list[bytes]) -> None:
         if elements and self._requeue is not None:
             self._requeue(elements)
+
+    def cut_back(self, elements: list[bytes]) -> None:
+        """Elements cut off a first come, first served reply (`ConsumerTurn.cut`) go
+        back to the front of the task's buffer."""
+        with self._mu:
+            self.cut_elements += len(elements)
+        self._give_back(elements)
 
     def _sweep_locked(self, now: float) -> None:
         self._next_sweep = now + self._ttl_s / 4
@@ -715,9 +797,10 @@ class UnackedReplies:
             self._count_dropped_locked(key, entry, f"no request for {self._ttl_s:.0f} s")
 
     def _count_dropped_locked(self, key: str, entry: _Consumer, why: str) -> None:
-        if entry.reply is None or not entry.reply.elements:
+        n = len(entry.reply.elements) if entry.reply is not None else 0
+        n += len(entry.rest.elements) if entry.rest is not None else 0
+        if not n:
             return
-        n = len(entry.reply.elements)
         self.dropped_elements += n
         log.info(
             "task %d: consumer %s did not acknowledge its last reply (%d elements, %s) "

@@ -1,0 +1,341 @@
+"""Slow links over gRPC (issue 10, items 2 and 3): a consumer whose link to a worker is
+too slow for one ~1 MiB message per no-progress timeout still gets every element
+exactly once (the client asks for smaller messages and replies, the worker cuts its
+stored reply and keeps the rest for the next requests), and when not even the
+smallest message can cross the link the read fails with `TransferStalledError` in a
+bounded time instead of retrying forever. The link is a real TCP proxy that forwards
+at a set number of bytes per second in both directions; the worker advertises the
+proxy's address, so the consumer reaches it only through the proxy. The no-progress
+timeout is 1 s here (30 s by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import numpy as np
+import pytest
+
+import dataservice as ds
+from dataservice import errors
+from dataservice.rpc import service_pb2 as pb
+from dataservice.transfer import grpc as grpc_transfer
+from dataservice.worker import task_runner
+from tests.conftest import FAST
+
+pytestmark = pytest.mark.timeout(180)
+
+OFF = ds.ShardingPolicy.OFF
+NO_PROGRESS_S = 1.0
+
+
+class SlowLink:
+    """A TCP proxy to 127.0.0.1:`target_port` that forwards each direction of each
+    connection at `rate_bytes_per_s`, in small steps (a twentieth of a second's
+    worth), reading only as fast as it forwards so that the sender feels the link."""
+
+    def __init__(self, target_port: int, rate_bytes_per_s: float) -> None:
+        self._target_port = target_port
+        self.rate = rate_bytes_per_s
+        self._step = max(256, int(rate_bytes_per_s / 20))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.port = self._listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self._stop = threading.Event()
+        self._mu = threading.Lock()
+        self._socks: list[socket.socket] = []  # guarded by self._mu
+        self._threads: list[threading.Thread] = []  # guarded by self._mu
+        self.connections = 0
+        self.forwarded_bytes = 0  # server to client; guarded by self._mu
+        accept = threading.Thread(target=self._accept, name="slow-link-accept", daemon=True)
+        self._threads.append(accept)
+        accept.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self._target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._mu:
+                self.connections += 1
+                self._socks += [client, upstream]
+                for src, dst, down in ((client, upstream, False), (upstream, client, True)):
+                    t = threading.Thread(
+                        target=self._pump, args=(src, dst, down), name="slow-link", daemon=True
+                    )
+                    self._threads.append(t)
+                    t.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
+        start = time.monotonic()
+        sent = 0
+        src.settimeout(0.1)
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = src.recv(self._step)
+                except TimeoutError:
+                    # An idle link does not bank bandwidth for later.
+                    start, sent = time.monotonic(), 0
+                    continue
+                if not data:
+                    break
+                ahead_s = (sent + len(data)) / self.rate - (time.monotonic() - start)
+                if ahead_s > 0 and self._stop.wait(ahead_s):
+                    break
+                dst.sendall(data)
+                sent += len(data)
+                if down:
+                    with self._mu:
+                        self.forwarded_bytes += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        with self._mu:
+            threads, socks = list(self._threads), list(self._socks)
+        for t in threads:
+            t.join(5)
+        for s in socks:
+            s.close()
+        assert not any(t.is_alive() for t in threads)
+
+
+@pytest.fixture
+def slow_worker(make_cluster, monkeypatch) -> Iterator:
+    """`make(rate)`: a cluster whose one worker clients reach through a `SlowLink` at
+    `rate` bytes/s; returns (cluster, link). The no-progress timeout is 1 s."""
+    monkeypatch.setattr(grpc_transfer, "_NO_PROGRESS_S", NO_PROGRESS_S)
+    made: list[tuple] = []
+
+    def make(rate: float):
+        cluster = make_cluster(0)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        link = SlowLink(port, rate)
+        made.append((cluster, link))
+        config = ds.WorkerConfig(cluster.target, port=port, worker_address=link.address, **FAST)
+        cluster.workers.append(ds.WorkerServer(config))
+        return cluster, link
+
+    yield make
+    for cluster, link in made:
+        for w in cluster.workers:
+            w.stop()
+        link.close()
+
+
+def big(n: int, element_bytes: int) -> ds.Dataset:
+    return ds.Dataset.range(n).map(lambda i: np.full(element_bytes, i, np.uint8))
+
+
+def ids(elements, element_bytes: int) -> list[int]:
+    out = []
+    for e in elements:
+        assert e.shape == (element_bytes,) and (e == e[0]).all()
+        out.append(int(e[0]))
+    return out
+
+
+@pytest.mark.parametrize("n", [4, pytest.param(16, marks=pytest.mark.slow)])
+def test_64_kib_elements_over_a_20_kb_s_link_arrive_once_in_order(slow_worker, n):
+    # One element takes 3.2 s through the link, a 1 MiB message 52 s, against a 1 s
+    # no-progress timeout: before, the client resent the first reply forever.
+    cluster, link = slow_worker(20_000)
+    size = 64 << 10
+    start = time.monotonic()
+    it = iter(big(n, size).apply(ds.distribute(OFF, cluster.target, data_transfer_protocol="grpc")))
+    got = ids([next(it)], size)
+    (runner,) = cluster.workers[0]._tasks.values()  # (gone once the read ends)
+    got += ids(it, size)
+    elapsed_s = time.monotonic() - start
+    assert got == list(range(n))
+    stats = runner.unacked.stats()
+    assert stats["resent_replies"] >= 1, stats  # replies timed out and came again, cut
+    # Each element left the worker in exactly one reply the consumer got.
+    assert stats["acked_elements"] + stats["unacked_elements"] + stats["dropped_elements"] == n
+    # The payload crossed the link about once: smaller messages did not resend much.
+    assert n * size <= link.forwarded_bytes < 3 * n * size, link.forwarded_bytes
+    assert elapsed_s >= n * size / link.rate * 0.9, f"the link was not throttled ({elapsed_s})"
+    print(
+        f"\n{n} x {size} B over {link.rate:.0f} B/s: {elapsed_s:.1f} s, "
+        f"{link.forwarded_bytes} B forwarded, {link.connections} connections"
+    )
+
+
+def test_a_1_mib_element_over_a_2_kb_s_link_raises_a_bounded_clear_error(slow_worker, caplog):
+    cluster, link = slow_worker(2_000)
+    size = 1 << 20
+    caplog.set_level(logging.WARNING, logger="dataservice.transfer.grpc")
+    it = iter(big(1, size).apply(ds.distribute(OFF, cluster.target, data_transfer_protocol="grpc")))
+    start = time.monotonic()
+    with pytest.raises(errors.TransferStalledError) as info:
+        next(it)
+    elapsed_s = time.monotonic() - start
+    message = str(info.value)
+    assert isinstance(info.value, errors.DeadlineExceededError)
+    assert link.address in message  # the worker, as the consumer reaches it
+    assert "a reply of 1048" in message and "the largest 1048" in message  # its size
+    assert "B/s" in message and "DATASERVICE_TRANSFER_NO_PROGRESS_MS" in message
+    # 1 MiB -> 256 KiB -> 64 KiB -> 16 KiB -> 4 KiB messages, then 3 tries at 4 KiB:
+    # 7 tries, each at most the request's wait (1 s) + 2 no-progress timeouts.
+    tries = 4 + grpc_transfer.STALLED_ATTEMPTS
+    assert elapsed_s < tries * (1.0 + 2 * NO_PROGRESS_S) + 5.0, elapsed_s
+    assert elapsed_s > tries * NO_PROGRESS_S * 0.9, elapsed_s
+    # The wait said what it waited for while it went on.
+    waits = [r.getMessage() for r in caplog.records if "over a slow link" in r.getMessage()]
+    assert waits and link.address in waits[0] and "a reply of 1048" in waits[0], waits
+    # Nothing was lost: the element waits on the worker for this consumer's retry.
+    (runner,) = cluster.workers[0]._tasks.values()
+    stats = runner.unacked.stats()
+    assert stats["unacked_elements"] == 1 and stats["acked_elements"] == 0, stats
+    it.close()
+    print(f"\nTransferStalledError after {elapsed_s:.1f} s: {message}")
+
+
+@pytest.mark.parametrize("reads", ["coordinated", "cross_trainer"])
+def test_other_reads_over_a_slow_link_arrive_once_in_order(slow_worker, reads):
+    # 64 KiB elements over 40 KB/s (1.6 s an element) with a 1 s timeout.
+    cluster, link = slow_worker(40_000)
+    size = 64 << 10
+    dataset = ds.Dataset.range(10**6).repeat().map(lambda i: np.full(size, i % 251, np.uint8))
+    if reads == "coordinated":  # two consumers, one element of each round each
+        its = [
+            iter(
+                dataset.apply(
+                    ds.distribute(
+                        OFF,
+                        cluster.target,
+                        job_name="slow-rounds",
+                        num_consumers=2,
+                        consumer_index=c,
+                        data_transfer_protocol="grpc",
+                    )
+                )
+            )
+            for c in range(2)
+        ]
+        rounds = 3
+        expected = [[2 * r + c for r in range(rounds)] for c in range(2)]
+    else:  # one trainer of a cross-trainer cache
+        its = [
+            iter(
+                dataset.apply(
+                    ds.distribute(
+                        OFF,
+                        cluster.target,
+                        job_name="slow-cache",
+                        cross_trainer_cache=ds.CrossTrainerCache("trainer-0"),
+                        data_transfer_protocol="grpc",
+                    )
+                )
+            )
+        ]
+        rounds = 6
+        expected = [list(range(rounds))]
+    try:
+        with futures.ThreadPoolExecutor(len(its)) as pool:
+            rows = list(pool.map(lambda it: ids([next(it) for _ in range(rounds)], size), its))
+    finally:
+        for it in its:
+            it.close()
+    assert rows == expected
+
+
+def test_the_no_progress_timeout_comes_from_the_environment():
+    code = "from dataservice.transfer import grpc; print(grpc._NO_PROGRESS_S)"
+    env = dict(os.environ, DATASERVICE_TRANSFER_NO_PROGRESS_MS="1500")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "1.5", out.stderr
+    env["DATASERVICE_TRANSFER_NO_PROGRESS_MS"] = "soon"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0 and "DATASERVICE_TRANSFER_NO_PROGRESS_MS" in out.stderr
+
+
+# ------------------------------------------------- the worker's side, without a link
+def encoded(n: int, size: int) -> list[bytes]:
+    return [bytes([i]) * size for i in range(n)]
+
+
+def test_a_retry_with_a_smaller_max_bytes_gets_the_part_that_fits_and_the_rest_next():
+    back: list[list[bytes]] = []
+    replies = task_runner.UnackedReplies(4000, requeue=back.append)
+    elements = encoded(5, 100)
+    turn = replies.begin("k", 1, 1.0)
+    turn.store(task_runner.Reply(list(elements), True, None, requeue_on_failure=False))
+    turn.finish(sent=False)  # a slow link: the client timed out
+    turn = replies.begin("k", 1, 1.0)  # its retry, asking for at most 250 bytes
+    head = turn.cut(250)
+    turn.finish(sent=True)
+    assert head is not None and head.elements == elements[:2] and not head.end_of_sequence
+    got = list(head.elements)
+    sequence = 2
+    while True:
+        turn = replies.begin("k", sequence, 1.0)
+        reply = turn.take_rest(150)
+        assert reply is not None
+        turn.store(reply)
+        turn.finish(sent=True)
+        got += reply.elements
+        sequence += 1
+        if reply.end_of_sequence:
+            break
+    assert got == elements  # every element once, in order, the end after the last
+    assert not back
+    assert replies.stats()["unacked_elements"] == 1
+
+
+def test_a_cut_first_come_first_served_reply_gives_the_rest_back_to_the_task():
+    back: list[list[bytes]] = []
+    replies = task_runner.UnackedReplies(4000, requeue=back.append)
+    elements = encoded(4, 100)
+    turn = replies.begin("k", 1, 1.0)
+    turn.store(task_runner.Reply(list(elements), False, None, requeue_on_failure=True))
+    head = turn.cut(100)
+    turn.finish(sent=True)
+    assert head is not None and head.elements == elements[:1]
+    assert back == [elements[1:]]
+    assert replies.stats()["cut_elements"] == 3 and replies.stats()["unacked_elements"] == 1
+
+
+def test_max_message_bytes_is_checked_at_the_edge():
+    from dataservice.rpc import validate
+
+    validate.check_request(pb.GetElementsRequest(round_index=-1, consumer_index=-1))
+    validate.check_request(
+        pb.GetElementsRequest(round_index=-1, consumer_index=-1, max_message_bytes=4096)
+    )
+    with pytest.raises(errors.InvalidArgumentError, match="max_message_bytes=10"):
+        validate.check_request(
+            pb.GetElementsRequest(round_index=-1, consumer_index=-1, max_message_bytes=10)
+        )

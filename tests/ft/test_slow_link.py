@@ -25,8 +25,10 @@ import numpy as np
 import pytest
 
 import dataservice as ds
-from dataservice import errors
+from dataservice import _waits, errors
 from dataservice.rpc import service_pb2 as pb
+from dataservice.rpc import util as rpc_util
+from dataservice.transfer import base
 from dataservice.transfer import grpc as grpc_transfer
 from dataservice.worker import task_runner
 from tests.conftest import FAST
@@ -44,8 +46,7 @@ class SlowLink:
 
     def __init__(self, target_port: int, rate_bytes_per_s: float) -> None:
         self._target_port = target_port
-        self.rate = rate_bytes_per_s
-        self._step = max(256, int(rate_bytes_per_s / 20))
+        self.rate = rate_bytes_per_s  # may be changed while it runs
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.1)
         self.port = self._listener.getsockname()[1]
@@ -90,7 +91,7 @@ class SlowLink:
         try:
             while not self._stop.is_set():
                 try:
-                    data = src.recv(self._step)
+                    data = src.recv(max(256, int(self.rate / 20)))
                 except TimeoutError:
                     # An idle link does not bank bandwidth for later.
                     start, sent = time.monotonic(), 0
@@ -164,11 +165,15 @@ def ids(elements, element_bytes: int) -> list[int]:
 
 
 @pytest.mark.parametrize("n", [4, pytest.param(16, marks=pytest.mark.slow)])
-def test_64_kib_elements_over_a_20_kb_s_link_arrive_once_in_order(slow_worker, n):
+def test_64_kib_elements_over_a_20_kb_s_link_arrive_once_in_order(
+    slow_worker, n, caplog, monkeypatch
+):
     # One element takes 3.2 s through the link, a 1 MiB message 52 s, against a 1 s
     # no-progress timeout: before, the client resent the first reply forever.
     cluster, link = slow_worker(20_000)
     size = 64 << 10
+    monkeypatch.setattr(_waits, "FIRST_WARNING_S", 2.0)
+    caplog.set_level(logging.WARNING, logger="dataservice.transfer.grpc")
     start = time.monotonic()
     it = iter(big(n, size).apply(ds.distribute(OFF, cluster.target, data_transfer_protocol="grpc")))
     got = ids([next(it)], size)
@@ -180,6 +185,9 @@ def test_64_kib_elements_over_a_20_kb_s_link_arrive_once_in_order(slow_worker, n
     assert stats["resent_replies"] >= 1, stats  # replies timed out and came again, cut
     # Each element left the worker in exactly one reply the consumer got.
     assert stats["acked_elements"] + stats["unacked_elements"] + stats["dropped_elements"] == n
+    # A request that took long said what it waited for (a 2 s threshold here).
+    waits = [r.getMessage() for r in caplog.records if "over a slow link" in r.getMessage()]
+    assert waits and link.address in waits[0] and "B/s" in waits[0], waits
     # The payload crossed the link about once: smaller messages did not resend much.
     assert n * size <= link.forwarded_bytes < 3 * n * size, link.forwarded_bytes
     assert elapsed_s >= n * size / link.rate * 0.9, f"the link was not throttled ({elapsed_s})"
@@ -217,6 +225,51 @@ def test_a_1_mib_element_over_a_2_kb_s_link_raises_a_bounded_clear_error(slow_wo
     assert stats["unacked_elements"] == 1 and stats["acked_elements"] == 0, stats
     it.close()
     print(f"\nTransferStalledError after {elapsed_s:.1f} s: {message}")
+
+
+def test_messages_shrink_on_a_slow_link_and_grow_back_when_it_is_fast(slow_worker):
+    cluster, link = slow_worker(20_000)
+    size = 16 << 10
+    dataset = ds.Dataset.range(10**6).repeat().map(lambda i: np.full(size, i % 251, np.uint8))
+    it = iter(dataset.apply(ds.distribute(OFF, cluster.target, job_name="resize")))
+    worker = cluster.workers[0]
+    deadline = time.monotonic() + 10
+    while not worker.num_tasks():
+        assert time.monotonic() < deadline, "the worker got no task"
+        time.sleep(0.02)
+    (task_id,) = worker._tasks
+    client = grpc_transfer.GrpcTransferClient(
+        base.TaskEndpoint(task_id, link.address, link.address, ""), None
+    )
+    got: list[int] = []
+    sizes: list[int | None] = []
+
+    def read_until(done, max_calls: int) -> None:
+        for _ in range(max_calls):
+            if done():
+                return
+            try:
+                result = client.get_elements(16, 4 << 20, 1.0)
+            except errors.TransferStalledError:
+                raise
+            except errors.DeadlineExceededError:
+                sizes.append(client.message_bytes)
+                continue
+            got.extend(ids(result.elements, size))
+            sizes.append(client.message_bytes)
+
+    try:
+        # 16 x 16 KiB (256 KiB) replies: 13 s at 20 KB/s, against a 1 s timeout.
+        read_until(lambda: bool(got), 8)
+        assert got, sizes  # elements arrived
+        assert 0 < (client.message_bytes or 0) <= 64 << 10, sizes  # in small messages
+        link.rate = 20_000_000
+        read_until(lambda: client.message_bytes is None, 12)
+        assert client.message_bytes is None, sizes  # back to the worker's default
+        assert got == [i % 251 for i in range(len(got))], got  # each once, in order
+    finally:
+        client.close()
+        it.close()
 
 
 @pytest.mark.parametrize("reads", ["coordinated", "cross_trainer"])
@@ -339,3 +392,28 @@ def test_max_message_bytes_is_checked_at_the_edge():
         validate.check_request(
             pb.GetElementsRequest(round_index=-1, consumer_index=-1, max_message_bytes=10)
         )
+
+
+# ------------------------------------------------- the dispatcher's large RPCs
+def test_a_large_dataset_registers_over_a_slow_link_to_the_dispatcher(make_cluster, monkeypatch):
+    """RegisterDataset carries the pipeline's arrays (here 150 KB): over a 60 KB/s link
+    it takes ~2.5 s, longer than one try's deadline (0.5 s here, 10 s by default). Each
+    try after a timed-out one gets twice as long, so it arrives; before, it was resent
+    until the client timeout and failed with "could not reach"."""
+    monkeypatch.setattr(rpc_util, "DISPATCHER_ATTEMPT_S", 0.5)
+    cluster = make_cluster(0)
+    port = int(cluster.target.rsplit(":", 1)[1])
+    link = SlowLink(port, 60_000)
+    try:
+        values = np.arange(150_000, dtype=np.uint8)
+        dataset = ds.Dataset.from_tensor_slices(values)
+        start = time.monotonic()
+        dataset_id = ds.register_dataset(link.address, dataset, client_timeout_ms=60_000)
+        elapsed_s = time.monotonic() - start
+        assert dataset_id
+        assert elapsed_s >= 150_000 / link.rate * 0.9, elapsed_s  # it did cross the link
+        print(f"\nRegisterDataset of {values.nbytes} B over {link.rate:.0f} B/s: {elapsed_s:.1f} s")
+        # The same definition, straight to the dispatcher: the same id.
+        assert ds.register_dataset(cluster.target, dataset) == dataset_id
+    finally:
+        link.close()

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from dataservice import _waits, auth, errors
+from dataservice.rpc import service_pb2
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,11 @@ AUTH_ENV = auth.AUTH_ENV
 ERROR_TYPE_KEY = "ds-error-type"
 UNREACHABLE_ENV = "DATASERVICE_UNREACHABLE_TIMEOUT_MS"
 DEFAULT_UNREACHABLE_TIMEOUT_MS = 8_000  # with DNS and start-up, an error within 10 s
+# The first attempt of a dispatcher RPC; each after a timed-out one gets twice as long.
+DISPATCHER_ATTEMPT_S = 10.0
+# A dispatcher request at least this large, to a dispatcher this process never
+# reached, is preceded by a small GetDispatcherInfo (see `call_dispatcher`).
+PROBE_FIRST_BYTES = 64 << 10
 
 # Addresses that answered an RPC of this process (see `was_reached`).
 _REACHED_MU = threading.Lock()
@@ -271,7 +277,10 @@ def call_with_retries(
     Args:
         fn: Makes one attempt; called as `fn(timeout_s)` with the attempt's
             gRPC deadline if `attempt_timeout_s` is given (at most that, less
-            near the end of the wait), else as `fn()`.
+            near the end of the wait), else as `fn()`. An attempt that ran out
+            of its deadline at a server that answered before makes the next one's
+            twice as long (a large request or response over a slow link cannot
+            fit a fixed deadline: it would be resent until `timeout_ms`).
 
     Raises:
         UnavailableError: Still unreachable after the bound; names `address`.
@@ -284,19 +293,30 @@ def call_with_retries(
     fast_deadline = start + fast_ms / 1000
     backoff = Backoff()
     last = [""]
-    slow = _waits.SlowWait(
-        log,
-        lambda: f"{what}: no answer from {address} ({last[0]}); retrying for up to {timeout_ms} ms",
-        start=start,
-    )
+    attempt_s = attempt_timeout_s
+
+    def describe() -> str:
+        longer = ""
+        if (
+            attempt_s is not None
+            and attempt_timeout_s is not None
+            and attempt_s > attempt_timeout_s
+        ):
+            longer = f", each try now {attempt_s:.0f} s (the answer may be large, the link slow)"
+        return (
+            f"{what}: no answer from {address} ({last[0]}); retrying for up to "
+            f"{timeout_ms} ms{longer}"
+        )
+
+    slow = _waits.SlowWait(log, describe, start=start)
     while True:
         reached = was_reached(address)
         end = deadline if reached else fast_deadline
         try:
-            if attempt_timeout_s is None:
+            if attempt_s is None:
                 result = fn()
             else:
-                fn_timeout_s = min(attempt_timeout_s, max(0.05, end - time.monotonic()))
+                fn_timeout_s = min(attempt_s, max(0.05, end - time.monotonic()))
                 result = fn(fn_timeout_s)
         except grpc.RpcError as err:
             if server_answered(err):
@@ -309,10 +329,20 @@ def call_with_retries(
             now = time.monotonic()
             if not was_reached(address) and now >= fast_deadline:
                 raise unreachable_error(what, address, fast_ms, details) from None
+            timed_out = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
             if now >= deadline:
+                if timed_out and attempt_s is not None and was_reached(address):
+                    # (UnavailableError as before: callers treat it as the dispatcher gone)
+                    raise errors.UnavailableError(
+                        f"{what}: {address} gave no complete answer within {timeout_ms} ms "
+                        f"(the last try had {attempt_s:.0f} s; {details}): the server is "
+                        "stuck, or the request or answer is too large for the link"
+                    ) from None
                 raise errors.UnavailableError(
                     f"{what}: could not reach {address} within {timeout_ms} ms ({details})"
                 ) from None
+            if timed_out and attempt_s is not None and was_reached(address):
+                attempt_s = min(2 * attempt_s, timeout_ms / 1000)
             if stop is not None and stop.is_set():
                 raise errors.CancelledError(f"{what} to {address} cancelled") from None
             slow.check(now)
@@ -336,14 +366,40 @@ def call_dispatcher(
 ) -> Any:
     """`stub.<method>(request)` on the dispatcher, retried as `call_with_retries`
     for up to `timeout_ms` (`unreachable_ms` for a dispatcher that never
-    answered; each attempt bounded at 10 s)."""
+    answered; the first attempt bounded at `DISPATCHER_ATTEMPT_S`, each one after
+    a timed-out one twice as long).
+
+    Raises:
+        UnavailableError: As `call_with_retries`; when every attempt at a
+            dispatcher that answered before ran out of its deadline until
+            `timeout_ms`, the message says so (stuck, or a request or answer too
+            large for the link) and names the last attempt's deadline.
+        CancelledError, DataServiceError: As `call_with_retries`.
+    """
     fn = getattr(stub, method)
+    size = request.ByteSize()
+    if size >= PROBE_FIRST_BYTES and not was_reached(address):
+        # A large request that a slow link holds up past its deadline would be taken
+        # for a wrong address (given up after the unreachable timeout): a small call
+        # first tells the two apart.
+        info = stub.GetDispatcherInfo
+        call_with_retries(
+            lambda timeout_s: info(
+                service_pb2.DispatcherInfoRequest(), timeout=timeout_s, metadata=metadata
+            ),
+            address=address,
+            what="GetDispatcherInfo to the dispatcher",
+            timeout_ms=timeout_ms,
+            stop=stop,
+            attempt_timeout_s=DISPATCHER_ATTEMPT_S,
+            unreachable_ms=unreachable_ms,
+        )
     return call_with_retries(
         lambda timeout_s: fn(request, timeout=timeout_s, metadata=metadata),
         address=address,
-        what=f"{method} to the dispatcher",
+        what=f"{method} to the dispatcher" + (f" ({size} bytes)" if size >= 1 << 20 else ""),
         timeout_ms=timeout_ms,
         stop=stop,
-        attempt_timeout_s=10.0,
+        attempt_timeout_s=DISPATCHER_ATTEMPT_S,
         unreachable_ms=unreachable_ms,
     )

@@ -204,6 +204,7 @@ class GrpcTransferClient(base.TransferClient):
         self._attempts = 0
         self._stalled = 0
         self._reply_size = _Attempt()  # the sizes the worker announced
+        self._current: _Attempt | None = None  # the try being received
         self._slow: _waits.SlowWait | None = None
 
     def get_elements(
@@ -249,13 +250,13 @@ class GrpcTransferClient(base.TransferClient):
             sequence=self._sequence,
             max_message_bytes=message_bytes or 0,
         )
-        attempt = _Attempt()
+        attempt = self._current = _Attempt()
         try:
             encoded, response = self._receive(request, timeout_s, attempt)
         except errors.DeadlineExceededError as err:
-            if attempt.reply_bytes:
-                self._reply_size = attempt
             raise self._after_timeout(attempt, message_bytes, timeout_s, err) from None
+        finally:
+            self._current = None
         self._reply_arrived(attempt, message_bytes)
         self._sequence += 1  # the reply is here: the next request acknowledges it
         elements: list[Any] = [codec.decode(e) for e in encoded]
@@ -297,6 +298,7 @@ class GrpcTransferClient(base.TransferClient):
         messages next time, on a new connection. Returns the error to raise:
         `TransferStalledError` after `STALLED_ATTEMPTS` attempts in a row with the
         smallest messages that brought nothing new, else `err` (retry)."""
+        self._current = None  # counted below
         self._attempts += 1
         self._total_received += attempt.received
         if attempt.received > self._best_received:
@@ -314,30 +316,41 @@ class GrpcTransferClient(base.TransferClient):
                 self._slow.done()
                 self._slow = None
             return errors.TransferStalledError(self._stalled_message(now))
+        self._check_slow(now)
+        return err
+
+    def _check_slow(self, now: float) -> None:
+        """A request older than `_waits.FIRST_WARNING_S` (a big reply on a slow link,
+        arriving or retried) logs what it waits for, then again every
+        `_waits.REPEAT_WARNING_S`."""
         if self._slow is None:
+            start = self._request_start
+            if start is None or now - start < _waits.FIRST_WARNING_S:
+                return
             self._slow = _waits.SlowWait(
-                log,
-                lambda: self._slow_message(time.monotonic()),
-                start=self._request_start,
+                log, lambda: self._slow_message(time.monotonic()), start=start
             )
         self._slow.check(now)
-        return err
 
     def _sizes(self) -> str:
         size = self._reply_size
         if not size.reply_bytes:
-            return "a reply of unknown size (its first message did not arrive)"
+            return "a reply whose size has not arrived (a reply of one message does not send it)"
         return (
             f"a reply of {size.reply_bytes} bytes ({size.reply_elements} elements, the "
             f"largest {size.largest_bytes} bytes)"
         )
 
     def _throughput(self, now: float) -> tuple[float, str]:
+        """(bytes/s, a text): what the current request's tries brought so far."""
         elapsed_s = max(1e-3, now - (self._request_start or now))
-        rate = self._total_received / elapsed_s
+        current = self._current
+        received = self._total_received + (current.received if current is not None else 0)
+        tries = self._attempts + (current is not None)
+        rate = received / elapsed_s
         return rate, (
-            f"{self._total_received} bytes arrived in {elapsed_s:.1f} s over "
-            f"{self._attempts} tries (~{rate:.0f} B/s)"
+            f"{received} bytes arrived in {elapsed_s:.1f} s over {tries} "
+            f"{'try' if tries == 1 else 'tries'} (~{rate:.0f} B/s)"
         )
 
     def _slow_message(self, now: float) -> str:
@@ -345,8 +358,9 @@ class GrpcTransferClient(base.TransferClient):
         return (
             f"GetElements from worker {self._endpoint.worker_address} (task "
             f"{self._endpoint.task_id}): waiting for {self._sizes()} over a slow link: "
-            f"{measured}; each try that brings no message for {self.no_progress_s:.1f} s is "
-            f"retried with smaller messages (now {self.message_bytes} bytes)"
+            f"{measured}; a try that brings no message for {self.no_progress_s:.1f} s is "
+            "retried with smaller messages (now "
+            f"{self.message_bytes or _FULL_MESSAGE_BYTES} bytes)"
         )
 
     def _stalled_message(self, now: float) -> str:
@@ -396,6 +410,7 @@ class GrpcTransferClient(base.TransferClient):
                     attempt.reply_bytes = chunk.reply_bytes
                     attempt.reply_elements = chunk.reply_elements
                     attempt.largest_bytes = chunk.largest_element_bytes
+                    self._reply_size = attempt
                 if chunk.element_bytes:
                     part, filled = bytearray(chunk.element_bytes), 0
                 if chunk.element_part:
@@ -418,8 +433,7 @@ class GrpcTransferClient(base.TransferClient):
                     if last_data is not None:
                         attempt.largest_gap_s = max(attempt.largest_gap_s, now - last_data)
                     last_data = now
-                    if self._slow is not None:
-                        self._slow.check(now)
+                    self._check_slow(now)
                 if chunk.last:
                     last = chunk.response
             # The stream ended with status OK: only now is the reply the consumer's (a

@@ -31,6 +31,7 @@ from dataservice.rpc import util as rpc_util
 from dataservice.transfer import base
 from dataservice.transfer import grpc as grpc_transfer
 from dataservice.worker import task_runner
+from dataservice.worker.server import WorkerServer
 from tests.conftest import FAST
 
 pytestmark = pytest.mark.timeout(180)
@@ -417,3 +418,52 @@ def test_a_large_dataset_registers_over_a_slow_link_to_the_dispatcher(make_clust
         assert ds.register_dataset(cluster.target, dataset) == dataset_id
     finally:
         link.close()
+
+
+def test_a_worker_that_sends_nothing_is_not_taken_for_a_slow_link(make_cluster, monkeypatch):
+    """A stuck (or frozen) worker sends no message at all: the client keeps retrying
+    with DeadlineExceededError, leaving it to the worker-loss rules
+    (`worker_loss_timeout_ms`), instead of blaming the link with TransferStalledError."""
+    monkeypatch.setattr(grpc_transfer, "_NO_PROGRESS_S", 0.3)
+    monkeypatch.setattr(grpc_transfer, "_FIRST_MESSAGE_GRACE_S", 0.3)
+    release = threading.Event()
+    original = WorkerServer._get_elements_stream
+
+    def stuck(worker: WorkerServer, request) -> Iterator:
+        inner = original(worker, request)
+        try:
+            first = next(inner)
+            release.wait(60)
+            yield first
+            yield from inner
+        finally:
+            inner.close()
+
+    monkeypatch.setattr(WorkerServer, "_get_elements_stream", stuck)
+    cluster = make_cluster(1)
+    worker = cluster.workers[0]
+    it = iter(big(10, 64 << 10).apply(ds.distribute(OFF, cluster.target, job_name="stuck")))
+    client = None
+    try:
+        deadline = time.monotonic() + 10
+        while not worker.num_tasks():
+            assert time.monotonic() < deadline, "the worker got no task"
+            time.sleep(0.02)
+        (task_id,) = worker._tasks
+        client = grpc_transfer.GrpcTransferClient(
+            base.TaskEndpoint(task_id, worker.address, worker.address, ""), None
+        )
+        tries = 4 + grpc_transfer.STALLED_ATTEMPTS + 2
+        for _ in range(tries):
+            with pytest.raises(errors.DeadlineExceededError) as info:
+                client.get_elements(4, 1 << 20, 0.2)
+            assert not isinstance(info.value, errors.TransferStalledError)
+        assert client.message_bytes == grpc_transfer.MIN_MESSAGE_BYTES
+        release.set()
+        result = client.get_elements(4, 1 << 20, 1.0)  # the same reply, once it answers
+        assert ids(result.elements, 64 << 10)[0] == 0
+    finally:
+        release.set()
+        if client is not None:
+            client.close()
+        it.close()

@@ -27,8 +27,9 @@ requests, so nothing is lost or sent twice), on a new connection (the cancelled
 reply's bytes still in flight would otherwise hold the link up). Messages grow
 back, doubling, while they arrive in under a quarter of the timeout. When even
 messages of `MIN_MESSAGE_BYTES` bring nothing new `STALLED_ATTEMPTS` times in a row
-(the link moves less than 4 KiB per timeout, or the worker is stuck), the request
-fails with `TransferStalledError`, naming the worker, the reply's size and the
+while the worker does answer (a reply asked for in small messages starts with its
+size: the link moves less than 4 KiB per timeout), the request fails with
+`TransferStalledError`, naming the worker, the reply's size and the
 throughput measured, within about (4 + `STALLED_ATTEMPTS`) no-progress timeouts of
 the reply's start. A wait past `_waits.FIRST_WARNING_S` logs what it waits for.
 """
@@ -158,9 +159,17 @@ _watchdog = _Watchdog()
 class _Attempt:
     """What one streamed reply brought, for the slow-link bookkeeping."""
 
-    __slots__ = ("received", "largest_gap_s", "reply_bytes", "reply_elements", "largest_bytes")
+    __slots__ = (
+        "messages",
+        "received",
+        "largest_gap_s",
+        "reply_bytes",
+        "reply_elements",
+        "largest_bytes",
+    )
 
     def __init__(self) -> None:
+        self.messages = 0  # of any kind: the worker is alive and the link carries them
         self.received = 0  # element bytes received, in order from the reply's start
         self.largest_gap_s = 0.0  # the longest wait for a data message after the first
         self.reply_bytes = 0  # from the reply's first message, when it takes several
@@ -225,10 +234,11 @@ class GrpcTransferClient(base.TransferClient):
             DeadlineExceededError: No message from the worker for the no-progress
                 timeout (`timeout_s` + up to 10 s for the first, 30 s between
                 messages); the retry asks for smaller messages.
-            TransferStalledError: Not even messages of `MIN_MESSAGE_BYTES` brought
-                anything new within the no-progress timeout, `STALLED_ATTEMPTS`
-                times in a row: the link is too slow for the timeout (or the worker
-                is stuck). Not worth retrying.
+            TransferStalledError: The worker answered, but not even messages of
+                `MIN_MESSAGE_BYTES` brought anything new within the no-progress
+                timeout, `STALLED_ATTEMPTS` times in a row: the link is too slow for
+                the timeout. Not worth retrying. (A worker that sends nothing at all
+                keeps raising DeadlineExceededError: the worker-loss rules apply.)
             WorkerError, UnavailableError, NotFoundError: As `TransferClient`.
         """
         if self._error is not None:  # after the elements that came with it
@@ -304,7 +314,11 @@ class GrpcTransferClient(base.TransferClient):
         if attempt.received > self._best_received:
             self._best_received = attempt.received
             self._stalled = 0
-        elif message_bytes is not None and message_bytes <= MIN_MESSAGE_BYTES:
+        elif attempt.messages and message_bytes is not None and message_bytes <= MIN_MESSAGE_BYTES:
+            # The worker answered (a reply asked for in small messages starts with its
+            # size) but no piece of its data arrived: the link is too slow. A try with
+            # no message at all (a stuck or frozen worker) does not count: the worker
+            # loss rules handle those (`worker_loss_timeout_ms`).
             self._stalled += 1
         self.message_bytes = max(
             MIN_MESSAGE_BYTES, (message_bytes or _FULL_MESSAGE_BYTES) // _SHRINK
@@ -374,11 +388,11 @@ class GrpcTransferClient(base.TransferClient):
         return (
             f"GetElements from worker {self._endpoint.worker_address} (task "
             f"{self._endpoint.task_id}): {self._sizes()} cannot cross the link: {measured}; "
-            f"messages of {MIN_MESSAGE_BYTES} bytes brought nothing new within "
-            f"{self.no_progress_s:.1f} s, {self._stalled} times in a row (the link moves "
-            f"less than {MIN_MESSAGE_BYTES / self.no_progress_s:.0f} B/s, or the worker is "
-            f"stuck). Raise ${NO_PROGRESS_ENV} (now {timeout_ms}) {advice} for links this "
-            "slow, or read from a nearer worker"
+            f"the worker answered, but messages of {MIN_MESSAGE_BYTES} bytes brought "
+            f"nothing new within {self.no_progress_s:.1f} s, {self._stalled} times in a row "
+            f"(the link moves less than {MIN_MESSAGE_BYTES / self.no_progress_s:.0f} B/s). "
+            f"Raise ${NO_PROGRESS_ENV} (now {timeout_ms}) {advice} for links this slow, or "
+            "read from a nearer worker"
         )
 
     def _reconnect(self) -> None:
@@ -406,6 +420,7 @@ class GrpcTransferClient(base.TransferClient):
         try:
             for chunk in call:
                 now = watch.progress(self.no_progress_s)
+                attempt.messages += 1
                 if chunk.reply_bytes:
                     attempt.reply_bytes = chunk.reply_bytes
                     attempt.reply_elements = chunk.reply_elements

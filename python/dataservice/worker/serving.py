@@ -278,12 +278,13 @@ class ElementServing:
 
     def _chunks(self, reply: Reply, request: Any) -> Iterator[Any]:
         """`reply` as GetElementsChunk messages of about `request.max_message_bytes`
-        each (0: `_CHUNK_BYTES`; never more). A reply that takes more than one message
-        first sends its size (`reply_bytes`, `reply_elements`,
-        `largest_element_bytes`), so a client on a slow link can say what it waits for."""
+        each (0: `_CHUNK_BYTES`; never more). A reply that takes more than one message,
+        or that was asked for in small messages (a slow link), first sends its size
+        (`reply_bytes`, `reply_elements`, `largest_element_bytes`): the client can say
+        what it waits for, and tell a slow link (this arrives) from a stuck worker."""
         chunk_bytes = min(request.max_message_bytes or _CHUNK_BYTES, _CHUNK_BYTES)
         sizes = [len(e) for e in reply.elements]
-        if sum(sizes) > chunk_bytes:
+        if sizes and (request.max_message_bytes or sum(sizes) > chunk_bytes):
             yield pb.GetElementsChunk(
                 reply_bytes=sum(sizes), reply_elements=len(sizes), largest_element_bytes=max(sizes)
             )

@@ -369,6 +369,41 @@ def test_a_retry_with_a_smaller_max_bytes_gets_the_part_that_fits_and_the_rest_n
     assert replies.stats()["unacked_elements"] == 1
 
 
+def test_a_reply_made_from_a_rest_and_cut_again_keeps_the_order():
+    back: list[list[bytes]] = []
+    replies = task_runner.UnackedReplies(4000, requeue=back.append)
+    elements = encoded(6, 100)
+    error = errors.RemoteErrorInfo("ValueError", "bad record", "", b"")
+    turn = replies.begin("k", 1, 1.0)  # first come, first served, ending in an error
+    turn.store(task_runner.Reply(list(elements), True, error, requeue_on_failure=True))
+    head = turn.cut(100)  # the rest keeps the error: it stays with the consumer
+    turn.finish(sent=True)
+    assert head is not None and head.elements == elements[:1] and head.error is None
+    turn = replies.begin("k", 2, 1.0)
+    second = turn.take_rest(300)
+    assert second is not None and second.elements == elements[1:4]
+    turn.store(second)
+    turn.finish(sent=False)  # timed out
+    turn = replies.begin("k", 2, 1.0)  # the retry asks for less
+    again = turn.cut(100)
+    turn.finish(sent=True)
+    assert again is not None and again.elements == elements[1:2]
+    got = elements[:2]
+    sequence = 3
+    while True:
+        turn = replies.begin("k", sequence, 1.0)
+        reply = turn.take_rest(0)
+        assert reply is not None
+        turn.store(reply)
+        turn.finish(sent=True)
+        got += reply.elements
+        sequence += 1
+        if reply.end_of_sequence:
+            assert reply.error == error  # the error comes after the last element
+            break
+    assert got == elements and not back
+
+
 def test_a_cut_first_come_first_served_reply_gives_the_rest_back_to_the_task():
     back: list[list[bytes]] = []
     replies = task_runner.UnackedReplies(4000, requeue=back.append)

@@ -535,10 +535,10 @@ class ConsumerTurn:
         `max_bytes` than the reply was made for. The elements cut off are not sent
         now: first come, first served ones (of a reply without an error) go back to
         the front of the task's buffer, for the next read; others (a coordinated
-        round's, a trainer's, or a reply that ends with an error) stay with this
-        consumer for its next requests (`take_rest`). Nothing is lost or sent twice:
-        the consumer has none of them (it asks again only for a reply it did not
-        get completely, or for the next one)."""
+        round's, a trainer's, a reply that ends with an error, or one made from such
+        a rest) stay with this consumer for its next requests (`take_rest`). Nothing
+        is lost or sent twice: the consumer has none of them (it asks again only for
+        a reply it did not get completely, or for the next one)."""
         entry = self._entry
         reply = entry.reply
         if reply is None or max_bytes <= 0:
@@ -551,12 +551,18 @@ class ConsumerTurn:
             reply.elements[k:], reply.end_of_sequence, reply.error, reply.requeue_on_failure
         )
         entry.reply = head
-        if tail.requeue_on_failure and tail.error is None and self._owner._requeue is not None:
+        owner = self._owner
+        if (
+            entry.rest is None
+            and tail.requeue_on_failure
+            and tail.error is None
+            and owner._requeue is not None
+        ):
             # The task still knows whether its stream ended: the end comes after them.
-            self._owner.cut_back(tail.elements)
+            owner.cut_back(tail.elements)
         elif entry.rest is None:
             entry.rest = tail
-        else:  # (cannot happen: a reply is made from the rest before anything else)
+        else:  # a reply made from the rest, cut again: its tail goes before the rest
             entry.rest = Reply(
                 tail.elements + entry.rest.elements,
                 entry.rest.end_of_sequence,

@@ -160,6 +160,7 @@ class _Attempt:
     """What one streamed reply brought, for the slow-link bookkeeping."""
 
     __slots__ = (
+        "expired",
         "messages",
         "received",
         "largest_gap_s",
@@ -169,9 +170,13 @@ class _Attempt:
     )
 
     def __init__(self) -> None:
+        self.expired = False  # cancelled for the no-progress timeout
         self.messages = 0  # of any kind: the worker is alive and the link carries them
         self.received = 0  # element bytes received, in order from the reply's start
-        self.largest_gap_s = 0.0  # the longest wait for a data message after the first
+        # The longest wait for a message after the first (which waits for the worker's
+        # read); a reply asked for in small messages starts with its size, so this
+        # includes the time its first data message took.
+        self.largest_gap_s = 0.0
         self.reply_bytes = 0  # from the reply's first message, when it takes several
         self.reply_elements = 0
         self.largest_bytes = 0
@@ -264,6 +269,8 @@ class GrpcTransferClient(base.TransferClient):
         try:
             encoded, response = self._receive(request, timeout_s, attempt)
         except errors.DeadlineExceededError as err:
+            if not attempt.expired:  # the worker's own answer, not a slow link
+                raise
             raise self._after_timeout(attempt, message_bytes, timeout_s, err) from None
         finally:
             self._current = None
@@ -416,11 +423,14 @@ class GrpcTransferClient(base.TransferClient):
         part: bytearray | None = None  # a large element being put together
         filled = 0
         last: Any = None
-        last_data: float | None = None  # when the last data message arrived
+        last_message: float | None = None  # when the previous message arrived
         try:
             for chunk in call:
                 now = watch.progress(self.no_progress_s)
                 attempt.messages += 1
+                if last_message is not None:
+                    attempt.largest_gap_s = max(attempt.largest_gap_s, now - last_message)
+                last_message = now
                 if chunk.reply_bytes:
                     attempt.reply_bytes = chunk.reply_bytes
                     attempt.reply_elements = chunk.reply_elements
@@ -445,9 +455,6 @@ class GrpcTransferClient(base.TransferClient):
                     elements.extend(chunk.elements)
                     attempt.received += sum(len(e) for e in chunk.elements)
                 if chunk.element_part or chunk.elements:
-                    if last_data is not None:
-                        attempt.largest_gap_s = max(attempt.largest_gap_s, now - last_data)
-                    last_data = now
                     self._check_slow(now)
                 if chunk.last:
                     last = chunk.response
@@ -455,9 +462,10 @@ class GrpcTransferClient(base.TransferClient):
             # stream cancelled after its last message may already be put back).
         except grpc.RpcError as err:
             if watch.expired:
+                attempt.expired = True
                 raise errors.DeadlineExceededError(
                     f"GetElements from {self._endpoint.transfer_address}: no data for "
-                    f"{self.no_progress_s if attempt.received else first_s:.1f} s "
+                    f"{self.no_progress_s if attempt.messages else first_s:.1f} s "
                     f"({attempt.received} bytes of the reply received); the request is "
                     "retried and the worker sends the same reply again (in smaller messages)"
                 ) from None

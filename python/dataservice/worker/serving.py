@@ -264,9 +264,11 @@ class ElementServing:
                 if turn is not None:
                     turn.store(reply)
                     raw = []
-            if turn is not None and request.max_bytes:
-                # A retry after a slow link's timeout asks for less than the reply it
-                # repeats: the part that fits now, the rest with the next requests.
+            if turn is not None and request.max_bytes and request.max_message_bytes:
+                # A client on a slow link (it asks for small messages) may ask for less
+                # than the reply it repeats: the part that fits now, the rest with the
+                # next requests. (Not otherwise: a fresh read already fits max_bytes,
+                # counted in raw bytes, and cutting on the encoded ones would churn.)
                 reply = turn.cut(request.max_bytes) or reply
             yield from self._chunks(reply, request)
             sent = True

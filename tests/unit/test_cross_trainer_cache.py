@@ -87,3 +87,71 @@ def test_a_grant_in_the_way_moves_the_window_to_a_fresh_segment():
         cache.detach(slot)
     finally:
         runner.stop()
+
+
+def _int_runner() -> TaskRunner:
+    return TaskRunner(1, lambda: (np.full(100, i, np.int64) for i in itertools.count()), "w")
+
+
+def _read(cache: CrossTrainerCache, trainer_id: str, n: int) -> tuple[int, list[int]]:
+    first, elements, end, error = cache.read_elements(trainer_id, n, 5.0)
+    assert (end, error) == (False, None)
+    return first, [int(e[0]) for e in elements]
+
+
+def test_given_back_elements_are_the_trainers_next_read_in_order():
+    runner = _int_runner()
+    try:
+        cache = CrossTrainerCache(runner, 1 << 20)
+        assert _read(cache, "t", 5) == (0, [0, 1, 2, 3, 4])
+        cache.give_back("t", 2, 3)  # its connection went away without 2, 3, 4
+        reads = [_read(cache, "t", 2) for _ in range(4)]
+        # The given-back range first (a read does not run past its end), then on.
+        assert reads == [(2, [2, 3]), (4, [4]), (5, [5, 6]), (7, [7, 8])]
+        assert _read(cache, "u", 3) == (0, [0, 1, 2])  # other trainers: unaffected
+        assert cache.stats()["given_back_elements"] == 3
+    finally:
+        runner.stop()
+
+
+def test_given_back_elements_evicted_meanwhile_are_skipped_and_counted():
+    runner = _int_runner()
+    try:
+        size = element_nbytes(np.full(100, 0, np.int64))
+        cache = CrossTrainerCache(runner, 8 * size)  # a window of 8 elements
+        slow: list[int] = []
+        while len(slow) < 4:
+            slow += _read(cache, "t", 4 - len(slow))[1]
+        assert slow == [0, 1, 2, 3]
+        cache.give_back("t", 0, 4)
+        fast: list[int] = []
+        while len(fast) < 30:  # another trainer moves the window past 0..3
+            fast += _read(cache, "u", 4)[1]
+        first, got = _read(cache, "t", 4)
+        assert first >= 4 and got[0] == first
+        stats = cache.stats()
+        assert stats["evicted_unacked_elements"] == 4
+        assert stats["first_index"] > 3
+    finally:
+        runner.stop()
+
+
+def test_close_drops_the_window_and_its_memfd_at_once():
+    runner = _int_runner()
+    try:
+        cache = CrossTrainerCache(runner, 1 << 20)
+        runner.cross_trainer_cache = cache
+        assert _read(cache, "t", 3)[1] == [0, 1, 2]
+        fd = cache.writer.fileno()
+        inode = os.fstat(fd).st_ino
+        assert "dataservice-cache-window" in os.readlink(f"/proc/self/fd/{fd}")
+        runner.stop()  # closes its cache
+        assert cache.writer is None and not cache.shared
+        try:
+            still_open = os.fstat(fd).st_ino == inode
+        except OSError:
+            still_open = False
+        assert not still_open
+        assert cache.read_elements("t", 3, 0.1) == (0, [], False, None)
+    finally:
+        runner.stop()

@@ -59,11 +59,16 @@ class TaskRead:
         end_of_sequence: The source has no element after these.
         error: The pipeline's failure (or the element the codec could not carry),
             reported once the elements before it were read; None if none.
+        end_held: These elements end the stream, and the task holds its end for
+            its other consumers until the reader calls `ElementSource.release_end()`
+            (having given back what its consumer did not take): only from
+            `ElementSource.read_holding_end`.
     """
 
     elements: list[Any]
     end_of_sequence: bool = False
     error: errors.RemoteErrorInfo | None = None
+    end_held: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +118,29 @@ class ElementSource(abc.ABC):
         """Puts raw elements taken by `read` and never delivered back at the front
         of the task's buffer, in their order, for the task's other consumers. Only
         meaningful when `gives_back`; other sources keep their elements."""
+
+    def give_back_unacknowledged(self, count: int) -> None:  # noqa: B027  (optional hook)
+        """For a source that keeps its elements (not `gives_back`): the consumer's
+        connection ended before it acknowledged the last `count` elements of this
+        source's last `read`; a trainer's cross-trainer cache read then hands them
+        to that trainer's next read. Default: nothing (a round's element is kept)."""
+
+    @property
+    def stopped(self) -> bool:
+        """The task stopped (the worker dropped it, or is stopping): reads return
+        nothing from now on, never an end of sequence. Default: False."""
+        return False
+
+    def read_holding_end(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
+        """As `read`, for a server that learns whether its consumer took a reply (the
+        "shm" ring's count): a read whose elements end the stream comes `end_held`,
+        and the task's other consumers get no end of sequence until `release_end()`.
+        Default: `read` (never held)."""
+        return self.read(max_elements, max_bytes, timeout_s)
+
+    def release_end(self) -> None:  # noqa: B027  (optional hook)
+        """Ends the hold of an `end_held` read: its consumer took its elements, or
+        what it did not take was given back (`give_back`) before this call."""
 
     def window(self) -> TrainerWindow | None:
         """The cross-trainer cache's shared-memory window for this source's trainer,
@@ -223,9 +251,15 @@ class TransferServer(abc.ABC):
     gRPC server serves). Created by its factory, from the worker's `TransferHost`,
     when the worker starts."""
 
+    def begin_stop(self) -> None:  # noqa: B027  (optional hook)
+        """Takes no new connection or request from now on (returns at once); the
+        worker then stops its tasks (waking reads that wait for elements) and calls
+        `stop()`. Default: nothing, `stop()` does it all."""
+
     @abc.abstractmethod
     def stop(self) -> None:
-        """Stops serving and frees what it holds (sockets, rings, threads)."""
+        """Stops serving and frees what it holds (sockets, rings, threads) before
+        it returns."""
 
 
 # factory(endpoint, auth_token, zero_copy=bool[, trainer_id=str]): a protocol

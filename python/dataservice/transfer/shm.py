@@ -41,7 +41,12 @@ the consumer asks for its next reply only once it took the last one out of the
 ring, and the ring's header counts the elements it took; when its connection
 ends first, the elements of its last reply it never took go back to the front
 of the task's buffer for the task's other consumers (the ones it took are its
-own). This costs one relaxed atomic store per `get_many`, no RPC or copy.
+own). This costs one relaxed atomic store per `get_many`, no RPC or copy. The
+reply that ends the stream is kept the same way (the worker waits for the
+consumer to take it or hang up, and the task's other consumers get their end
+only after), and a trainer's cache read, not acknowledged (DONE, the next
+request, the ring's count) when its connection ends, goes back to that trainer
+(`TrainerWindow.give_back`, `ElementSource.give_back_unacknowledged`).
 
 Ring bytes per worker are capped at 25 % of min(MemAvailable, cgroup limit -
 usage) (`ring_budget_bytes`, in shm_budget.py); past that a new ring is halved
@@ -176,6 +181,16 @@ class TrainerWindow(abc.ABC):
         `max_bytes` payload bytes, always one), waiting up to `timeout_s` seconds for
         the pipeline, and grants them to `slot`. The frames carry the segment when it
         is not `known_generation`, and the specs not in `known_specs`."""
+
+    def give_back(self, first_index: int, count: int) -> None:  # noqa: B027  (optional)
+        """The trainer's connection ended before it acknowledged (DONE, or its next
+        request) elements [first_index, first_index + count) of a `read`: its next
+        read, on any connection, starts with them. Default: nothing."""
+
+    @property
+    def closed(self) -> bool:
+        """The window was dropped (its task stopped): nothing more to read."""
+        return False
 
 
 class ShmTransferClient(base.TransferClient):

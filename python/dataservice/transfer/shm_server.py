@@ -9,9 +9,12 @@ HELLO's read (the worker's one decision of which source serves it, as for gRPC),
 then feeds a ring of its own (a sealed memfd within the worker's ring budget,
 `shm_budget.py`: halved down to `MIN_RING_BYTES`, then refused) or, for a trainer
 whose cross-trainer cache keeps a shared window (`shm.TrainerWindow`), names the
-window's frames. A first come, first served consumer that goes away gives back
-what it did not take out of the ring. This module knows the worker only through
-its `TransferHost`.
+window's frames. A consumer that goes away gives back what it did not take: a
+first come, first served one's elements go back to the task (also those of the
+reply that ends the stream: that reply holds the task's end for the other
+consumers until its consumer took it or hung up), a trainer's to its next read
+(a window read until DONE or the next request acknowledges it). This module
+knows the worker only through its `TransferHost`.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ class _Connection:
         self._reply_elements: list[Any] = []
         self._reply_first = 0  # elements written into the ring before the last reply
         self._written = 0  # elements written into the ring
+        # A trainer's last window read, (first index, count), until it acknowledges it.
+        self._unacked_read: tuple[int, int] | None = None
 
     def _reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         data = json.dumps(message).encode()
@@ -207,43 +212,67 @@ class _Connection:
         finally:
             os.close(fd)
         known_specs: set[int] = set()
-        # Until the trainer closes the connection (detach clears its slot).
-        while (data := self._next_message()) is not None:
-            if data == DONE:
-                window.ungrant(slot)
-                continue
-            if len(data) != REQUEST.size or data[:1] != b"G":
-                log.warning("shm: unexpected %d-byte message from a client", len(data))
-                return
-            _, want, max_bytes, timeout_ms = REQUEST.unpack(data)
-            window.ungrant(slot)  # a new request: the last reply is done with too
-            got = window.read(
-                slot, generation, known_specs, max(1, want), timeout_ms / 1000, max(1, max_bytes)
-            )
-            error = got.error
-            reply: dict[str, Any] = {
-                "n": 0,
-                "end": got.end_of_sequence,
-                "error": list(error.to_frame()) if error else None,
-            }
-            fds = []
-            read = got.frames
-            if read is not None:
-                reply.update(
-                    n=read.count, pos=read.pos, seq=read.first_index, below=read.reclaim_below
-                )
-                reply["specs"] = {str(i): b.hex() for i, b in read.specs.items()}
-                known_specs.update(read.specs)
-                if read.fd is not None:
-                    generation = read.generation
-                    reply.update(generation=generation, nonce=read.nonce.hex())
-                    fds = [read.fd]
-            self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            try:
-                self._reply(reply, fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+        try:
+            # Until the trainer closes the connection (detach clears its slot).
+            while (data := self._next_message()) is not None:
+                # DONE or a new request: the trainer has the last reply's elements.
+                self._unacked_read = None
+                if data == DONE:
+                    window.ungrant(slot)
+                    continue
+                if len(data) != REQUEST.size or data[:1] != b"G":
+                    log.warning("shm: unexpected %d-byte message from a client", len(data))
+                    return
+                if window.closed:  # the task stopped: the trainer learns it reconnecting
+                    return
+                generation = self._serve_window_request(window, slot, generation, known_specs, data)
+        finally:
+            # Gone before acknowledging its last read: its trainer reads them again.
+            if self._unacked_read is not None and not self._server.stopping:
+                window.give_back(*self._unacked_read)
+            self._unacked_read = None
+
+    def _serve_window_request(
+        self,
+        window: TrainerWindow,
+        slot: int,
+        generation: int,
+        known_specs: set[int],
+        data: bytes,
+    ) -> int:
+        """Answers one window request (the read stays `_unacked_read` until the
+        trainer acknowledges it); returns the segment generation the trainer knows."""
+        _, want, max_bytes, timeout_ms = REQUEST.unpack(data)
+        window.ungrant(slot)  # a new request: the last reply is done with too
+        got = window.read(
+            slot, generation, known_specs, max(1, want), timeout_ms / 1000, max(1, max_bytes)
+        )
+        error = got.error
+        reply: dict[str, Any] = {
+            "n": 0,
+            "end": got.end_of_sequence,
+            "error": list(error.to_frame()) if error else None,
+        }
+        fds = []
+        read = got.frames
+        if read is not None:
+            self._unacked_read = (read.first_index, read.count)
+            reply.update(n=read.count, pos=read.pos, seq=read.first_index, below=read.reclaim_below)
+            reply["specs"] = {str(i): b.hex() for i, b in read.specs.items()}
+            if read.fd is not None:
+                reply.update(generation=read.generation, nonce=read.nonce.hex())
+                fds = [read.fd]
+        self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            self._reply(reply, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if read is not None:  # the trainer has these now
+            known_specs.update(read.specs)
+            if read.fd is not None:
+                generation = read.generation
+        return generation
 
     def _produce(self, source: base.ElementSource) -> None:
         """Serves requests as gRPC's GetElements does: each request takes up to its
@@ -257,40 +286,71 @@ class _Connection:
         reads, each element copied into this ring.
 
         A consumer that goes away (crash, closed connection) before taking all of its
-        last reply gives back what it did not take (`_give_back_untaken`), when the
-        source `gives_back` (not a trainer's cache reads), except for the reply that
-        ends the stream."""
+        last reply gives back what it did not take (`_give_back_untaken`): to the
+        task's buffer when the source `gives_back`, else (a trainer's cache read) to
+        that trainer's next read. That includes the reply that ends the stream (its
+        last elements, then END): the connection stays until the consumer took them
+        all or went away, and until then the task's other consumers get no end of
+        sequence (`ElementSource.read_holding_end`)."""
         server = self._server
         max_frame = max(1, self.ring.max_frame_bytes)
         try:
             self._serve_requests(source, max_frame)
         finally:
-            if source.gives_back and not server.stopping:
+            if not server.stopping:
                 self._give_back_untaken(source)
+
+    def _taken(self) -> int:
+        """Elements the consumer took out of the ring (its `consumer_elements`)."""
+        ring = self.ring
+        if ring is None:
+            return self._written
+        return int(ring.stats().get("consumer_elements", self._written))
 
     def _give_back_untaken(self, source: base.ElementSource) -> None:
         """The consumer went away (or the serving ended) before asking again: the
         elements of its last reply it did not take out of the ring (the ring's
         `consumer_elements`) or that were never written go back to the front of the
-        task's buffer, for the task's other consumers (first come, first served). The
-        elements it took are its own, even if it crashed before using them."""
+        task's buffer, for the task's other consumers (first come, first served), or,
+        for a source that keeps its elements (a trainer's cache read), to the
+        trainer's next read. The elements it took are its own, even if it crashed
+        before using them."""
         reply, self._reply_elements = self._reply_elements, []
         if not reply:
             return
-        taken = self._written
-        ring = self.ring
-        if ring is not None:
-            taken = int(ring.stats().get("consumer_elements", self._written))
-        untaken = reply[max(0, taken - self._reply_first) :]
-        if untaken:
-            log.info(
-                "shm consumer of task %d went away without %d of the %d elements of its "
-                "last reply; they go back to the task",
-                source.task_id,
-                len(untaken),
-                len(reply),
-            )
-            source.give_back(untaken)
+        untaken = reply[max(0, self._taken() - self._reply_first) :]
+        if not untaken:
+            return
+        if not source.gives_back:
+            source.give_back_unacknowledged(len(untaken))
+            return
+        log.info(
+            "shm consumer of task %d went away without %d of the %d elements of its "
+            "last reply; they go back to the task",
+            source.task_id,
+            len(untaken),
+            len(reply),
+        )
+        source.give_back(untaken)
+
+    def _await_final_take(self) -> None:
+        """After the stream's last reply: returns once the consumer took every element
+        out of the ring, closed the connection, or sent anything, or the worker stops
+        (checks every 5-50 ms)."""
+        poll_s = 0.005
+        while not self._server.stopping and self._taken() < self._written:
+            self._sock.settimeout(poll_s)
+            try:
+                data = self._sock.recv(64)
+            except (TimeoutError, InterruptedError):
+                poll_s = min(0.05, poll_s * 2)
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            log.warning("shm: unexpected %d-byte message after the end of a stream", len(data))
+            return
 
     def _serve_requests(self, source: base.ElementSource, max_frame: int) -> None:
         server = self._server
@@ -301,36 +361,57 @@ class _Connection:
             _, want, max_bytes, timeout_ms = REQUEST.unpack(data)
             max_bytes = max(1, min(max_bytes, 16 * max_frame))
             self._reply_elements = []  # a new request: the consumer took the last reply
-            read = source.read(max(1, want), max_bytes, timeout_ms / 1000)
-            elements, end, error = read.elements, read.end_of_sequence, read.error
-            flags = (END_FLAG if end and error is None else 0) | (ERROR_FLAG if error else 0)
-            if source.gives_back:
-                self._reply_elements, self._reply_first = elements, self._written
-            self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            self._sock.send(RESPONSE.pack(b"R", len(elements), flags))
-            put = 0
-            while put < len(elements):
-                try:
-                    n = self.ring.put_many(elements[put:], _PUT_SLICE_MS)
-                except errors.UnavailableError:
-                    return  # the consumer is gone (what it did not take goes back)
-                except Exception as err:  # e.g. an unpicklable leaf: a worker error
-                    self._reply_elements = []
-                    self.ring.put_error(*errors.capture(err).to_frame(), None)
-                    return
-                put += n
-                self._written += n
-                if server.stopping:
-                    return
-            if error is not None or end:
-                # The stream's last reply: the connection ends with it, so it is not
-                # waited on (nor given back should the consumer crash reading it).
-                self._reply_elements = []
-                if error is not None:
-                    self.ring.put_error(*error.to_frame(), None)
-                else:
-                    self.ring.put_end(None)
+            if source.stopped:
+                # The worker dropped the task (or is stopping): the consumer learns it
+                # reconnecting, rather than getting empty replies at once, in a loop.
                 return
+            read = source.read_holding_end(max(1, want), max_bytes, timeout_ms / 1000)
+            go_on = False
+            try:
+                go_on = self._send_reply(read)
+            finally:
+                if read.end_held:
+                    # What the consumer did not take goes back before the others' end.
+                    if not server.stopping:
+                        self._give_back_untaken(source)
+                    source.release_end()
+            if not go_on:
+                return
+
+    def _send_reply(self, read: base.TaskRead) -> bool:
+        """Announces `read` on the socket and writes its elements (then END or ERROR)
+        into the ring; after the stream's last reply, waits for the consumer to take
+        it (`_await_final_take`). Returns whether the connection serves on (False:
+        the stream ended, or the consumer or the server is going)."""
+        elements, end, error = read.elements, read.end_of_sequence, read.error
+        flags = (END_FLAG if end and error is None else 0) | (ERROR_FLAG if error else 0)
+        self._reply_elements, self._reply_first = elements, self._written
+        self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        self._sock.send(RESPONSE.pack(b"R", len(elements), flags))
+        put = 0
+        while put < len(elements):
+            try:
+                n = self.ring.put_many(elements[put:], _PUT_SLICE_MS)
+            except errors.UnavailableError:
+                return False  # the consumer is gone (what it did not take goes back)
+            except Exception as err:  # e.g. an unpicklable leaf: a worker error
+                self._reply_elements = []
+                self.ring.put_error(*errors.capture(err).to_frame(), None)
+                return False
+            put += n
+            self._written += n
+            if self._server.stopping:
+                return False
+        if error is not None or end:
+            # The stream's last reply: its elements are the consumer's once it took
+            # them (or given back, should it go away first).
+            if error is not None:
+                self.ring.put_error(*error.to_frame(), None)
+            else:
+                self.ring.put_end(None)
+            self._await_final_take()
+            return False
+        return True
 
     def close(self) -> None:
         ring, self.ring = self.ring, None
@@ -373,7 +454,7 @@ class ShmTransferServer(base.TransferServer):
             raise
         self._listener.listen(64)
         self._listener.setblocking(False)
-        self._admission = ShmAdmission(
+        admission = ShmAdmission(
             self._listener,
             host.address,
             host.auth_token,  # required of every HELLO when set
@@ -382,9 +463,8 @@ class ShmTransferServer(base.TransferServer):
             admit=self._admit,
             stopping=lambda: self.stopping,
         )
-        self._thread = threading.Thread(
-            target=self._admission.run, name="ds-shm-accept", daemon=True
-        )
+        self._thread = threading.Thread(target=admission.run, name="ds-shm-accept", daemon=True)
+        self._admission: ShmAdmission | None = admission
         self._thread.start()
         _live_servers.add(self)
 
@@ -447,7 +527,13 @@ class ShmTransferServer(base.TransferServer):
             rings = [c.ring for c in self._connections if c.ring is not None]
         return [dict(r.stats()) for r in rings]
 
+    def begin_stop(self) -> None:
+        self.stopping = True
+
     def stop(self) -> None:
+        """Stops accepting, ends every connection (their loops check `stopping` every
+        0.2 s; reads waiting for elements end when the worker stops its tasks) and
+        closes their rings and sockets, waiting up to 2 s for each thread."""
         self.stopping = True
         _live_servers.discard(self)
         self._thread.join(timeout=2)  # the accept loop checks `stopping` every 0.2 s
@@ -455,10 +541,17 @@ class ShmTransferServer(base.TransferServer):
             self._listener.close()
         except OSError:
             pass
+        # The admission's callbacks are this server's methods: a cycle, broken here.
+        self._admission = None
         with self._mu:
             conns = list(self._connections)
         for conn in conns:
             conn.thread.join(timeout=2)
+            if conn.thread.is_alive():
+                log.warning(
+                    "shm: a connection's thread of worker %s did not end within 2 s of stop",
+                    self.host.address,
+                )
 
 
 base.register_server(PROTOCOL, ShmTransferServer)

@@ -28,6 +28,19 @@ from space for `HOLD_GRACE_S`, the cache abandons the segment to its holders
 the trainers get with their next reply. If no segment can be made (memory),
 the window holds decoded elements in this process instead and same-host
 trainers get copies through private rings, as before.
+
+A read is the trainer's only once it acknowledges it: a same-host trainer's
+connection that ends before acknowledging its last read (the next request, or
+DONE for a window read; for a ring, what it took out of it) gives the rest back
+to its trainer id (`give_back`), and that trainer's next read, on any
+connection, starts with them (unless they were evicted meanwhile: a trainer
+lagging behind the window skips, as any lagging trainer does). gRPC reads are
+kept by the task's `UnackedReplies` and sent again instead.
+
+The cache holds its task runner weakly (the runner owns the cache), and
+`close()` (called by `TaskRunner.stop`) drops the window's segment at once, so a
+stopped worker frees the memfd when `stop()` returns, not at the next garbage
+collection.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +87,9 @@ class CrossTrainerCache:
     """A sliding window of one task's elements. Thread-safe."""
 
     def __init__(self, runner: TaskRunner, max_bytes: int) -> None:
-        self._runner = runner
+        # Weak: the runner owns the cache (`runner.cross_trainer_cache`); a strong
+        # reference back would keep both, and the window's memfd, alive in a cycle.
+        self._runner = weakref.ref(runner)
         self._max_bytes = max_bytes
         self._mu = threading.Lock()
         self._fill = threading.Lock()  # one thread at a time pulls from the pipeline
@@ -90,7 +106,13 @@ class CrossTrainerCache:
         self._window: collections.deque[tuple[Any, int]] = collections.deque()
         self._first_index = 0  # global index of self._window[0]
         self._window_bytes = 0
-        self._cursors: dict[str, int] = {}
+        self._cursors: dict[str, int] = {}  # next element not yet handed to the trainer
+        # Elements handed to a trainer whose connection went away before acknowledging
+        # them: [start, stop) ranges of global indices, oldest first, read again first.
+        self._returned: dict[str, list[list[int]]] = {}
+        self.given_back_elements = 0
+        self.evicted_unacked_elements = 0
+        self._closed = False
         self._free_slots = list(range(HOLD_SLOTS - 1, -1, -1))
         self._end = False
         self._error: errors.RemoteErrorInfo | None = None
@@ -109,12 +131,19 @@ class CrossTrainerCache:
             out = dict(self.writer.stats()) if self.writer is not None else {}
             out.update(
                 abandons=self.abandons,
+                given_back_elements=self.given_back_elements,
+                evicted_unacked_elements=self.evicted_unacked_elements,
                 elements=len(self._window),
                 window_bytes=self._window_bytes,
                 first_index=self._first_index,
                 attached_slots=sorted(set(range(HOLD_SLOTS)) - set(self._free_slots)),
             )
             return out
+
+    @property
+    def closed(self) -> bool:
+        """`close()` was called (the task stopped)."""
+        return self._closed
 
     @property
     def shared(self) -> bool:
@@ -136,7 +165,44 @@ class CrossTrainerCache:
 
     def ungrant(self, slot: int) -> None:
         """Lifts the grant of `slot`'s last reply (its trainer stored its holds)."""
-        self.writer.ungrant(slot)
+        writer = self.writer
+        if writer is not None:  # None: closed
+            writer.ungrant(slot)
+
+    def give_back(self, trainer_id: str, first_index: int, count: int) -> None:
+        """Elements [first_index, first_index + count) were handed to `trainer_id`, but
+        its connection went away before it acknowledged them: its next read (on any
+        connection) starts with them, in order, before anything newer."""
+        if count <= 0:
+            return
+        with self._mu:
+            if self._closed:
+                return
+            ranges = self._returned.setdefault(trainer_id, [])
+            ranges.append([first_index, first_index + count])
+            ranges.sort()
+            self.given_back_elements += count
+        log.info(
+            "cross-trainer cache: trainer %s went away without acknowledging elements "
+            "[%d, %d); they are its next read's",
+            trainer_id,
+            first_index,
+            first_index + count,
+        )
+
+    def close(self) -> None:
+        """The task stopped: drops the window and its segment (the memfd closes as soon
+        as no read is using the writer any more: at once, after a worker's `stop()`,
+        which joins its connections first). Reads return nothing from now on."""
+        with self._mu:
+            self._closed = True
+            self._end = True
+            self._window.clear()
+            self._window_bytes = 0
+            self._cursors.clear()
+            self._returned.clear()
+            writer, self.writer = self.writer, None
+        del writer  # the last reference, unless a read is still using it
 
     def trainer_window(self, trainer_id: str) -> TrainerWindow | None:
         """The shared window as trainer `trainer_id` reads it (None: the window is in
@@ -159,6 +225,17 @@ class CrossTrainerCache:
         Returns:
             The elements read, as `TaskRunner.get_elements_raw`'s.
         """
+        return self.read_elements(trainer_id, max_elements, timeout_s, max_bytes)[1]
+
+    def read_elements(
+        self,
+        trainer_id: str,
+        max_elements: int,
+        timeout_s: float,
+        max_bytes: int | None = None,
+    ) -> tuple[int, TaskRead]:
+        """As `get_elements`, with the global index of the first element read
+        (what `give_back` takes should the trainer not get them)."""
 
         def take(start: int, n: int, index: int) -> list[Any]:
             if self.writer is None:
@@ -169,8 +246,14 @@ class CrossTrainerCache:
 
     def segment(self) -> tuple[int, int, bytes]:
         """(generation, a new fd, nonce) of the current segment; the caller closes
-        the fd (a duplicate: the cache may replace its segment at any time)."""
+        the fd (a duplicate: the cache may replace its segment at any time).
+
+        Raises:
+            CancelledError: The cache was closed (its task stopped).
+        """
         with self._mu:
+            if self.writer is None:
+                raise errors.CancelledError("the cross-trainer cache's task stopped")
             generation, fd, nonce = self.writer.segment()
             return generation, os.dup(fd), nonce
 
@@ -204,7 +287,7 @@ class CrossTrainerCache:
                 read.fd = os.dup(fd)
             return [read]
 
-        got = self._read(trainer_id, max_elements, timeout_s, max_bytes, take)
+        _, got = self._read(trainer_id, max_elements, timeout_s, max_bytes, take)
         frames = got.elements[0] if got.elements else None
         return WindowReply(frames, got.end_of_sequence, got.error)
 
@@ -215,36 +298,77 @@ class CrossTrainerCache:
         timeout_s: float,
         max_bytes: int | None,
         take: Callable[[int, int, int], list[Any]],
-    ) -> TaskRead:
+    ) -> tuple[int, TaskRead]:
         """Moves `trainer_id`'s cursor past up to `max_elements` cached elements (and
         `max_bytes`), extending the window from the pipeline for up to `timeout_s`
-        seconds when the cursor is at the newest. `take(start, n, index)` makes what
-        the read returns as its elements from the `n` cached elements at window
-        position `start` (global index `index`), under the lock."""
+        seconds when the cursor is at the newest; elements given back to the trainer
+        (`give_back`) come first. `take(start, n, index)` makes what the read returns
+        as its elements from the `n` cached elements at window position `start`
+        (global index `index`), under the lock. Returns (the first element's global
+        index, the read); a closed cache reads nothing."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._mu:
+                if self._closed:
+                    return 0, TaskRead([])
                 end_index = self._first_index + len(self._window)
-                cursor = max(self._cursors.get(trainer_id, self._first_index), self._first_index)
-                if cursor < end_index:
+                returned = self._returned_range_locked(trainer_id)
+                if returned is not None:
+                    cursor, stop = returned
+                else:
+                    cursor = max(
+                        self._cursors.get(trainer_id, self._first_index), self._first_index
+                    )
+                    stop = end_index
+                if cursor < stop:
                     start = cursor - self._first_index
                     n = 0
                     total = 0
-                    for i in range(min(max_elements, end_index - cursor)):
+                    for i in range(min(max_elements, stop - cursor)):
                         nbytes = self._window[start + i][1]
                         if n and max_bytes is not None and total + nbytes > max_bytes:
                             break
                         n += 1
                         total += nbytes
                     result = take(start, n, cursor)
-                    self._cursors[trainer_id] = cursor + n
-                    return TaskRead(result)
+                    if returned is not None:
+                        ranges = self._returned[trainer_id]
+                        ranges[0][0] = cursor + n
+                        if ranges[0][0] >= ranges[0][1]:
+                            ranges.pop(0)
+                        if not ranges:
+                            del self._returned[trainer_id]
+                    else:
+                        self._cursors[trainer_id] = cursor + n
+                    return cursor, TaskRead(result)
                 if self._end:
-                    return TaskRead([], True, self._error)
+                    return cursor, TaskRead([], True, self._error)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return TaskRead([])
+                return cursor, TaskRead([])
             self._extend(end_index, remaining)
+
+    def _returned_range_locked(self, trainer_id: str) -> tuple[int, int] | None:
+        """The first given-back range of `trainer_id` still (partly) in the window,
+        clipped to it; the evicted parts are dropped and counted."""
+        ranges = self._returned.get(trainer_id)
+        while ranges:
+            start, stop = ranges[0]
+            if start < self._first_index:
+                lost = min(stop, self._first_index) - start
+                self.evicted_unacked_elements += lost
+                log.warning(
+                    "cross-trainer cache: %d elements trainer %s did not acknowledge were "
+                    "evicted before it came back for them (it lags behind the window)",
+                    lost,
+                    trainer_id,
+                )
+                start = ranges[0][0] = min(stop, self._first_index)
+            if start < stop:
+                return start, stop
+            ranges.pop(0)
+        self._returned.pop(trainer_id, None)
+        return None
 
     # ------------------------------------------------------------ filling
     def _extend(self, seen_end_index: int, timeout_s: float) -> None:
@@ -254,13 +378,16 @@ class CrossTrainerCache:
         if not self._fill.acquire(timeout=timeout_s):
             return
         try:
+            runner = self._runner()
             with self._mu:
+                if runner is None or self._closed:
+                    return
                 if self._end or self._first_index + len(self._window) > seen_end_index:
                     return
             # At most a quarter of the window, so the trainer that asked (at the newest
             # element) finds every new element still cached, and one fill does not
             # sweep over the views trainers hold of what they read last.
-            read = self._runner.get_elements_raw(64, max(1, self._max_bytes // 4), timeout_s)
+            read = runner.get_elements_raw(64, max(1, self._max_bytes // 4), timeout_s)
             from dataservice.transfer.codec import element_nbytes
 
             for element in read.elements:
@@ -284,6 +411,8 @@ class CrossTrainerCache:
         grace_deadline: float | None = None
         while True:
             with self._mu:
+                if self._closed:
+                    return False
                 # Evict by bytes first (the new element is always kept).
                 n = 0
                 total = self._window_bytes
@@ -344,6 +473,13 @@ class _TrainerWindow(TrainerWindow):
 
     def ungrant(self, slot: int) -> None:
         self._cache.ungrant(slot)
+
+    def give_back(self, first_index: int, count: int) -> None:
+        self._cache.give_back(self._trainer_id, first_index, count)
+
+    @property
+    def closed(self) -> bool:
+        return self._cache.closed
 
     def read(
         self,

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -45,6 +46,7 @@ from dataservice.worker.splits import split_sources
 from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner
 
 DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
+_STOP_JOIN_S = 2.0  # how long stop() waits for its tasks' producer threads, in all
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +74,16 @@ class _WorkerTaskRunner(TaskRunner):
         self._handed_out = False  # reads stay cheap: one check each after the first
         if not lazy:
             self._go.set()
+        # Weakly: this closure is the runner's own `_make_iterator`.
+        me = weakref.ref(self)
+        go = self._go
 
         def make_when_asked() -> Iterator[Any]:
-            self._go.wait()
-            if self._cancelled:
+            go.wait()
+            runner = me()
+            if runner is None or runner._cancelled:
                 return iter(())
-            return make_iterator(self)
+            return make_iterator(runner)
 
         super().__init__(
             task_id,
@@ -96,11 +102,11 @@ class _WorkerTaskRunner(TaskRunner):
         self._on_handout()
 
     def get_elements_raw(
-        self, max_elements: int, max_bytes: int, timeout_s: float
+        self, max_elements: int, max_bytes: int, timeout_s: float, hold_end: bool = False
     ) -> transfer.TaskRead:
         if not self._go.is_set():
             self._go.set()
-        result = super().get_elements_raw(max_elements, max_bytes, timeout_s)
+        result = super().get_elements_raw(max_elements, max_bytes, timeout_s, hold_end)
         if result.elements and not self._handed_out:
             self._handed()
         return result
@@ -296,26 +302,52 @@ class WorkerServer(ElementServing):
         self._heartbeat_thread.start()
 
     def stop(self) -> None:
-        """Stops serving and heartbeating; returns promptly. Idempotent."""
+        """Stops serving and heartbeating; returns promptly. Idempotent.
+
+        What the worker holds is released when it returns, not at a later garbage
+        collection: the gRPC server and its threads, the shared-memory listener, its
+        connections' threads and rings, each task's buffer, producer thread and
+        cross-trainer cache window (memfds), and the channel to the dispatcher.
+        Waits up to 0.5 s for gRPC replies in flight and up to `_STOP_JOIN_S`
+        seconds for the tasks' threads (a pipeline inside user code ends its thread
+        at its next element; that is logged).
+        """
         self._stop_event.set()
         self._wake.set()
         server, self._server = self._server, None
-        if server is not None:
-            server.stop(grace=0.5).wait()
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(timeout=5)
-            self._heartbeat_thread = None
+        stopped_serving = server.stop(grace=0.5) if server is not None else None
         servers, self._transfer_servers = self._transfer_servers, []
         for transfer_server in servers:
-            transfer_server.stop()
+            transfer_server.begin_stop()
         with self._mu:
             runners = list(self._tasks.values())
             self._tasks.clear()
+        # Stopping the runners wakes every read waiting for elements (gRPC handlers,
+        # shared-memory connections), so that the joins below are short; a stopped
+        # runner's reads never report an end of sequence.
         for runner in runners:
             runner.stop()
+        if stopped_serving is not None:
+            stopped_serving.wait()
+        for transfer_server in servers:
+            transfer_server.stop()
+        deadline = time.monotonic() + _STOP_JOIN_S
+        for runner in runners:
+            if not runner.join(max(0.0, deadline - time.monotonic())):
+                log.warning(
+                    "worker %s: task %d's pipeline is still running (inside user code) "
+                    "%.1f s after stop; its thread ends at its next element",
+                    self._address,
+                    runner.task_id,
+                    _STOP_JOIN_S,
+                )
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
+            self._heartbeat_thread = None
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+            self._stub = None
         self._stopped.set()
 
     def join(self) -> None:

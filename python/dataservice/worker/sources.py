@@ -29,6 +29,10 @@ class TaskSource(ElementSource):
         self.runner = runner
         self.task_id = runner.task_id
 
+    @property
+    def stopped(self) -> bool:
+        return self.runner.stopped
+
 
 class BufferSource(TaskSource):
     """First come, first served: reads take elements out of the task's buffer, which
@@ -41,6 +45,12 @@ class BufferSource(TaskSource):
 
     def give_back(self, elements: list[Any]) -> None:
         self.runner.requeue(elements)
+
+    def read_holding_end(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
+        return self.runner.get_elements_raw(max_elements, max_bytes, timeout_s, hold_end=True)
+
+    def release_end(self) -> None:
+        self.runner.release_end_hold()
 
 
 class RoundSource(TaskSource):
@@ -66,11 +76,22 @@ class CacheSource(TaskSource):
         super().__init__(runner)
         self.cache = cache  # a CrossTrainerCache
         self.trainer_id = trainer_id
+        # The last read's (first element's global index, count): one reader at a time
+        # (a source serves one shared-memory connection, or one gRPC request).
+        self._last = (0, 0)
 
     def read(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
-        return self.cache.get_elements(
+        first, read = self.cache.read_elements(
             self.trainer_id, max_elements, timeout_s, max_bytes=max_bytes
         )
+        self._last = (first, len(read.elements))
+        return read
+
+    def give_back_unacknowledged(self, count: int) -> None:
+        first, n = self._last
+        count = min(count, n)
+        if count > 0:
+            self.cache.give_back(self.trainer_id, first + n - count, count)
 
     def window(self) -> TrainerWindow | None:
         window: TrainerWindow | None = self.cache.trainer_window(self.trainer_id)

@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -177,16 +178,26 @@ class TaskRunner:
         self._error: errors.RemoteErrorInfo | None = None
         self._stopped = False
         self._waiting = 0  # consumers blocked on an empty buffer
+        # Final replies (their elements, then the end) that their consumers have not
+        # taken yet (`get_elements_raw(hold_end=True)`): until they settle, other
+        # consumers get no end of sequence (what they did not take may come back).
+        self._end_holds = 0
         # coordinated reads (guarded by self._cv): round -> [element per consumer]
         self._rounds: dict[int, list[Any]] = {}
         self._round_taken: dict[int, set[int]] = {}
         self._completed_rounds: set[int] = set()
         self._max_round = -1
-        self.unacked = UnackedReplies(task_id, requeue=self._requeue_encoded)
+        # Weakly: the runner owns `unacked`; a bound method would make a cycle.
+        self.unacked = UnackedReplies(task_id, requeue=_weak_method(self._requeue_encoded))
         self._thread = threading.Thread(
             target=self._produce, name=f"ds-task-{task_id}", daemon=True
         )
         self._thread.start()
+
+    @property
+    def stopped(self) -> bool:
+        """`stop()` was called (the worker dropped the task, or is stopping)."""
+        return self._stopped
 
     @property
     def finished(self) -> bool:
@@ -288,9 +299,21 @@ class TaskRunner:
         """A consumer asks for the task: a runner that waits for one before it runs
         the pipeline (a lazily started worker's) starts now; this one already runs."""
 
-    def get_elements_raw(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
+    def get_elements_raw(
+        self, max_elements: int, max_bytes: int, timeout_s: float, hold_end: bool = False
+    ) -> TaskRead:
         """Takes up to `max_elements` elements (at most ~`max_bytes` payload
         bytes, but always one), waiting up to `timeout_s` seconds for the first.
+        While another consumer's final reply is held (below), a consumer that finds
+        the buffer empty waits for it to settle instead of getting the end. A
+        stopped runner returns nothing, never an end of sequence.
+
+        Args:
+            hold_end: The caller learns whether its consumer took what it returns:
+                a final reply (elements and the end together) is then held
+                (`TaskRead.end_held`) until the caller's `release_end_hold()`, so
+                that what the consumer did not take (`requeue`d before the release)
+                reaches the task's other consumers before their end of sequence.
 
         Returns:
             The raw elements taken (none if none was ready in time); its `error`,
@@ -299,7 +322,7 @@ class TaskRunner:
         deadline = time.monotonic() + timeout_s
         out: list[Any] = []
         with self._cv:
-            while not self._buffer and not self._end and not self._stopped:
+            while not self._buffer and (not self._end or self._end_holds) and not self._stopped:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return TaskRead(out)
@@ -308,6 +331,10 @@ class TaskRunner:
                     self._cv.wait(remaining)
                 finally:
                     self._waiting -= 1
+            if self._stopped:
+                # Never an end of sequence: a stopped task's stream did not end (its
+                # producer ends early too); its consumers learn the task is gone.
+                return TaskRead(out)
             total = 0
             buffer = self._buffer
             if len(buffer) <= max_elements and self._buffered_bytes <= max_bytes:
@@ -331,7 +358,17 @@ class TaskRunner:
                 if out:
                     return TaskRead(out)
                 return TaskRead(out, True, self._error)
+            if out and hold_end:
+                self._end_holds += 1
+                return TaskRead(out, True, end_held=True)
             return TaskRead(out, True)
+
+    def release_end_hold(self) -> None:
+        """The final reply a `get_elements_raw(hold_end=True)` returned (`end_held`)
+        settled: its consumer took it all, or what it did not take was `requeue`d."""
+        with self._cv:
+            self._end_holds -= 1
+            self._cv.notify_all()
 
     def _note_taken_locked(self, nbytes: int) -> None:
         """Grows the bytes bound (doubling, up to `buffer_bytes`) once consumers
@@ -407,6 +444,8 @@ class TaskRunner:
                     "job_name)"
                 )
             while round_index not in self._rounds:
+                if self._stopped:  # not an end of sequence (see get_elements_raw)
+                    return TaskRead([])
                 open_rounds = len(self._rounds)
                 if open_rounds < MAX_OPEN_ROUNDS and (
                     len(self._buffer) >= num_consumers or self._end
@@ -440,13 +479,42 @@ class TaskRunner:
             return TaskRead([element])
 
     def stop(self) -> None:
-        """Stops producing (the producer thread exits at its next element)."""
+        """Stops producing (the producer thread exits at its next element, see
+        `join`), wakes every waiting read, and drops the buffer, the un-acknowledged
+        replies and the cross-trainer cache's window (its memfd) now."""
         with self._cv:
             self._stopped = True
             self._buffer.clear()
             self._buffered_bytes = 0
             self._cv.notify_all()
         self.unacked.close()
+        cache = self.cross_trainer_cache
+        if cache is not None:
+            cache.close()
+
+    def join(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` seconds for the producer thread to exit after
+        `stop()` (it does at its next element, or at once if it waits for room).
+
+        Returns:
+            False if it still runs (the pipeline is inside user code).
+        """
+        if self._thread is threading.current_thread():  # stopped by its own pipeline
+            return False
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+def _weak_method(method: Callable[[list[bytes]], None]) -> Callable[[list[bytes]], None]:
+    """Calls `method` while its object lives (a no-op after), without keeping it alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(elements: list[bytes]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(elements)
+
+    return call
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 
+from dataservice.transfer.base import TaskRead
 from dataservice.transfer.codec import element_nbytes
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
 from dataservice.worker.task_runner import TaskRunner
@@ -94,9 +95,9 @@ def _int_runner() -> TaskRunner:
 
 
 def _read(cache: CrossTrainerCache, trainer_id: str, n: int) -> tuple[int, list[int]]:
-    first, elements, end, error = cache.read_elements(trainer_id, n, 5.0)
-    assert (end, error) == (False, None)
-    return first, [int(e[0]) for e in elements]
+    first, read = cache.read_elements(trainer_id, n, 5.0)
+    assert (read.end_of_sequence, read.error) == (False, None)
+    return first, [int(e[0]) for e in read.elements]
 
 
 def test_given_back_elements_are_the_trainers_next_read_in_order():
@@ -152,6 +153,6 @@ def test_close_drops_the_window_and_its_memfd_at_once():
         except OSError:
             still_open = False
         assert not still_open
-        assert cache.read_elements("t", 3, 0.1) == (0, [], False, None)
+        assert cache.read_elements("t", 3, 0.1) == (0, TaskRead([]))
     finally:
         runner.stop()

@@ -253,10 +253,9 @@ class LivenessMixin(DispatcherBase):
         log.warning(
             "dispatcher at %s has heard from no worker and no client for %.1f s although %d "
             "workers are registered: it suspects its own network is cut off (not that they all "
-            "died at once), so it declares no worker lost and releases no iteration client "
-            "until an RPC reaches it again; they then get their full timeouts "
-            "(worker_timeout_ms=%d, client_timeout_ms=%d). A worker whose port refuses "
-            "connections is still declared lost",
+            "died at once): it waits for an RPC to reach it again before it times out any of "
+            "them, and they then get their full timeouts (worker_timeout_ms=%d, "
+            "client_timeout_ms=%d); a worker whose port refuses connections is dropped at once",
             self.target,
             quiet_s,
             len(self._workers),

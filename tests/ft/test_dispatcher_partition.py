@@ -1,0 +1,506 @@
+"""A dispatcher cut off from the network (its process runs, but no RPC from any
+worker or client reaches it) for longer than its worker and client timeouts
+declares nobody lost: it suspects its own network, logs one WARNING, and gives
+everyone a restart's grace when traffic resumes (dispatcher/liveness.py, the
+silence; issue 10, item 2). A worker that really died meanwhile is still
+reported.
+
+The dispatcher and two workers are real processes (`python -m dataservice
+...`); nothing is stopped. The workers and the consumers (in the test process)
+reach the dispatcher only through `_CutOffProxy`, a TCP proxy that the test
+tells to stop forwarding: it then holds every connection open, reads nothing
+and answers nothing (a link that drops packets), and forwards what was held
+once restored (TCP's retransmissions after the link returns). The data path
+(consumer to worker) and the dispatcher's liveness probes of the workers do not
+go through it, as when the dispatcher's own host is the one cut off from the
+workers' network while the workers and trainers still reach each other.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import pickle
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import dataservice as ds
+from dataservice import errors
+from dataservice.data.serialize import serialize
+from dataservice.rpc import service_pb2 as pb
+
+from .conftest import Server, Servers, report, wait_until
+
+TIMEOUT_MS = 3_000  # the dispatcher's worker_timeout_ms and client_timeout_ms
+CUT_S = 7.0  # over twice those
+_LOST = r"worker lost|timed out|lost with|is gone"
+
+
+class _CutOffProxy:
+    """Forwards TCP connections from 127.0.0.1:`port` to `upstream` until
+    `cut()`, then holds them (and new ones) without reading, writing or
+    connecting until `restore()`. Thread-safe; `close()` ends every connection
+    and thread.
+
+    Args:
+        upstream: "host:port" to forward to.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        host, _, port = upstream.rpartition(":")
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._forwarding = threading.Event()
+        self._forwarding.set()
+        self._closed = threading.Event()
+        self._mu = threading.Lock()
+        self._sockets: list[socket.socket] = [self._listener]
+        self._threads: list[threading.Thread] = []
+        self._spawn(self._accept_loop)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def cut(self) -> None:
+        self._forwarding.clear()
+
+    def restore(self) -> None:
+        self._forwarding.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._forwarding.set()
+        with self._mu:
+            sockets, self._sockets = self._sockets, []
+            threads = list(self._threads)
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+        for t in threads:
+            t.join(5)
+        assert not any(t.is_alive() for t in threads), "a proxy thread did not end"
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, name="test-proxy", daemon=True)
+        with self._mu:
+            self._threads.append(t)
+        t.start()
+
+    def _track(self, s: socket.socket) -> bool:
+        with self._mu:
+            if self._closed.is_set():
+                s.close()
+                return False
+            self._sockets.append(s)
+            return True
+
+    def _wait_forwarding(self) -> bool:
+        """Waits while cut off; False once closed."""
+        while not self._forwarding.wait(0.05):
+            pass
+        return not self._closed.is_set()
+
+    def _accept_loop(self) -> None:
+        self._listener.settimeout(0.1)
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if self._track(conn):
+                self._spawn(self._connect, conn)
+
+    def _connect(self, conn: socket.socket) -> None:
+        # Opened while cut off: it waits, as a SYN is retransmitted until the link returns.
+        if not self._wait_forwarding():
+            return
+        try:
+            upstream = socket.create_connection(self._upstream, timeout=5)
+        except OSError:
+            conn.close()
+            return
+        if self._track(upstream):
+            self._spawn(self._pump, conn, upstream)
+            self._spawn(self._pump, upstream, conn)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while self._wait_forwarding():
+                if not select.select([src], [], [], 0.05)[0]:
+                    continue
+                data = src.recv(1 << 16)
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                if not self._wait_forwarding():  # cut off meanwhile: held until restored
+                    return
+                dst.sendall(data)
+        except (OSError, ValueError):  # closed by the other direction or by close()
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+
+@pytest.fixture
+def proxied(servers: Servers) -> Iterator[tuple[Server, _CutOffProxy, list[Server]]]:
+    """A CLI dispatcher (worker and client timeouts TIMEOUT_MS), a proxy in
+    front of it, and two CLI workers that know it only by the proxy."""
+    dispatcher = servers.dispatcher(
+        worker_timeout_ms=TIMEOUT_MS, extra=("--client-timeout-ms", str(TIMEOUT_MS))
+    )
+    proxy = _CutOffProxy(dispatcher.address)
+    try:
+        workers = servers.workers(proxy.address, 2)  # type: ignore[arg-type]
+        yield dispatcher, proxy, workers
+    finally:
+        proxy.close()
+
+
+class _Consumer:
+    """Reads `it` on a thread: 10 ms an element while `slow` is set (so that
+    an epoch outlasts the cut), else at full speed; `during` counts the
+    elements read while `cut` is set (the dispatcher was cut off)."""
+
+    def __init__(
+        self, it, slow: threading.Event, cut: threading.Event, limit: int | None = None
+    ) -> None:
+        self.it = it
+        self.out: list[int] = []
+        self.during = 0
+        self.error: BaseException | None = None
+        self.ended_at = 0.0
+        self._slow = slow
+        self._cut = cut
+        self._limit = limit
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for x in self.it:
+                self.out.append(int(x))
+                if self._cut.is_set():
+                    self.during += 1
+                if self._slow.is_set():
+                    time.sleep(0.01)  # the reading pace, not a synchronisation
+                if self._limit is not None and len(self.out) >= self._limit:
+                    break
+        except BaseException as err:  # noqa: BLE001  (the test inspects it)
+            self.error = err
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"the consumer hung ({len(self.out)} elements read)"
+        if self.error is not None:
+            raise AssertionError(f"the consumer failed: {self.error!r}") from self.error
+
+
+def _exactly(out: list[int], expected: collections.Counter) -> None:
+    got = collections.Counter(out)
+    missing = sorted((expected - got).elements())
+    extra = sorted((got - expected).elements())
+    assert not missing and not extra, (
+        f"{len(out)} elements, expected {expected.total()}: {len(missing)} missing "
+        f"(first {missing[:5]}), {len(extra)} extra (first {extra[:5]})"
+    )
+
+
+def _cut_for(
+    proxy: _CutOffProxy, slow: threading.Event, cut: threading.Event, seconds: float
+) -> tuple[float, float]:
+    """Cuts the dispatcher off for `seconds`, then lets the consumers read at
+    full speed; returns (cut at, restored at)."""
+    proxy.cut()
+    cut.set()
+    cut_at = time.monotonic()
+    try:
+        # The scenario's length, not a synchronisation: the link stays down this
+        # long whatever the servers do meanwhile.
+        time.sleep(seconds)
+    finally:
+        proxy.restore()
+        restored_at = time.monotonic()
+        cut.clear()
+        slow.clear()
+    return cut_at, restored_at
+
+
+@pytest.mark.timeout(180)
+def test_a_dispatcher_cut_off_past_its_timeouts_loses_no_worker_and_no_consumer(
+    proxied: tuple[Server, _CutOffProxy, list[Server]],
+) -> None:
+    """2 workers; a DYNAMIC, an OFF and a coordinated (2 consumers) iteration
+    read while the dispatcher is cut off for CUT_S (over twice its worker and
+    client timeouts). Nobody is declared lost or released, no split is counted
+    lost, every epoch is exact, and the dispatcher said why it waited."""
+    dispatcher, proxy, workers = proxied
+    target = f"grpc://{proxy.address}"
+    slow, cut = threading.Event(), threading.Event()
+    slow.set()  # until the dispatcher is back
+    n_dynamic, n_off, rounds = 20_000, 2_000, 1_024
+
+    def distribute(mode, **kw):
+        return ds.distribute(mode, target, client_timeout_ms=60_000, **kw)
+
+    dynamic = _Consumer(iter(ds.Dataset.range(n_dynamic).apply(distribute("dynamic"))), slow, cut)
+    off = _Consumer(iter(ds.Dataset.range(n_off).apply(distribute("off"))), slow, cut)
+    coordinated = [
+        _Consumer(
+            iter(
+                ds.Dataset.range(10**6)
+                .repeat()
+                .apply(distribute("off", job_name="coordinated", consumer_index=c, num_consumers=2))
+            ),
+            slow,
+            cut,
+            limit=rounds,
+        )
+        for c in range(2)
+    ]
+    consumers = [dynamic, off, *coordinated]
+    wait_until(lambda: all(len(c.out) >= 100 for c in consumers), 60, "100 elements each")
+    before = [len(c.out) for c in consumers]
+    cut_at, restored_at = _cut_for(proxy, slow, cut, CUT_S)
+    for c in consumers:
+        c.join(120)
+    print("before the cut", before, "during", [c.during for c in consumers])
+    text = dispatcher.text()
+    assert not dispatcher.lines_since(0, _LOST), text[-4000:]
+    assert dispatcher.lines_since(cut_at, "has heard from no worker and no client for"), text
+    assert dispatcher.lines_since(restored_at, "hears from its workers and clients again"), text
+    for c in consumers:
+        assert c.ended_at > restored_at, "an epoch ended before the dispatcher was back"
+        assert c.it.stats()["lost_workers"] == []
+    # The workers served their consumers while the dispatcher was cut off.
+    assert off.during > 0 and all(c.during > 0 for c in coordinated)
+    _exactly(dynamic.out, collections.Counter(range(n_dynamic)))
+    _exactly(off.out, collections.Counter(range(n_off)) + collections.Counter(range(n_off)))
+    # Coordinated: rounds alternate between the two workers, each handing
+    # consumer c its elements c, c + 2, c + 4, ... in turn; a round moved to
+    # another worker (or lost) would break the sequence.
+    for c, consumer in enumerate(coordinated):
+        assert consumer.out == [2 * (r // 2) + c for r in range(rounds)], consumer.out[:80]
+    served = {w.address for w in workers}
+    for c in consumers:
+        assert set(c.it.stats()["workers"]) == served
+    report(
+        f"dispatcher cut off {restored_at - cut_at:.1f} s (timeouts {TIMEOUT_MS} ms): "
+        f"DYNAMIC {len(dynamic.out)}, OFF {len(off.out)} ({off.during} during the cut), "
+        f"coordinated {rounds} rounds x 2; nobody lost"
+    )
+
+
+def _wait_silence(dispatcher: Server, since: float) -> float:
+    return dispatcher.wait_line("has heard from no worker and no client for", 10, since)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_while_the_dispatcher_is_cut_off_is_still_reported(
+    proxied: tuple[Server, _CutOffProxy, list[Server]],
+) -> None:
+    """During the silence the dispatcher's probe of a SIGKILLed worker is
+    refused: that worker (only) is declared lost at once, its DYNAMIC splits
+    are counted lost, and the epoch ends with the other worker once the
+    dispatcher is back."""
+    dispatcher, proxy, (dead, alive) = proxied
+    target = f"grpc://{proxy.address}"
+    slow, cut = threading.Event(), threading.Event()
+    slow.set()
+    n = 20_000
+    consumer = _Consumer(
+        iter(ds.Dataset.range(n).apply(ds.distribute("dynamic", target, client_timeout_ms=60_000))),
+        slow,
+        cut,
+    )
+    wait_until(lambda: len(consumer.out) >= 100, 60, "100 elements")
+    proxy.cut()
+    cut.set()
+    cut_at = time.monotonic()
+    try:
+        _wait_silence(dispatcher, cut_at)
+        killed_at = dead.kill()
+        lost_at = dispatcher.wait_line(
+            rf"worker lost: worker {dead.address} .*refuses connections", 10, cut_at
+        )
+    finally:
+        proxy.restore()
+        restored_at = time.monotonic()
+        cut.clear()
+        slow.clear()
+    consumer.join(120)
+    assert lost_at < restored_at
+    assert not dispatcher.lines_since(0, rf"{alive.address}.*(lost|gone)"), dispatcher.text()
+    (loss,) = consumer.it.stats()["lost_workers"]
+    assert loss["address"] == dead.address and loss["pid"] == dead.pid, loss
+    got = collections.Counter(consumer.out)
+    assert max(got.values()) == 1 and set(got) <= set(range(n))
+    # One split is one element and one consumer: the count is exact.
+    assert n - len(got) == loss["elements_lost"], loss
+    report(
+        f"worker SIGKILLed while the dispatcher was cut off: declared lost "
+        f"{lost_at - killed_at:.1f} s after the kill (still cut off); epoch of "
+        f"{len(consumer.out)} of {n} ({loss['splits_lost']} splits counted lost) "
+        f"{consumer.ended_at - restored_at:.1f} s after the dispatcher was back"
+    )
+
+
+@pytest.mark.timeout(180)
+def test_every_worker_killed_while_the_dispatcher_is_cut_off_fails_the_consumer(
+    proxied: tuple[Server, _CutOffProxy, list[Server]],
+) -> None:
+    """All workers dying during the silence is told apart from the silence by
+    the refused probes: both are declared lost while the dispatcher hears
+    nobody, and the consumer raises WorkerCrashedError naming them soon after
+    it reaches the dispatcher again."""
+    dispatcher, proxy, workers = proxied
+    target = f"grpc://{proxy.address}"
+    slow, cut = threading.Event(), threading.Event()
+    slow.set()
+    consumer = _Consumer(
+        iter(
+            ds.Dataset.range(10**6).apply(
+                ds.distribute("off", target, client_timeout_ms=60_000, worker_loss_timeout_ms=2_000)
+            )
+        ),
+        slow,
+        cut,
+    )
+    wait_until(lambda: len(consumer.out) >= 100, 60, "100 elements")
+    proxy.cut()
+    cut.set()
+    cut_at = time.monotonic()
+    try:
+        _wait_silence(dispatcher, cut_at)
+        for w in workers:
+            w.kill()
+        for w in workers:
+            dispatcher.wait_line(rf"worker lost: worker {w.address} .*refuses connections", 10)
+    finally:
+        proxy.restore()
+        restored_at = time.monotonic()
+        cut.clear()
+        slow.clear()
+    with pytest.raises(AssertionError) as failed:
+        consumer.join(60)
+    error = consumer.error
+    assert isinstance(error, errors.WorkerCrashedError), failed.value
+    assert all(w.address in str(error) for w in workers), str(error)
+    took_s = consumer.ended_at - restored_at
+    assert took_s < 20, f"raised {took_s:.1f} s after the dispatcher was back"
+    report(f"every worker SIGKILLed while cut off: WorkerCrashedError {took_s:.1f} s after")
+
+
+# ------------------------------------------------------------ the rule, handler by handler
+
+
+def _worker_heartbeat(d: ds.DispatchServer, address: str) -> None:
+    d._worker_heartbeat(
+        pb.WorkerHeartbeatRequest(
+            worker_address=address,
+            transfer_address=address,
+            host_id="h",
+            worker_uid=f"uid-{address}",
+            heartbeat_interval_ms=100,
+        )
+    )
+
+
+def _silence(d: ds.DispatchServer, seconds: float) -> None:
+    """As if nobody had been heard for `seconds` (the handlers' last-seen times)."""
+    with d._mu:
+        d._last_heard -= seconds
+        for w in d._workers.values():
+            w.last_heartbeat -= seconds
+        for client_id in d._client_seen:
+            d._client_seen[client_id] -= seconds
+
+
+@pytest.mark.timeout(60)
+def test_silence_holds_the_timeouts_until_an_rpc_arrives_then_grants_the_grace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Driven through the handlers (unresolvable worker addresses: probes
+    prove nothing). Heard from nobody past both timeouts: no worker lost, no
+    client released, one WARNING. The next RPC (`_heard_rpc`, as the servicer
+    calls it) gives everyone the timeouts again from then; a worker still
+    silent past its timeout while others are heard is lost after all."""
+    d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=2_000, client_timeout_ms=2_000))
+    try:
+        _worker_heartbeat(d, "w:1")
+        _worker_heartbeat(d, "w:2")
+        dataset_id = d._register_dataset(
+            pb.RegisterDatasetRequest(
+                dataset=serialize(ds.Dataset.range(10)),
+                element_spec=pickle.dumps(None),
+                fingerprint="x",
+            )
+        ).dataset_id
+        job = d._get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=dataset_id))
+        client_id = d._get_or_create_iteration(
+            pb.GetOrCreateIterationRequest(job_id=job.job_id)
+        ).iteration_client_id
+        with caplog.at_level(logging.WARNING, logger="dataservice.dispatcher.server"):
+            _silence(d, 5.0)
+            d._check_workers()
+            d._check_clients()
+            assert sorted(d._workers) == ["w:1", "w:2"]
+            assert client_id in d._client_seen
+            d._check_workers()  # still silent: no second WARNING
+            warnings = [
+                r.getMessage() for r in caplog.records if "has heard from no" in r.getMessage()
+            ]
+            assert len(warnings) == 1 and "for 5." in warnings[0], warnings
+            d._heard_rpc()
+            assert d._silent_since is None
+            assert any("hears from its workers" in r.getMessage() for r in caplog.records)
+        now = time.monotonic()
+        assert all(now - w.last_heartbeat < 1 for w in d._workers.values())
+        d._check_workers()
+        d._check_clients()
+        assert sorted(d._workers) == ["w:1", "w:2"] and client_id in d._client_seen
+        # w:2 stays silent while w:1 and the client are heard: it is lost.
+        with d._mu:
+            d._workers["w:2"].last_heartbeat -= 5.0
+        _worker_heartbeat(d, "w:1")
+        d._client_heartbeat(pb.ClientHeartbeatRequest(iteration_client_id=client_id))
+        d._check_workers()
+        assert sorted(d._workers) == ["w:1"]
+        assert d._silent_since is None
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_without_workers_a_silent_client_is_released_as_before() -> None:
+    """The silence needs registered workers: a dispatcher with only a client
+    that stopped heartbeating releases it after client_timeout_ms."""
+    d = ds.DispatchServer(ds.DispatcherConfig(client_timeout_ms=2_000))
+    try:
+        dataset_id = d._register_dataset(
+            pb.RegisterDatasetRequest(
+                dataset=serialize(ds.Dataset.range(10)),
+                element_spec=pickle.dumps(None),
+                fingerprint="x",
+            )
+        ).dataset_id
+        job = d._get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=dataset_id))
+        client_id = d._get_or_create_iteration(
+            pb.GetOrCreateIterationRequest(job_id=job.job_id)
+        ).iteration_client_id
+        _silence(d, 5.0)
+        d._check_clients()
+        assert client_id not in d._client_seen
+        assert d._silent_since is None
+    finally:
+        d.stop()

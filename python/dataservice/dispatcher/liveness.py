@@ -44,11 +44,12 @@ What tells the two apart:
   `worker_timeout_ms` after traffic resumed is declared lost then. Without
   workers, client timeouts run as before.
 
-This needs `worker_timeout_ms` (and `client_timeout_ms`) longer than the
-silence threshold plus a heartbeat interval, else the timeouts pass before
-the silence is noticed (the default 300 s is; a 2 s worker timeout with 0.1 s
-heartbeats is). A dispatcher cut off for good never declares its silent
-workers lost, which harms nobody: no consumer reaches it either.
+This needs `worker_timeout_ms` and `client_timeout_ms` longer than the
+silence threshold plus a worker heartbeat interval and a maintenance period
+(at most 0.5 s), else the timeouts pass before the silence is noticed: 2 s
+plus 3 heartbeat intervals always is (the default 300 s is). A dispatcher cut
+off for good never declares its silent workers lost, which harms nobody: no
+consumer reaches it either.
 
 Fields (`base.DispatcherBase`; all guarded by `self._mu` except `_starved`,
 which only the maintenance thread uses, `_stop_event`, and `_last_heard`,

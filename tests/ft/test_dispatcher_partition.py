@@ -7,8 +7,8 @@ reported.
 
 The dispatcher and two workers are real processes (`python -m dataservice
 ...`); nothing is stopped. The workers and the consumers (in the test process)
-reach the dispatcher only through `_CutOffProxy`, a TCP proxy that the test
-tells to stop forwarding: it then holds every connection open, reads nothing
+reach the dispatcher only through a `_CutOffProxy` each (one for the workers,
+one for the consumers), a TCP proxy that the test tells to stop forwarding: it then holds every connection open, reads nothing
 and answers nothing (a link that drops packets), and forwards what was held
 once restored (TCP's retransmissions after the link returns). The data path
 (consumer to worker) and the dispatcher's liveness probes of the workers do not
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import pickle
 import select
@@ -151,19 +152,46 @@ class _CutOffProxy:
                     s.close()
 
 
+@dataclasses.dataclass
+class _Cluster:
+    """A CLI dispatcher (worker and client timeouts TIMEOUT_MS), two CLI
+    workers that reach it only through `workers_link`, and `target` for the
+    consumers, through `clients_link`."""
+
+    dispatcher: Server
+    workers: list[Server]
+    workers_link: _CutOffProxy
+    clients_link: _CutOffProxy
+
+    @property
+    def target(self) -> str:
+        return f"grpc://{self.clients_link.address}"
+
+    def cut(self) -> float:
+        """Cuts the dispatcher off from everyone; returns when (monotonic)."""
+        self.workers_link.cut()
+        self.clients_link.cut()
+        return time.monotonic()
+
+    def restore(self) -> float:
+        """Reconnects everyone; returns when (monotonic)."""
+        self.workers_link.restore()
+        self.clients_link.restore()
+        return time.monotonic()
+
+
 @pytest.fixture
-def proxied(servers: Servers) -> Iterator[tuple[Server, _CutOffProxy, list[Server]]]:
-    """A CLI dispatcher (worker and client timeouts TIMEOUT_MS), a proxy in
-    front of it, and two CLI workers that know it only by the proxy."""
+def cluster(servers: Servers) -> Iterator[_Cluster]:
     dispatcher = servers.dispatcher(
         worker_timeout_ms=TIMEOUT_MS, extra=("--client-timeout-ms", str(TIMEOUT_MS))
     )
-    proxy = _CutOffProxy(dispatcher.address)
+    links = [_CutOffProxy(dispatcher.address), _CutOffProxy(dispatcher.address)]
     try:
-        workers = servers.workers(proxy.address, 2)  # type: ignore[arg-type]
-        yield dispatcher, proxy, workers
+        workers = servers.workers(links[0].address, 2)  # type: ignore[arg-type]
+        yield _Cluster(dispatcher, workers, *links)
     finally:
-        proxy.close()
+        for link in links:
+            link.close()
 
 
 class _Consumer:
@@ -216,42 +244,39 @@ def _exactly(out: list[int], expected: collections.Counter) -> None:
     )
 
 
-def _cut_for(
-    proxy: _CutOffProxy, slow: threading.Event, cut: threading.Event, seconds: float
-) -> tuple[float, float]:
-    """Cuts the dispatcher off for `seconds`, then lets the consumers read at
-    full speed; returns (cut at, restored at)."""
-    proxy.cut()
-    cut.set()
-    cut_at = time.monotonic()
-    try:
-        # The scenario's length, not a synchronisation: the link stays down this
-        # long whatever the servers do meanwhile.
-        time.sleep(seconds)
-    finally:
-        proxy.restore()
-        restored_at = time.monotonic()
-        cut.clear()
-        slow.clear()
-    return cut_at, restored_at
+# The order in which the dispatcher hears from its peers again, the second
+# group RESTORE_GAP_S after the first (the link to the trainers may come back
+# before the link to the workers, or after).
+RESTORE_GAP_S = 1.5
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "order,protocol",
+    [
+        ("together", "auto"),
+        ("consumers-first", "grpc"),
+        pytest.param("workers-first", "auto", marks=pytest.mark.slow),
+    ],
+)
 def test_a_dispatcher_cut_off_past_its_timeouts_loses_no_worker_and_no_consumer(
-    proxied: tuple[Server, _CutOffProxy, list[Server]],
+    cluster: _Cluster, order: str, protocol: str
 ) -> None:
     """2 workers; a DYNAMIC, an OFF and a coordinated (2 consumers) iteration
     read while the dispatcher is cut off for CUT_S (over twice its worker and
     client timeouts). Nobody is declared lost or released, no split is counted
-    lost, every epoch is exact, and the dispatcher said why it waited."""
-    dispatcher, proxy, workers = proxied
-    target = f"grpc://{proxy.address}"
+    lost, no round moves, every epoch is exact, and the dispatcher said why it
+    waited. With "consumers-first" a consumer's heartbeat is the first RPC
+    back: it must not see its workers' tasks gone."""
+    dispatcher, workers = cluster.dispatcher, cluster.workers
     slow, cut = threading.Event(), threading.Event()
     slow.set()  # until the dispatcher is back
     n_dynamic, n_off, rounds = 20_000, 2_000, 1_024
 
     def distribute(mode, **kw):
-        return ds.distribute(mode, target, client_timeout_ms=60_000, **kw)
+        return ds.distribute(
+            mode, cluster.target, data_transfer_protocol=protocol, client_timeout_ms=60_000, **kw
+        )
 
     dynamic = _Consumer(iter(ds.Dataset.range(n_dynamic).apply(distribute("dynamic"))), slow, cut)
     off = _Consumer(iter(ds.Dataset.range(n_off).apply(distribute("off"))), slow, cut)
@@ -270,15 +295,31 @@ def test_a_dispatcher_cut_off_past_its_timeouts_loses_no_worker_and_no_consumer(
     ]
     consumers = [dynamic, off, *coordinated]
     wait_until(lambda: all(len(c.out) >= 100 for c in consumers), 60, "100 elements each")
-    before = [len(c.out) for c in consumers]
-    cut_at, restored_at = _cut_for(proxy, slow, cut, CUT_S)
+    cut_at = cluster.cut()
+    cut.set()
+    try:
+        # The scenario's length, not a synchronisation: the links stay down
+        # this long whatever the servers do meanwhile.
+        time.sleep(CUT_S)
+        if order != "together":
+            first, second = (
+                (cluster.clients_link, cluster.workers_link)
+                if order == "consumers-first"
+                else (cluster.workers_link, cluster.clients_link)
+            )
+            first.restore()
+            time.sleep(RESTORE_GAP_S)  # the gap between the two, as above
+            second.restore()
+    finally:
+        restored_at = cluster.restore()
+        cut.clear()
+        slow.clear()
     for c in consumers:
         c.join(120)
-    print("before the cut", before, "during", [c.during for c in consumers])
     text = dispatcher.text()
     assert not dispatcher.lines_since(0, _LOST), text[-4000:]
     assert dispatcher.lines_since(cut_at, "has heard from no worker and no client for"), text
-    assert dispatcher.lines_since(restored_at, "hears from its workers and clients again"), text
+    assert dispatcher.lines_since(cut_at, "hears from its workers and clients again"), text
     for c in consumers:
         assert c.ended_at > restored_at, "an epoch ended before the dispatcher was back"
         assert c.it.stats()["lost_workers"] == []
@@ -295,9 +336,10 @@ def test_a_dispatcher_cut_off_past_its_timeouts_loses_no_worker_and_no_consumer(
     for c in consumers:
         assert set(c.it.stats()["workers"]) == served
     report(
-        f"dispatcher cut off {restored_at - cut_at:.1f} s (timeouts {TIMEOUT_MS} ms): "
-        f"DYNAMIC {len(dynamic.out)}, OFF {len(off.out)} ({off.during} during the cut), "
-        f"coordinated {rounds} rounds x 2; nobody lost"
+        f"dispatcher cut off {restored_at - cut_at:.1f} s (timeouts {TIMEOUT_MS} ms, {order}, "
+        f"{protocol}): DYNAMIC {len(dynamic.out)} ({dynamic.during} during the cut), OFF "
+        f"{len(off.out)} ({off.during}), coordinated {rounds} rounds x 2 "
+        f"({coordinated[0].during}); nobody lost"
     )
 
 
@@ -307,26 +349,28 @@ def _wait_silence(dispatcher: Server, since: float) -> float:
 
 @pytest.mark.timeout(180)
 def test_a_worker_killed_while_the_dispatcher_is_cut_off_is_still_reported(
-    proxied: tuple[Server, _CutOffProxy, list[Server]],
+    cluster: _Cluster,
 ) -> None:
     """During the silence the dispatcher's probe of a SIGKILLed worker is
     refused: that worker (only) is declared lost at once, its DYNAMIC splits
     are counted lost, and the epoch ends with the other worker once the
     dispatcher is back."""
-    dispatcher, proxy, (dead, alive) = proxied
-    target = f"grpc://{proxy.address}"
+    dispatcher, (dead, alive) = cluster.dispatcher, cluster.workers
     slow, cut = threading.Event(), threading.Event()
     slow.set()
     n = 20_000
     consumer = _Consumer(
-        iter(ds.Dataset.range(n).apply(ds.distribute("dynamic", target, client_timeout_ms=60_000))),
+        iter(
+            ds.Dataset.range(n).apply(
+                ds.distribute("dynamic", cluster.target, client_timeout_ms=60_000)
+            )
+        ),
         slow,
         cut,
     )
     wait_until(lambda: len(consumer.out) >= 100, 60, "100 elements")
-    proxy.cut()
+    cut_at = cluster.cut()
     cut.set()
-    cut_at = time.monotonic()
     try:
         _wait_silence(dispatcher, cut_at)
         killed_at = dead.kill()
@@ -334,8 +378,7 @@ def test_a_worker_killed_while_the_dispatcher_is_cut_off_is_still_reported(
             rf"worker lost: worker {dead.address} .*refuses connections", 10, cut_at
         )
     finally:
-        proxy.restore()
-        restored_at = time.monotonic()
+        restored_at = cluster.restore()
         cut.clear()
         slow.clear()
     consumer.join(120)
@@ -357,29 +400,29 @@ def test_a_worker_killed_while_the_dispatcher_is_cut_off_is_still_reported(
 
 @pytest.mark.timeout(180)
 def test_every_worker_killed_while_the_dispatcher_is_cut_off_fails_the_consumer(
-    proxied: tuple[Server, _CutOffProxy, list[Server]],
+    cluster: _Cluster,
 ) -> None:
     """All workers dying during the silence is told apart from the silence by
     the refused probes: both are declared lost while the dispatcher hears
     nobody, and the consumer raises WorkerCrashedError naming them soon after
     it reaches the dispatcher again."""
-    dispatcher, proxy, workers = proxied
-    target = f"grpc://{proxy.address}"
+    dispatcher, workers = cluster.dispatcher, cluster.workers
     slow, cut = threading.Event(), threading.Event()
     slow.set()
     consumer = _Consumer(
         iter(
             ds.Dataset.range(10**6).apply(
-                ds.distribute("off", target, client_timeout_ms=60_000, worker_loss_timeout_ms=2_000)
+                ds.distribute(
+                    "off", cluster.target, client_timeout_ms=60_000, worker_loss_timeout_ms=2_000
+                )
             )
         ),
         slow,
         cut,
     )
     wait_until(lambda: len(consumer.out) >= 100, 60, "100 elements")
-    proxy.cut()
+    cut_at = cluster.cut()
     cut.set()
-    cut_at = time.monotonic()
     try:
         _wait_silence(dispatcher, cut_at)
         for w in workers:
@@ -387,8 +430,7 @@ def test_every_worker_killed_while_the_dispatcher_is_cut_off_fails_the_consumer(
         for w in workers:
             dispatcher.wait_line(rf"worker lost: worker {w.address} .*refuses connections", 10)
     finally:
-        proxy.restore()
-        restored_at = time.monotonic()
+        restored_at = cluster.restore()
         cut.clear()
         slow.clear()
     with pytest.raises(AssertionError) as failed:

@@ -6,14 +6,20 @@ silence; issue 10, item 2). A worker that really died meanwhile is still
 reported.
 
 The dispatcher and two workers are real processes (`python -m dataservice
-...`); nothing is stopped. The workers and the consumers (in the test process)
-reach the dispatcher only through a `_CutOffProxy` each (one for the workers,
-one for the consumers), a TCP proxy that the test tells to stop forwarding: it then holds every connection open, reads nothing
-and answers nothing (a link that drops packets), and forwards what was held
-once restored (TCP's retransmissions after the link returns). The data path
-(consumer to worker) and the dispatcher's liveness probes of the workers do not
-go through it, as when the dispatcher's own host is the one cut off from the
-workers' network while the workers and trainers still reach each other.
+...`); nothing is stopped. Two ways to cut the dispatcher off:
+
+- `_CutOffProxy`, a TCP proxy in front of the dispatcher (one for the workers,
+  one for the consumers), that the test tells to stop forwarding: it then
+  holds every connection open, reads nothing and answers nothing (a link that
+  drops packets), and forwards what was held once restored (TCP's
+  retransmissions after the link returns). The data path (consumer to worker)
+  and the dispatcher's liveness probes of the workers do not go through it:
+  the probe of a killed worker is refused even while cut off.
+- The dispatcher in a network namespace of the test's own, joined by a veth
+  pair (root and iproute2 needed, else skipped), whose link is set down:
+  every packet to and from the dispatcher is dropped, its probes included
+  (they time out), while the workers and the consumer, outside, still reach
+  each other.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
 import pickle
 import select
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -441,6 +450,180 @@ def test_every_worker_killed_while_the_dispatcher_is_cut_off_fails_the_consumer(
     took_s = consumer.ended_at - restored_at
     assert took_s < 20, f"raised {took_s:.1f} s after the dispatcher was back"
     report(f"every worker SIGKILLed while cut off: WorkerCrashedError {took_s:.1f} s after")
+
+
+# ------------------------------------------------------------ a real link down
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+
+
+@dataclasses.dataclass
+class _Netns:
+    """A network namespace joined to this one by a veth pair: `outer_ip` on
+    this side (`outer`), `inner_ip` inside. `cut()` sets `outer` down: every
+    packet between the two is dropped, both ways."""
+
+    name: str
+    outer: str
+    outer_ip: str
+    inner_ip: str
+
+    def cut(self) -> float:
+        _ip("link", "set", self.outer, "down")
+        return time.monotonic()
+
+    def restore(self) -> float:
+        _ip("link", "set", self.outer, "up")
+        return time.monotonic()
+
+
+@pytest.fixture
+def netns() -> Iterator[_Netns]:
+    """A private /30 (10.213.x.y, from this process's pid) in a namespace of
+    our own, removed at the end."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 (ip netns)")
+    pid = os.getpid()
+    net = f"10.213.{(pid >> 6) & 0xFF}.{(pid & 0x3F) * 4}"
+    prefix = net.rsplit(".", 1)[0]
+    last = int(net.rsplit(".", 1)[1])
+    env = _Netns(f"ds-test-{pid}", f"dsv{pid}o", f"{prefix}.{last + 1}", f"{prefix}.{last + 2}")
+    inner = f"dsv{pid}i"
+    try:
+        _ip("netns", "add", env.name)
+        _ip("link", "add", env.outer, "type", "veth", "peer", "name", inner)
+        _ip("link", "set", inner, "netns", env.name)
+        _ip("addr", "add", f"{env.outer_ip}/30", "dev", env.outer)
+        _ip("link", "set", env.outer, "up")
+        _ip("-n", env.name, "addr", "add", f"{env.inner_ip}/30", "dev", inner)
+        _ip("-n", env.name, "link", "set", inner, "up")
+        _ip("-n", env.name, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as err:
+        subprocess.run(["ip", "netns", "del", env.name], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", env.outer], capture_output=True, timeout=10)
+        pytest.skip(f"cannot make a network namespace here: {err.stderr.strip()}")
+    try:
+        yield env
+    finally:
+        subprocess.run(["ip", "link", "del", env.outer], capture_output=True, timeout=10)
+        _ip("netns", "del", env.name)
+
+
+@pytest.fixture
+def ns_cluster(
+    servers: Servers, netns: _Netns, monkeypatch: pytest.MonkeyPatch
+) -> tuple[_Netns, Server, list[Server]]:
+    """The dispatcher in `netns`, two workers and the consumers outside: a
+    link down cuts the dispatcher off from everyone (its liveness probes
+    too), while the workers still serve the consumers."""
+    monkeypatch.setenv("DATASERVICE_AUTH_TOKEN", "partition-test-token")  # not on loopback
+    dispatcher = servers.dispatcher(
+        worker_timeout_ms=TIMEOUT_MS,
+        extra=("--client-timeout-ms", str(TIMEOUT_MS), "--host", netns.inner_ip),
+        prefix=("ip", "netns", "exec", netns.name),
+    )
+    on_link = ("--host", netns.outer_ip, "--worker-address", f"{netns.outer_ip}:%port%")
+    workers = servers.workers(dispatcher, 2, extra=on_link)
+    return netns, dispatcher, workers
+
+
+@pytest.mark.timeout(180)
+def test_a_dispatcher_whose_link_goes_down_loses_no_worker(
+    ns_cluster: tuple[_Netns, Server, list[Server]],
+) -> None:
+    """The same with the dispatcher's link down (`ip link set down`) for
+    CUT_S: its probes of the workers time out (no proof of anything), nobody
+    is declared lost or released, DYNAMIC and OFF epochs are exact."""
+    netns, dispatcher, workers = ns_cluster
+    slow, cut = threading.Event(), threading.Event()
+    slow.set()
+    n_dynamic, n_off = 20_000, 2_000
+
+    def distribute(mode):
+        return ds.distribute(mode, dispatcher.target, client_timeout_ms=60_000)
+
+    dynamic = _Consumer(iter(ds.Dataset.range(n_dynamic).apply(distribute("dynamic"))), slow, cut)
+    off = _Consumer(iter(ds.Dataset.range(n_off).apply(distribute("off"))), slow, cut)
+    wait_until(lambda: len(dynamic.out) >= 100 and len(off.out) >= 100, 60, "100 elements each")
+    cut_at = netns.cut()
+    cut.set()
+    try:
+        time.sleep(CUT_S)  # the scenario's length: the link stays down this long
+    finally:
+        restored_at = netns.restore()
+        cut.clear()
+        slow.clear()
+    for c in (dynamic, off):
+        c.join(120)
+    text = dispatcher.text()
+    assert not dispatcher.lines_since(0, _LOST), text[-4000:]
+    assert dispatcher.lines_since(cut_at, "has heard from no worker and no client for"), text
+    assert dispatcher.lines_since(cut_at, "hears from its workers and clients again"), text
+    for c in (dynamic, off):
+        assert c.ended_at > restored_at
+        assert c.it.stats()["lost_workers"] == []
+        assert set(c.it.stats()["workers"]) == {w.address for w in workers}
+    assert off.during > 0
+    _exactly(dynamic.out, collections.Counter(range(n_dynamic)))
+    _exactly(off.out, collections.Counter(range(n_off)) + collections.Counter(range(n_off)))
+    report(
+        f"dispatcher's link down {restored_at - cut_at:.1f} s (timeouts {TIMEOUT_MS} ms): "
+        f"DYNAMIC {len(dynamic.out)} ({dynamic.during} during), OFF {len(off.out)} "
+        f"({off.during} during); nobody lost"
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_while_the_dispatchers_link_is_down_is_lost_once_it_is_back(
+    ns_cluster: tuple[_Netns, Server, list[Server]],
+) -> None:
+    """A worker SIGKILLed while the dispatcher's link is down: no probe can
+    tell (they time out), so it is declared lost only after the link is back
+    (a consumer's unreachable report and a refused probe, at the latest
+    worker_timeout_ms after the first RPC); the epoch ends with the other
+    worker and the loss counted."""
+    netns, dispatcher, (dead, alive) = ns_cluster
+    slow, cut = threading.Event(), threading.Event()
+    slow.set()
+    n = 20_000
+    consumer = _Consumer(
+        iter(
+            ds.Dataset.range(n).apply(
+                ds.distribute("dynamic", dispatcher.target, client_timeout_ms=60_000)
+            )
+        ),
+        slow,
+        cut,
+    )
+    wait_until(lambda: len(consumer.out) >= 100, 60, "100 elements")
+    cut_at = netns.cut()
+    cut.set()
+    try:
+        _wait_silence(dispatcher, cut_at)
+        killed_at = dead.kill()
+        time.sleep(CUT_S / 2)  # the scenario's length: the link stays down this long
+    finally:
+        restored_at = netns.restore()
+        cut.clear()
+        slow.clear()
+    assert not dispatcher.lines_since(0, _LOST), dispatcher.text()[-4000:]
+    lost_at = dispatcher.wait_line(
+        rf"worker lost: worker {dead.address} ", TIMEOUT_MS / 1000 + 10, restored_at
+    )
+    consumer.join(120)
+    assert not dispatcher.lines_since(0, rf"{alive.address}.*(lost|gone)"), dispatcher.text()
+    (loss,) = consumer.it.stats()["lost_workers"]
+    assert loss["address"] == dead.address and loss["pid"] == dead.pid, loss
+    got = collections.Counter(consumer.out)
+    assert max(got.values()) == 1 and set(got) <= set(range(n))
+    assert n - len(got) == loss["elements_lost"], loss
+    report(
+        f"worker SIGKILLed {killed_at - cut_at:.1f} s into a link-down: declared lost "
+        f"{lost_at - restored_at:.1f} s after the link was back; epoch of {len(consumer.out)} "
+        f"of {n} ({loss['elements_lost']} counted lost)"
+    )
 
 
 # ------------------------------------------------------------ the rule, handler by handler

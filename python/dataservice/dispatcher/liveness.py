@@ -343,9 +343,8 @@ class LivenessMixin(DispatcherBase):
                     self._declare_lost_locked(
                         worker,
                         f"worker {address} (pid {worker.pid or 'unknown'}) sent no heartbeat "
-                        f"for {worker_timeout_s:.1f} s (worker_timeout_ms) while the "
-                        "dispatcher heard from others: it is stopped, hung, or its host is "
-                        "down",
+                        f"for {worker_timeout_s:.1f} s (worker_timeout_ms): it is stopped, "
+                        "hung, or its host is down",
                     )
                 elif (
                     silent_s > _probe_after_s(worker)

@@ -658,8 +658,9 @@ def test_silence_holds_the_timeouts_until_an_rpc_arrives_then_grants_the_grace(
     """Driven through the handlers (unresolvable worker addresses: probes
     prove nothing). Heard from nobody past both timeouts: no worker lost, no
     client released, one WARNING. The next RPC (`_heard_rpc`, as the servicer
-    calls it) gives everyone the timeouts again from then; a worker still
-    silent past its timeout while others are heard is lost after all."""
+    calls it) gives everyone the timeouts again from then plus the silence's
+    length; a worker still silent past its timeout while others are heard is
+    lost after all."""
     d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=2_000, client_timeout_ms=2_000))
     try:
         _worker_heartbeat(d, "w:1")
@@ -689,14 +690,16 @@ def test_silence_holds_the_timeouts_until_an_rpc_arrives_then_grants_the_grace(
             d._heard_rpc()
             assert d._silent_since is None
             assert any("hears from its workers" in r.getMessage() for r in caplog.records)
+        # The grace runs from the RPC plus the silence's length (TCP backoff).
         now = time.monotonic()
-        assert all(now - w.last_heartbeat < 1 for w in d._workers.values())
+        assert all(w.last_heartbeat > now + 4 for w in d._workers.values())
+        assert d._client_seen[client_id] > now + 4
         d._check_workers()
         d._check_clients()
         assert sorted(d._workers) == ["w:1", "w:2"] and client_id in d._client_seen
         # w:2 stays silent while w:1 and the client are heard: it is lost.
         with d._mu:
-            d._workers["w:2"].last_heartbeat -= 5.0
+            d._workers["w:2"].last_heartbeat = time.monotonic() - 5.0
         _worker_heartbeat(d, "w:1")
         d._client_heartbeat(pb.ClientHeartbeatRequest(iteration_client_id=client_id))
         d._check_workers()

@@ -39,10 +39,12 @@ What tells the two apart:
   wait. The dispatcher logs one WARNING (another every
   `_waits.REPEAT_WARNING_S` while it lasts), declares no worker lost by
   timeout and releases no client meanwhile, and when the first RPC arrives
-  again (`_heard_rpc`) gives everyone the grace of a restart from that
-  moment (`_grant_restart_grace_locked`): a worker still silent
-  `worker_timeout_ms` after traffic resumed is declared lost then. Without
-  workers, client timeouts run as before.
+  again (`_heard_rpc`) gives everyone the grace of a restart
+  (`_grant_restart_grace_locked`), from then plus the silence's length (at
+  most `_RETRANSMIT_MAX_S`): the others' connections may still be waiting
+  for TCP's next retransmission, whose interval doubled while the link was
+  down. A worker still silent `worker_timeout_ms` after that is declared
+  lost then. Without workers, client timeouts run as before.
 
 This needs `worker_timeout_ms` and `client_timeout_ms` longer than the
 silence threshold plus a worker heartbeat interval and a maintenance period
@@ -88,6 +90,13 @@ _DEAF_S = 0.25
 # dispatcher suspects its own network (`_watch_silence_locked`). Consumers
 # heartbeat at least every 0.5 s (client/reader.py), so a live one is heard.
 _SILENCE_MIN_S = 1.0
+
+# After a silence of S seconds the grace runs from S (at most this) after the
+# first RPC back: a TCP connection that kept retransmitting while the link was
+# down doubles the interval after each try, so its next one may come as long
+# after the link returns as the link was down (Linux caps it at TCP_RTO_MAX,
+# 120 s). Measured: a worker's heartbeat got through 6 s after a 7 s link-down.
+_RETRANSMIT_MAX_S = 120.0
 
 # A consumer's report that it cannot reach a worker is checked after this long,
 # which is what a supervisor needs to say that the worker is restarting.
@@ -166,7 +175,8 @@ class LivenessMixin(DispatcherBase):
             self._silent_since = now  # still nobody heard: the silence goes on
 
     def _grant_restart_grace_locked(self, now: float) -> None:
-        """What a restart gives (`_recover`), from `now`: a fresh
+        """What a restart gives (`_recover`), from `now` (which may be ahead of
+        the clock: the last-seen times then lie ahead too): a fresh
         `client_timeout_ms` for every iteration client, `worker_timeout_ms` for
         every worker and for the tasks of workers not registered,
         `job_gc_timeout_ms` for every job and released iteration."""
@@ -185,19 +195,24 @@ class LivenessMixin(DispatcherBase):
 
     def _credit_deaf_time_locked(self, deaf_s: float, now: float) -> None:
         """Moves every last-seen time `deaf_s` seconds later (at most to
-        `now`): heartbeats that could not be heard while the dispatcher did
-        not run are not held against the workers and clients."""
+        `now`; one already ahead of `now`, a grace, stays): heartbeats that
+        could not be heard while the dispatcher did not run are not held
+        against the workers and clients."""
+
+        def credit(seen: float) -> float:
+            return max(seen, min(now, seen + deaf_s))
+
         for worker in self._workers.values():
-            worker.last_heartbeat = min(now, worker.last_heartbeat + deaf_s)
+            worker.last_heartbeat = credit(worker.last_heartbeat)
         for client_id, seen in self._client_seen.items():
-            self._client_seen[client_id] = min(now, seen + deaf_s)
+            self._client_seen[client_id] = credit(seen)
         for job_id, used in self._job_last_used.items():
-            self._job_last_used[job_id] = min(now, used + deaf_s)
+            self._job_last_used[job_id] = credit(used)
         for iteration_id, idle in self._iteration_idle_since.items():
-            self._iteration_idle_since[iteration_id] = min(now, idle + deaf_s)
-        self._last_heard = min(now, self._last_heard + deaf_s)
+            self._iteration_idle_since[iteration_id] = credit(idle)
+        self._last_heard = credit(self._last_heard)
         if self._silent_since is not None:  # shifted alike: not taken for an RPC
-            self._silent_since = min(now, self._silent_since + deaf_s)
+            self._silent_since = credit(self._silent_since)
 
     def _heard_rpc(self) -> None:
         """An RPC from a worker or a client arrived (`server._Servicer._call`,
@@ -265,21 +280,27 @@ class LivenessMixin(DispatcherBase):
         )
 
     def _end_silence_locked(self, now: float) -> None:
-        """An RPC arrived after a silence: everyone gets the grace of a restart
-        from `now`, so that only a worker or client silent past its timeout
-        after traffic resumed is declared lost or released."""
+        """An RPC arrived after a silence: everyone gets the grace of a restart,
+        from `now` plus the silence's length (at most `_RETRANSMIT_MAX_S`, the
+        time a connection that retransmitted meanwhile may take to get
+        through), so that only a worker or client silent past its timeout
+        after that is declared lost or released."""
         assert self._silent_since is not None
+        silence_s = now - self._silent_since
+        extra_s = min(silence_s, _RETRANSMIT_MAX_S)
         log.warning(
             "dispatcher at %s hears from its workers and clients again after %.1f s of "
             "silence: its %d workers and %d iteration clients get their full timeouts "
-            "again, as after a restart",
+            "again, as after a restart, from %.1f s on (connections that retransmitted "
+            "while it was cut off may take that long to get through)",
             self.target,
-            now - self._silent_since,
+            silence_s,
             len(self._workers),
             len(self._client_seen),
+            extra_s,
         )
         self._silent_since = None
-        self._grant_restart_grace_locked(now)
+        self._grant_restart_grace_locked(now + extra_s)
 
     def _warn_starved_iterations(self, now: float) -> None:
         """Warns (`_waits.SlowWait`: after 10 s, then every 30 s) about each
@@ -429,7 +450,7 @@ class LivenessMixin(DispatcherBase):
             self._probing.discard(worker.address)
             current = self._workers.get(worker.address)
             if refused and current is worker and not worker.restarting:
-                silent_s = time.monotonic() - worker.last_heartbeat
+                silent_s = max(0.0, time.monotonic() - worker.last_heartbeat)
                 self._declare_lost_locked(
                     worker,
                     f"worker {worker.address} (pid {worker.pid or 'unknown'}) is gone: no "

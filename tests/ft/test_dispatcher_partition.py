@@ -234,6 +234,8 @@ class _Consumer:
                     break
         except BaseException as err:  # noqa: BLE001  (the test inspects it)
             self.error = err
+        finally:
+            self.it.close()  # a coordinated read stops at `limit`; stats() remain
         self.ended_at = time.monotonic()
 
     def join(self, timeout_s: float) -> None:

@@ -354,6 +354,82 @@ def test_a_dispatcher_cut_off_past_its_timeouts_loses_no_worker_and_no_consumer(
     )
 
 
+def _gate(flag: str, first: int, last: int, delay_s: float):
+    """A map function whose elements `first`..`last` wait for the file `flag`
+    (at most 60 s), then take `delay_s` each. Element `first - 1` takes 1 ms,
+    so that the worker hands off what it produced before the gate at once
+    (task_runner.py batches fast elements)."""
+
+    def fn(x):
+        if int(x) == first - 1:
+            time.sleep(0.001)
+        if first <= int(x) <= last:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(delay_s)  # the element's production time, not a synchronisation
+        return x
+
+    return fn
+
+
+@pytest.mark.timeout(120)
+def test_coordinated_consumers_do_not_count_the_dispatchers_absence_against_each_other(
+    cluster: _Cluster, tmp_path
+) -> None:
+    """Coordinated consumers stuck asking the dispatcher for the next block of
+    rounds (GetRounds) through a cut longer than client_timeout_ms, whose
+    next round then takes over a second to be produced: they read on (the
+    wait for the dispatcher says nothing about the other consumer), where
+    they used to raise DeadlineExceededError."""
+    flag = str(tmp_path / "restored")
+    slow, cut = threading.Event(), threading.Event()
+    rounds = 192  # rounds 128.. are the third block of 64 (GetRounds while cut off)
+    # Each worker's elements 128..131 make rounds 128 and 129: produced after the cut only.
+    consumers = [
+        _Consumer(
+            iter(
+                ds.Dataset.range(10**6)
+                .repeat()
+                .map(_gate(flag, 128, 131, 1.5))
+                .apply(
+                    ds.distribute(
+                        "off",
+                        cluster.target,
+                        job_name="coordinated-gate",
+                        consumer_index=c,
+                        num_consumers=2,
+                        client_timeout_ms=60_000,
+                    )
+                )
+            ),
+            slow,
+            cut,
+            limit=rounds,
+        )
+        for c in range(2)
+    ]
+    wait_until(lambda: all(len(c.out) >= 100 for c in consumers), 60, "100 rounds each")
+    cut_at = cluster.cut()
+    cut.set()
+    try:
+        wait_until(lambda: all(len(c.out) == 128 for c in consumers), 30, "128 rounds each")
+        time.sleep(CUT_S)  # the scenario's length: the link stays down this long
+    finally:
+        restored_at = cluster.restore()
+        open(flag, "w").close()
+        cut.clear()
+    for c in consumers:
+        c.join(60)
+    for c, consumer in enumerate(consumers):
+        assert consumer.out == [2 * (r // 2) + c for r in range(rounds)], consumer.out[:80]
+    assert not cluster.dispatcher.lines_since(0, _LOST)
+    report(
+        f"coordinated: {rounds} rounds x 2 through a {restored_at - cut_at:.1f} s cut at a "
+        "GetRounds block and a slow round after it"
+    )
+
+
 def _wait_silence(dispatcher: Server, since: float) -> float:
     return dispatcher.wait_line("has heard from no worker and no client for", 10, since)
 

@@ -23,7 +23,8 @@ What tells the two apart:
   network works, so a worker silent meanwhile is silent on its own account:
   it is declared lost on its timeout as always. A consumer's
   `unreachable_workers` and LocalCluster's exit reports are such RPCs, and say
-  which worker died besides.
+  which worker died besides. (A partition that cuts the dispatcher off from
+  only some of its peers looks the same from here: those are timed out.)
 - A liveness probe refused (`_probe`) means a host answered that nothing
   listens on the worker's port: the process is gone, whatever else is
   silent, so it is declared lost at once even during a silence. (A firewall

@@ -44,10 +44,13 @@ class Server:
     """One `python -m dataservice dispatcher|worker` process; its stdout and
     stderr lines are kept as (monotonic time, line)."""
 
-    def __init__(self, kind: str, flags: list[str], log_level: str = "INFO") -> None:
+    def __init__(
+        self, kind: str, flags: list[str], log_level: str = "INFO", prefix: tuple[str, ...] = ()
+    ) -> None:
         self.kind = kind
         self.flags = flags
         argv = [
+            *prefix,  # e.g. `ip netns exec NAME`, which execs the rest in its place
             sys.executable,
             "-m",
             "dataservice",
@@ -176,6 +179,7 @@ class Servers:
         extra: tuple[str, ...] = (),
         wait: bool = True,
         log_level: str = "INFO",
+        prefix: tuple[str, ...] = (),
     ) -> Server:
         flags = ["--port", str(port)]
         if work_dir is not None:
@@ -185,7 +189,7 @@ class Servers:
         if worker_timeout_ms is not None:
             flags += ["--worker-timeout-ms", str(worker_timeout_ms)]
         flags += list(extra)
-        server = Server("dispatcher", flags, log_level)
+        server = Server("dispatcher", flags, log_level, prefix)
         self.all.append(server)
         if wait:
             server.wait_ready()

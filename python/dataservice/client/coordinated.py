@@ -99,6 +99,9 @@ class CoordinatedReads:
         Raises:
             DeadlineExceededError: The round was not ready within the
                 dispatcher's client_timeout_ms: another consumer stopped reading.
+                Time spent waiting for the dispatcher's GetRounds answer (it
+                restarting, frozen or cut off from the network) does not count:
+                it says nothing about the other consumers.
             FailedPreconditionError: The round was already read (a restarted
                 consumer set on an old job name).
             WorkerCrashedError: The worker serving the round could not be
@@ -112,6 +115,7 @@ class CoordinatedReads:
         # Since when no worker could be reached for this round: past
         # `worker_loss_timeout_ms` the read fails, as an uncoordinated one does.
         unreachable_since: float | None = None
+        dispatcher_s = 0.0  # spent waiting for GetRounds answers (s)
         slow = _waits.SlowWait(
             log,
             lambda: (
@@ -136,7 +140,7 @@ class CoordinatedReads:
                     raise self._error
                 if self._iteration_finished:
                     raise StopIteration
-            waited = time.monotonic() - start
+            waited = time.monotonic() - start - dispatcher_s
             if waited > self.coordination_timeout_s:
                 raise errors.DeadlineExceededError(
                     f"coordinated read: consumer {self.options.consumer_index} of "
@@ -144,7 +148,9 @@ class CoordinatedReads:
                     f"{round_index} of job {self.options.job_name!r}; another consumer may "
                     "have stopped reading (every consumer must read every round)"
                 )
+            asked = time.monotonic()
             task_id = self._round_task(round_index, dead)
+            dispatcher_s += time.monotonic() - asked
             task_of_round[0] = task_id
             dead = 0
             if not task_id:

@@ -126,6 +126,14 @@ class DispatcherBase:
         self._task_splits: dict[st.TaskId, int] = {}
         self._worker_losses: dict[st.IterationId, list[Any]] = {}
         self._probing: set[str] = set()  # addresses with a liveness probe in flight
+        # Silence (liveness.py `_watch_silence_locked`): when an RPC from any
+        # worker or client last arrived (time.monotonic(); written without the
+        # lock by `_heard_rpc`, a float store), since when the dispatcher has
+        # heard from nobody and suspects its own network (None: it does not),
+        # and when it last warned about it.
+        self._last_heard = time.monotonic()
+        self._silent_since: float | None = None
+        self._silence_warned_at = 0.0
 
     @property
     def target(self) -> str:

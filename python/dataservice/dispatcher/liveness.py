@@ -4,16 +4,64 @@ Owns `LivenessMixin`: `_maintenance_loop` (one tick per period), worker
 timeouts and liveness probes (a refused connection means the process is
 gone), tasks of workers that never came back after a restart, iteration
 client timeouts, the grace given to everyone after the dispatcher itself
-stalled (`_STALL_S`) or was briefly deaf (`_DEAF_S`), warnings about
-iterations with consumers and no worker, and garbage collection of jobs and of
-the released iterations of named jobs.
+stalled (`_STALL_S`), was briefly deaf (`_DEAF_S`) or was cut off from the
+network (the silence, below), warnings about iterations with consumers and no
+worker, and garbage collection of jobs and of the released iterations of named
+jobs.
+
+A dispatcher cut off from the network (its host's link down, a partition,
+a firewall that drops packets) keeps running but hears nothing: from its
+side that looks like every worker and every client falling silent at once.
+Declaring them all lost when their timeouts pass would tear down the tasks of
+workers that go on serving their consumers on the other side (DYNAMIC splits
+counted lost, coordinated rounds moved, iteration clients released, consumers
+failing with `WorkerCrashedError` or `NotFoundError` when the link returns).
+What tells the two apart:
+
+- An RPC from anyone (a worker's heartbeat or GetSplits, a consumer's
+  heartbeat, LocalCluster's ReportWorkerFailure) proves the dispatcher's
+  network works, so a worker silent meanwhile is silent on its own account:
+  it is declared lost on its timeout as always. A consumer's
+  `unreachable_workers` and LocalCluster's exit reports are such RPCs, and say
+  which worker died besides. (A partition that cuts the dispatcher off from
+  only some of its peers looks the same from here: those are timed out.)
+- A liveness probe refused (`_probe`) means a host answered that nothing
+  listens on the worker's port: the process is gone, whatever else is
+  silent, so it is declared lost at once even during a silence. (A firewall
+  that rejects rather than drops looks the same; it is taken for a death.)
+- A probe that times out or finds no route, or one that connects, proves
+  nothing: a cut-off dispatcher and a host that died both time out, and a
+  frozen worker still accepts.
+- No RPC at all from any worker or client for `_silence_s` (2 heartbeat
+  intervals of the slowest worker, at least `_SILENCE_MIN_S`; consumers
+  heartbeat at least every 0.5 s) while workers are registered: every peer
+  dying in the same instant is far less likely than the dispatcher's own
+  network failing, and if they all died nobody is left to be misled by the
+  wait. The dispatcher logs one WARNING (another every
+  `_waits.REPEAT_WARNING_S` while it lasts), declares no worker lost by
+  timeout and releases no client meanwhile, and when the first RPC arrives
+  again (`_heard_rpc`) gives everyone the grace of a restart
+  (`_grant_restart_grace_locked`), from then plus the silence's length (at
+  most `_RETRANSMIT_MAX_S`): the others' connections may still be waiting
+  for TCP's next retransmission, whose interval doubled while the link was
+  down. A worker still silent `worker_timeout_ms` after that is declared
+  lost then. Without workers, client timeouts run as before.
+
+This needs `worker_timeout_ms` and `client_timeout_ms` longer than the
+silence threshold plus a worker heartbeat interval and a maintenance period
+(at most 0.5 s), else the timeouts pass before the silence is noticed: 2 s
+plus 3 heartbeat intervals always is (the default 300 s is). A dispatcher cut
+off for good never declares its silent workers lost, which harms nobody: no
+consumer reaches it either.
 
 Fields (`base.DispatcherBase`; all guarded by `self._mu` except `_starved`,
-which only the maintenance thread uses, and `_stop_event`): reads `_config`,
+which only the maintenance thread uses, `_stop_event`, and `_last_heard`,
+which `_heard_rpc` stores without the lock): reads `_config`,
 `_state`, `_iteration_errors`; writes `_workers` (drops lost ones, moves
 their last-seen times), `_lost_uids`, `_probing`, `_client_seen`,
 `_job_last_used`, `_iteration_idle_since`, `_split_providers`, `_worker_losses`,
-`_restart_time` and `_starved`; `_state` changes only
+`_restart_time`, `_last_heard`, `_silent_since`, `_silence_warned_at` and
+`_starved`; `_state` changes only
 through `_apply_locked`. Uses worker_loss.py's `_record_losses_locked` and
 jobs.py's `_release_client_locked` and `_forget_job_locked`.
 """
@@ -37,6 +85,19 @@ from dataservice.sharding import ShardingPolicy
 # scheduling delays are ignored, so that a dead worker is still noticed on time.
 _STALL_S = 2.0
 _DEAF_S = 0.25
+
+# No RPC from any worker or client for this long (and for 2 heartbeat intervals
+# of the slowest registered worker) although workers are registered: the
+# dispatcher suspects its own network (`_watch_silence_locked`). Consumers
+# heartbeat at least every 0.5 s (client/reader.py), so a live one is heard.
+_SILENCE_MIN_S = 1.0
+
+# After a silence of S seconds the grace runs from S (at most this) after the
+# first RPC back: a TCP connection that kept retransmitting while the link was
+# down doubles the interval after each try, so its next one may come as long
+# after the link returns as the link was down (Linux caps it at TCP_RTO_MAX,
+# 120 s). Measured: a worker's heartbeat got through 6 s after a 7 s link-down.
+_RETRANSMIT_MAX_S = 120.0
 
 # A consumer's report that it cannot reach a worker is checked after this long,
 # which is what a supervisor needs to say that the worker is restarting.
@@ -72,7 +133,7 @@ class LivenessMixin(DispatcherBase):
         next_gc = time.monotonic() + cfg.job_gc_check_interval_ms_or_default / 1000
         # Workers that held tasks before a restart get worker_timeout_ms to come back.
         with self._mu:
-            self._restart_time = time.monotonic()
+            self._restart_time = self._last_heard = time.monotonic()
         last_tick = time.monotonic()
         while not self._stop_event.wait(period_s):
             # One `now` per tick, taken before any check: a stall after it only
@@ -101,9 +162,7 @@ class LivenessMixin(DispatcherBase):
         """The dispatcher itself could not run for `stalled_s` seconds (frozen
         by SIGSTOP, a paused VM, swapping): the heartbeats it missed meanwhile
         say nothing about its workers and clients. Give them what a restart
-        gives (`_recover`): a fresh `client_timeout_ms` for every iteration
-        client, `worker_timeout_ms` for every worker and for the tasks of
-        workers not registered, `job_gc_timeout_ms` for every job."""
+        gives (`_grant_restart_grace_locked`)."""
         log.warning(
             "dispatcher at %s was stalled for %.1f s (frozen or starved of CPU): its %d workers "
             "and %d iteration clients get their full timeouts again, as after a restart",
@@ -112,6 +171,17 @@ class LivenessMixin(DispatcherBase):
             len(self._workers),
             len(self._client_seen),
         )
+        self._grant_restart_grace_locked(now)
+        if self._silent_since is not None:
+            self._silent_since = now  # still nobody heard: the silence goes on
+
+    def _grant_restart_grace_locked(self, now: float) -> None:
+        """What a restart gives (`_recover`), from `now` (which may be ahead of
+        the clock: the last-seen times then lie ahead too): a fresh
+        `client_timeout_ms` for every iteration client, `worker_timeout_ms` for
+        every worker and for the tasks of workers not registered,
+        `job_gc_timeout_ms` for every job and released iteration."""
+        self._last_heard = max(self._last_heard, now)
         for worker in self._workers.values():
             worker.last_heartbeat = max(worker.last_heartbeat, now)
         for client_id in self._client_seen:
@@ -126,16 +196,112 @@ class LivenessMixin(DispatcherBase):
 
     def _credit_deaf_time_locked(self, deaf_s: float, now: float) -> None:
         """Moves every last-seen time `deaf_s` seconds later (at most to
-        `now`): heartbeats that could not be heard while the dispatcher did
-        not run are not held against the workers and clients."""
+        `now`; one already ahead of `now`, a grace, stays): heartbeats that
+        could not be heard while the dispatcher did not run are not held
+        against the workers and clients."""
+
+        def credit(seen: float) -> float:
+            return max(seen, min(now, seen + deaf_s))
+
         for worker in self._workers.values():
-            worker.last_heartbeat = min(now, worker.last_heartbeat + deaf_s)
+            worker.last_heartbeat = credit(worker.last_heartbeat)
         for client_id, seen in self._client_seen.items():
-            self._client_seen[client_id] = min(now, seen + deaf_s)
+            self._client_seen[client_id] = credit(seen)
         for job_id, used in self._job_last_used.items():
-            self._job_last_used[job_id] = min(now, used + deaf_s)
+            self._job_last_used[job_id] = credit(used)
         for iteration_id, idle in self._iteration_idle_since.items():
-            self._iteration_idle_since[iteration_id] = min(now, idle + deaf_s)
+            self._iteration_idle_since[iteration_id] = credit(idle)
+        self._last_heard = credit(self._last_heard)
+        if self._silent_since is not None:  # shifted alike: not taken for an RPC
+            self._silent_since = credit(self._silent_since)
+
+    def _heard_rpc(self) -> None:
+        """An RPC from a worker or a client arrived (`server._Servicer._call`,
+        before its handler runs): the dispatcher's network works. Ends a
+        silence (`_end_silence_locked`) before the handler reads any last-seen
+        time, so that its answer (a task's `worker_silent_ms`) already has the
+        grace."""
+        now = time.monotonic()
+        self._last_heard = now  # a float store; the maintenance thread reads it
+        if self._silent_since is not None:  # checked again under the lock
+            with self._mu:
+                if self._silent_since is not None:
+                    self._end_silence_locked(now)
+
+    def _silence_s(self) -> float:
+        """How long the dispatcher may hear nothing from its registered workers
+        before it suspects its own network (s): 2 heartbeat intervals of the
+        slowest, at least `_SILENCE_MIN_S`. Caller holds `self._mu`."""
+        slowest_s = max((w.heartbeat_interval_s for w in self._workers.values()), default=0.0)
+        return max(_SILENCE_MIN_S, 2 * slowest_s)
+
+    def _watch_silence_locked(self, now: float) -> bool:
+        """Whether the dispatcher is in a silence as of `now` (see the module
+        docstring): heard from no worker and no client for `_silence_s()`
+        although workers (not restarting) are registered. Starts one (one
+        WARNING, repeated every `_waits.REPEAT_WARNING_S`) or ends one
+        (`_end_silence_locked`) as the last-seen times say. Handlers driven
+        without the servicer move the workers' and clients' times but not
+        `_last_heard`: the newest of them all counts."""
+        heard = max(
+            self._last_heard,
+            max((w.last_heartbeat for w in self._workers.values()), default=0.0),
+            max(self._client_seen.values(), default=0.0),
+        )
+        if self._silent_since is not None:
+            if heard > self._silent_since:
+                self._end_silence_locked(now)
+                return False
+            if now - self._silence_warned_at >= _waits.REPEAT_WARNING_S:
+                self._silence_warned_at = now
+                self._warn_silence_locked(now - heard)
+            return True
+        if not any(not w.restarting for w in self._workers.values()):
+            return False
+        if now - heard <= self._silence_s():
+            return False
+        self._silent_since = heard
+        self._silence_warned_at = now
+        self._warn_silence_locked(now - heard)
+        return True
+
+    def _warn_silence_locked(self, quiet_s: float) -> None:
+        cfg = self._config
+        log.warning(
+            "dispatcher at %s has heard from no worker and no client for %.1f s although %d "
+            "workers are registered: it suspects its own network is cut off (not that they all "
+            "died at once): it waits for an RPC to reach it again before it times out any of "
+            "them, and they then get their full timeouts (worker_timeout_ms=%d, "
+            "client_timeout_ms=%d); a worker whose port refuses connections is dropped at once",
+            self.target,
+            quiet_s,
+            len(self._workers),
+            cfg.worker_timeout_ms_or_default,
+            cfg.client_timeout_ms_or_default,
+        )
+
+    def _end_silence_locked(self, now: float) -> None:
+        """An RPC arrived after a silence: everyone gets the grace of a restart,
+        from `now` plus the silence's length (at most `_RETRANSMIT_MAX_S`, the
+        time a connection that retransmitted meanwhile may take to get
+        through), so that only a worker or client silent past its timeout
+        after that is declared lost or released."""
+        assert self._silent_since is not None
+        silence_s = now - self._silent_since
+        extra_s = min(silence_s, _RETRANSMIT_MAX_S)
+        log.warning(
+            "dispatcher at %s hears from its workers and clients again after %.1f s of "
+            "silence: its %d workers and %d iteration clients get their full timeouts "
+            "again, as after a restart, from %.1f s on (connections that retransmitted "
+            "while it was cut off may take that long to get through)",
+            self.target,
+            silence_s,
+            len(self._workers),
+            len(self._client_seen),
+            extra_s,
+        )
+        self._silent_since = None
+        self._grant_restart_grace_locked(now + extra_s)
 
     def _warn_starved_iterations(self, now: float) -> None:
         """Warns (`_waits.SlowWait`: after 10 s, then every 30 s) about each
@@ -188,12 +354,14 @@ class LivenessMixin(DispatcherBase):
         now = time.monotonic() if now is None else now
         to_probe: list[_Worker] = []
         with self._mu:
+            # Heard from nobody: the timeouts wait for the network (probes do not).
+            silence = self._watch_silence_locked(now)
             for address, worker in list(self._workers.items()):
                 # A timeout below the worker's own heartbeat interval would drop
                 # healthy workers: wait for at least 3 missed heartbeats.
                 worker_timeout_s = max(timeout_s, 3 * worker.heartbeat_interval_s)
                 silent_s = now - worker.last_heartbeat
-                if silent_s > worker_timeout_s:
+                if silent_s > worker_timeout_s and not silence:
                     self._declare_lost_locked(
                         worker,
                         f"worker {address} (pid {worker.pid or 'unknown'}) sent no heartbeat "
@@ -209,7 +377,7 @@ class LivenessMixin(DispatcherBase):
                     worker.last_probe = now
                     self._probing.add(address)
                     to_probe.append(worker)
-            if now - self._restart_time > timeout_s:
+            if now - self._restart_time > timeout_s and not silence:
                 # Tasks journaled for workers that never came back after a restart.
                 for task in list(self._state.tasks.values()):
                     if (
@@ -283,7 +451,7 @@ class LivenessMixin(DispatcherBase):
             self._probing.discard(worker.address)
             current = self._workers.get(worker.address)
             if refused and current is worker and not worker.restarting:
-                silent_s = time.monotonic() - worker.last_heartbeat
+                silent_s = max(0.0, time.monotonic() - worker.last_heartbeat)
                 self._declare_lost_locked(
                     worker,
                     f"worker {worker.address} (pid {worker.pid or 'unknown'}) is gone: no "
@@ -300,6 +468,8 @@ class LivenessMixin(DispatcherBase):
         timeout_s = self._config.client_timeout_ms_or_default / 1000
         now = time.monotonic() if now is None else now
         with self._mu:
+            if self._watch_silence_locked(now):
+                return  # heard from nobody: they may be fine, the network is not
             for client_id, seen in list(self._client_seen.items()):
                 if now - seen > timeout_s:
                     log.info("iteration client %d timed out", client_id)

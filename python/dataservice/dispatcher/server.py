@@ -14,7 +14,8 @@ the module of its concern:
     split_handout.py  GetSplits (DYNAMIC), GetRounds (coordinated reads)
     worker_loss.py    ReportWorkerFailure; what a lost worker took with it
     liveness.py       the maintenance thread: worker and client timeouts, probes,
-                      the stall grace, job garbage collection
+                      the stall grace, the silence of a cut-off dispatcher, job
+                      garbage collection
 
 Every decision becomes a `state.Update` applied through `_apply_locked`, which
 journals it first when `fault_tolerant_mode` is on. RPC handlers take
@@ -62,6 +63,7 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
         (rpc/validate.py); every error becomes the status of its class
         (rpc/util.py), a bug INTERNAL, never a dead handler thread."""
         try:
+            self._d._heard_rpc()  # before the handler reads any last-seen time
             validate.check_request(request)
             return fn(request)
         except (errors.DataServiceError, ValueError) as err:

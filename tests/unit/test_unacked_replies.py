@@ -1,4 +1,4 @@
-"""The worker's per-consumer reply bookkeeping (task_runner.UnackedReplies) and
+"""The worker's per-consumer reply bookkeeping (unacked_replies.UnackedReplies) and
 TaskRunner.requeue: a reply leaves the worker only once its consumer acknowledges it."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import time
 import pytest
 
 from dataservice import errors
-from dataservice.worker.task_runner import Reply, TaskRunner, UnackedReplies
+from dataservice.worker.task_runner import TaskRunner
+from dataservice.worker.unacked_replies import Reply, UnackedReplies
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -345,7 +345,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("trainer_id", text(MAX_NAME_CHARS)),
         Field("compression", one_of(ELEMENT_COMPRESSIONS, allow_empty=True)),
         Across(("consumer_index", "round_index", "trainer_id"), _round_read_fields),
-        # Acknowledged reads (worker/task_runner.py UnackedReplies): a client-chosen key
+        # Acknowledged reads (worker/unacked_replies.py UnackedReplies): a client-chosen key
         # (a uuid4 hex from ours) and its request number, 1, 2, ... (0: no key).
         Field("consumer_key", text(MAX_CONSUMER_KEY_CHARS)),
         Field("sequence", int_range(0, MAX_ROUND)),

@@ -4,7 +4,7 @@ No element is lost between the worker and the consumer: each client numbers its
 requests (a random `consumer_key` per client, `sequence` 1, 2, ...). The worker
 keeps its reply until the next request acknowledges it, and a request retried
 after a failure repeats its number and gets the same reply again
-(worker/task_runner.py `UnackedReplies`). So a client is kept, not replaced,
+(worker/unacked_replies.py `UnackedReplies`). So a client is kept, not replaced,
 after a failed request (`retry_in_place`): gRPC reconnects its channel itself.
 
 Replies are streamed in messages of about 1 MiB (server streaming, which gRPC

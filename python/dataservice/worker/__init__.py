@@ -15,7 +15,10 @@ Modules, one concern each:
   round, or the task's first come, first served buffer): the one decision.
 - `splits.py`: a DYNAMIC task's splits, fetched from the dispatcher in batches.
 - `task_runner.py`: one task's runner (first come, first served, or coordinated
-  rounds), its prefetch thread and its unacknowledged replies.
+  rounds) and its prefetch thread.
+- `unacked_replies.py`: a task's replies kept per consumer until acknowledged
+  (resent on retry, given back to the task's buffer, cut for slow links); it
+  imports no other module of the worker.
 - `cross_trainer_cache.py`: the byte-bounded sliding window that trainers
   (`trainer_id`) share.
 

@@ -6,7 +6,7 @@ dispatcher (registration, heartbeats, fetching dataset definitions) and its
 tasks (starting a runner per new task, stopping deleted ones). The worker's
 gRPC server on `config.port` serves `WorkerService.GetElements` and
 `GetElementsStream` (the "grpc" transfer protocol; elements leave the worker
-when the consumer acknowledges them, see `task_runner.UnackedReplies`): that
+when the consumer acknowledges them, see `unacked_replies.UnackedReplies`): that
 reading is `serving.py`'s, and a DYNAMIC task's splits come from the dispatcher
 through `splits.py`. A heartbeat thread reports the worker's tasks every
 `heartbeat_interval_ms` and receives new tasks and tasks to delete; a worker

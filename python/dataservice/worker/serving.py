@@ -8,7 +8,7 @@ moment for one the client heard of before the worker did) and its source
 worker's `TransferHost`; the choice itself is `sources.py`'s: a cross-trainer
 cache read, a coordinated round, or first come, first served), taking its
 elements, encoding and compressing them into a reply, keeping an acknowledged
-reply with its consumer until the next request (`task_runner.UnackedReplies`),
+reply with its consumer until the next request (`unacked_replies.UnackedReplies`),
 and streaming a reply in messages of about `_CHUNK_BYTES`. Registration,
 heartbeats and starting or stopping tasks are `server.py`'s.
 """
@@ -31,7 +31,8 @@ from dataservice.rpc import util as rpc_util
 from dataservice.transfer import codec
 from dataservice.transfer.base import ReadRequest, TaskRead
 from dataservice.worker.sources import TaskSource, choose_source
-from dataservice.worker.task_runner import Reply, TaskRunner, encode_elements
+from dataservice.worker.task_runner import TaskRunner, encode_elements
+from dataservice.worker.unacked_replies import Reply
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from dataservice.client.reader import _FairSemaphore
+from dataservice.client.fetch import _FairSemaphore
 
 
 def test_a_releasing_thread_queues_behind_the_waiters():

@@ -3,9 +3,10 @@
 `DataServiceIterator` joins (or creates) the iteration at the dispatcher,
 heartbeats to learn the iteration's tasks, runs one fetch thread per task
 (bounded by `max_outstanding_requests` concurrent requests and by a results
-buffer; its transfer client, and the protocol fallback, are `connect.py`'s),
-and yields elements as they arrive. The iteration ends when the
-dispatcher says it is finished and every buffered element was yielded.
+buffer; each thread's loop is `fetch.py`'s, its transfer client and the
+protocol fallback `connect.py`'s), and yields elements as they arrive. The
+iteration ends when the dispatcher says it is finished and every buffered
+element was yielded.
 
 Threads hold only `_Reader` (not the iterator), so an abandoned iterator is
 garbage collected, which releases its iteration client and stops its threads.
@@ -24,9 +25,9 @@ from typing import Any
 import grpc
 
 from dataservice import _waits, auth, errors
-from dataservice.client import connect
 from dataservice.client.coordinated import CoordinatedReads
-from dataservice.client.stats import ReadStats, WorkerLossTracking, WorkerStats
+from dataservice.client.fetch import TaskFetching, _FairSemaphore, _Fetched, _TaskState
+from dataservice.client.stats import ReadStats, WorkerLossTracking
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
@@ -36,15 +37,9 @@ from dataservice.transfer import grpc as _grpc_transfer  # noqa: F401  (register
 
 log = logging.getLogger(__name__)
 
-_FETCH_WAIT_S = 1.0
-# A forced protocol that cannot reach a worker fails the read, but only after
-# this long: a worker that just died is reported first (WorkerCrashedError).
-_FORCED_CONNECT_GRACE_S = 3.0
 _START_WAIT_S = 0.5  # longest wait for the iteration's tasks to connect before the first element
 _MAX_ELEMENTS_PER_FETCH = 1024
-_MAX_BYTES_PER_FETCH = 16 << 20
 _RESULT_BUFFER_ELEMENTS = 8192
-_RESULT_BUFFER_BYTES = 128 << 20
 # A named job is shared first come, first served: a consumer must not take
 # far more than it reads, so fetches and the local buffer stay small.
 _SHARED_MAX_ELEMENTS_PER_FETCH = 8
@@ -73,75 +68,7 @@ class ReadOptions:
     worker_loss_timeout_ms: int | None = 60_000
 
 
-class _FairSemaphore:
-    """A counting semaphore that serves its waiters in arrival order, so that
-    with `max_outstanding_requests` below the number of tasks every task's
-    fetch thread gets its turn (a plain Semaphore let the thread that just
-    released it take it again, and one worker served the whole read)."""
-
-    def __init__(self, value: int) -> None:
-        self._cv = threading.Condition()
-        self._free = value  # guarded by self._cv
-        self._waiters: collections.deque[object] = collections.deque()  # guarded by self._cv
-
-    def acquire(self, timeout: float) -> bool:
-        """Takes a unit, waiting up to `timeout` s behind earlier waiters."""
-        me = object()
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            self._waiters.append(me)
-            while not (self._free > 0 and self._waiters[0] is me):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._waiters.remove(me)
-                    self._cv.notify_all()
-                    return False
-                self._cv.wait(remaining)
-            self._waiters.popleft()
-            self._free -= 1
-            self._cv.notify_all()
-            return True
-
-    def release(self) -> None:
-        with self._cv:
-            self._free += 1
-            self._cv.notify_all()
-
-
-@dataclass
-class _Fetched:
-    """An entry of the results queue: one fetch's `elements` from `task`, each
-    counted as `nbytes_each` bytes; or (no elements) the mark that `task`'s stream
-    `end`s here, or that the iteration `failed` here (`_Reader._error`; no task):
-    what was fetched before comes first, as tf.data raises an error where the
-    pipeline reached it, and nothing fetched after it is handed out."""
-
-    elements: list[Any]
-    nbytes_each: int = 0
-    task: _TaskState | None = None
-    end: bool = False
-    failed: bool = False
-
-
-@dataclass
-class _TaskState:
-    endpoint: transfer.TaskEndpoint
-    thread: threading.Thread | None = None
-    finished: bool = False  # the consumer took every element, up to the end
-    removed: bool = False  # the dispatcher dropped it (worker lost)
-    protocol: str = ""
-    unconsumed_bytes: int = 0  # fetched from this task, not yet taken by next()
-    max_unconsumed_bytes: int = _RESULT_BUFFER_BYTES  # the transfer client's bound
-    tried: bool = False  # its first connection attempt is over (made or failed)
-    worker_uid: str = ""  # the worker process the last fetched elements came from
-    fetch_error: str = ""  # why the last fetch failed; "" once one succeeds (for warnings)
-    worker_pid: int = 0  # as the dispatcher knows it (0: unknown)
-    # time.monotonic() since which the dispatcher has not heard from the
-    # task's worker (None: it heartbeats on time)
-    silent_since: float | None = None
-
-
-class _Reader(CoordinatedReads, WorkerLossTracking):
+class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
     """The shared state of one iterator's threads. Thread-safe (self._cv)."""
 
     def __init__(self, options: ReadOptions) -> None:
@@ -358,193 +285,6 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
             )
             state.thread.start()
 
-    # ------------------------------------------------------------ fetching
-    def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
-        """A transfer client for `endpoint` (`connect.connect`: "auto" tries shared
-        memory on the same host, then gRPC).
-
-        Raises:
-            UnavailableError: A forced protocol cannot reach the worker.
-            NotFoundError: An unknown protocol was requested.
-        """
-        options = self.options
-        return connect.connect(
-            endpoint,
-            options.data_transfer_protocol,
-            self._token,
-            zero_copy=options.zero_copy,
-            trainer_id=options.trainer_id,
-            compression=options.compression,
-        )
-
-    def _fetch_loop(self, state: _TaskState) -> None:
-        endpoint = state.endpoint
-        forced_error: errors.UnavailableError | None = None
-        forced_at = 0.0
-        try:
-            client: transfer.TransferClient | None = self._connect(endpoint)
-        except errors.DataServiceError as err:
-            if isinstance(err, errors.UnavailableError):
-                client = None  # the worker may be restarting: retried below
-                if self.options.data_transfer_protocol not in (None, "auto"):
-                    # Retried for a grace period: if the worker died, the
-                    # dispatcher's word on it (WorkerCrashedError, or the task
-                    # removed) comes first; else the forced protocol cannot work.
-                    forced_error, forced_at = err, time.monotonic()
-            else:
-                self._fail(err)
-                return
-        finally:
-            with self._cv:
-                state.tried = True
-                self._cv.notify_all()
-        if client is not None:
-            self._connected(state, client)
-        backoff = rpc_util.Backoff(0.05, 1.0)
-        try:
-            while not self._stop.is_set():
-                with self._cv:
-                    while not self._stop.is_set() and (
-                        not self._consumer_asked
-                        or self._buffered_elements >= self._read_ahead_locked()
-                        or self._buffered_bytes >= _RESULT_BUFFER_BYTES
-                        or state.unconsumed_bytes >= state.max_unconsumed_bytes
-                    ):
-                        self._cv.wait(0.5)
-                    if state.removed or self._stop.is_set():
-                        return
-                    want = max(
-                        1,
-                        min(
-                            self._fetch_elements,
-                            self._read_ahead_locked() - self._buffered_elements,
-                        ),
-                    )
-                    # (at least one element is always sent, whatever its size)
-                    max_bytes = max(
-                        1,
-                        min(
-                            _MAX_BYTES_PER_FETCH,
-                            state.max_unconsumed_bytes - state.unconsumed_bytes,
-                        ),
-                    )
-                if self._outstanding is not None:
-                    while not self._outstanding.acquire(timeout=0.5):
-                        if self._stop.is_set() or state.removed:
-                            return
-                try:
-                    if client is None:  # reconnect (a restarted worker needs a new handshake)
-                        client = self._connect(endpoint)
-                        self._connected(state, client)
-                        forced_error = None
-                    result = client.get_elements(
-                        want, max_bytes, _FETCH_WAIT_S, trainer_id=self.options.trainer_id
-                    )
-                except errors.TransferStalledError:
-                    # The link cannot carry the reply (transfer/grpc.py): retrying
-                    # cannot help; the consumer gets the error.
-                    if self._outstanding is not None:
-                        self._outstanding.release()
-                    raise
-                except (
-                    errors.UnavailableError,
-                    errors.NotFoundError,
-                    errors.DeadlineExceededError,
-                    errors.CancelledError,
-                    ConnectionError,  # a shared-memory socket reset by a restarting worker
-                ) as err:
-                    # The worker may be restarting, or lost: the dispatcher decides
-                    # (told now, it checks whether the worker's port is still open).
-                    log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
-                    state.fetch_error = f"{type(err).__name__}: {err}"
-                    if forced_error is not None and (
-                        time.monotonic() - forced_at > _FORCED_CONNECT_GRACE_S
-                    ):
-                        if self._outstanding is not None:
-                            self._outstanding.release()
-                        self._fail(forced_error)
-                        return
-                    if isinstance(err, errors.UnavailableError | ConnectionError):
-                        with self._cv:
-                            self._unreachable.add(endpoint.worker_address)
-                        self._wake_heartbeat.set()
-                    if client is not None and not client.retry_in_place:
-                        client.close()
-                        client = None
-                    if self._outstanding is not None:
-                        self._outstanding.release()
-                    backoff.sleep(time.monotonic() + 1.0, self._stop)
-                    continue
-                if self._outstanding is not None:
-                    self._outstanding.release()
-                backoff = rpc_util.Backoff(0.05, 1.0)
-                state.fetch_error = ""
-                with self._cv:
-                    if result.worker_uid and result.worker_uid != state.worker_uid:
-                        if state.worker_uid:
-                            self._drop_unconsumed_locked(state)
-                        state.worker_uid = result.worker_uid
-                    if result.elements:
-                        count = len(result.elements)
-                        key = (endpoint.task_id, result.worker_uid)
-                        self.stats.received[key] = self.stats.received.get(key, 0) + count
-                        per = result.nbytes // count
-                        self._results.append(_Fetched(list(result.elements), per, state))
-                        self._buffered_elements += count
-                        self._buffered_bytes += per * count
-                        state.unconsumed_bytes += per * count
-                        w = self.stats.workers.setdefault(
-                            endpoint.worker_address, WorkerStats(state.protocol)
-                        )
-                        w.elements += len(result.elements)
-                        w.bytes += result.nbytes
-                    if result.end_of_sequence:
-                        self._results.append(_Fetched([], task=state, end=True))
-                    self._cv.notify_all()
-                if result.end_of_sequence:
-                    return
-        except BaseException as err:  # e.g. WorkerError: the pipeline raised
-            self._fail(err)
-        finally:
-            if client is not None:
-                client.close()
-
-    def _unbuffer_locked(self, fetched: _Fetched, state: _TaskState) -> None:
-        """A fetched chunk leaves the results queue (taken by next(), or dropped):
-        the counters the fetch threads' bounds read go down by its size."""
-        self._buffered_elements -= len(fetched.elements)
-        self._buffered_bytes -= fetched.nbytes_each * len(fetched.elements)
-        state.unconsumed_bytes -= fetched.nbytes_each * len(fetched.elements)
-
-    def _drop_unconsumed_locked(self, state: _TaskState) -> None:
-        """The task's worker restarted, so the task started over there (tf.data
-        service's OFF semantics): the elements fetched from its previous process
-        and not yet handed out would come again, so they are dropped. (Those the
-        consumer already took are not taken back.)"""
-        kept: collections.deque[_Fetched] = collections.deque()
-        dropped = 0
-        for entry in self._results:
-            if entry.task is state and not entry.end:
-                dropped += len(entry.elements)
-                self._unbuffer_locked(entry, state)
-            else:
-                kept.append(entry)
-        self._results = kept
-        if dropped:
-            log.info(
-                "worker %s restarted: dropped %d elements fetched from its previous process "
-                "(task %d starts over there)",
-                state.endpoint.worker_address,
-                dropped,
-                state.endpoint.task_id,
-            )
-
-    def _connected(self, state: _TaskState, client: transfer.TransferClient) -> None:
-        state.protocol = client.protocol
-        state.max_unconsumed_bytes = min(
-            _RESULT_BUFFER_BYTES, client.max_unconsumed_bytes or _RESULT_BUFFER_BYTES
-        )
-
     def _started_locked(self, now: float) -> bool:
         """Whether next() may hand out elements: from the first one on, once every
         task known then has tried to connect (or after `_START_WAIT_S`), so the
@@ -558,13 +298,6 @@ class _Reader(CoordinatedReads, WorkerLossTracking):
         ):
             self._started = True
         return self._started
-
-    def _read_ahead_locked(self) -> int:
-        """How many elements may wait here unconsumed: it grows with what the
-        consumer has taken (16, then half of the elements consumed so far, up to
-        the buffer's size), so a consumer that reads little holds little, and
-        little is lost or skipped if a worker restarts or joins mid-iteration."""
-        return max(16, min(self._buffer_elements, self.stats.elements // 2))
 
     def _fail(self, err: BaseException) -> None:
         with self._cv:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from dataservice import errors
 
 if TYPE_CHECKING:
-    from dataservice.client.reader import ReadOptions, _TaskState
+    from dataservice.client.fetch import _TaskState
+    from dataservice.client.reader import ReadOptions
 
 # The read logs under one name, the reader's, whichever module does the work.
 log = logging.getLogger("dataservice.client.reader")

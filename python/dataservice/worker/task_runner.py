@@ -173,7 +173,12 @@ class TaskRunner:
         self._end = False
         self._error: errors.RemoteErrorInfo | None = None
         self._stopped = False
-        self._waiting = 0  # consumers blocked on an empty buffer
+        self._waiting = 0  # consumers blocked on an empty buffer (or an incomplete round)
+        # Elements the producer made and has not handed to `_buffer` yet (its batch, see
+        # `_produce`). Only the producer appends, without the lock; whoever holds the lock
+        # moves them to `_buffer` (`_take_pending_locked`), so a consumer that finds the
+        # buffer empty gets them while the producer is blocked in the pipeline.
+        self._pending: collections.deque[tuple[Any, int]] = collections.deque()
         # Final replies (their elements, then the end) that their consumers have not
         # taken yet (`get_elements_raw(hold_end=True)`): until they settle, other
         # consumers get no end of sequence (what they did not take may come back).
@@ -211,9 +216,11 @@ class TaskRunner:
     def _produce(self) -> None:
         # Elements of a fast pipeline go to the shared buffer in small batches (one
         # lock and wake-up per batch, not per element); an element that took a
-        # while to produce, or one a consumer is waiting for, goes at once.
-        batch: list[tuple[Any, int]] = []
-        batch_bytes = 0
+        # while to produce, or one a consumer is waiting for, goes at once. The batch
+        # is `_pending`, which consumers may take from while the pipeline computes the
+        # next element: an element made is never held back behind a slow one.
+        pending = self._pending
+        batch_bytes = 0  # since the last hand-off (a consumer may have taken some)
         try:
             iterator = self._make_iterator()
             # After make_iterator: it may set allow_pickled_elements from the pipeline.
@@ -223,80 +230,79 @@ class TaskRunner:
             for element in iterator:
                 nbytes = check(element)
                 now = clock()
-                batch.append((element, nbytes))
+                pending.append((element, nbytes))
                 batch_bytes += nbytes
+                # `_waiting` is read after the append: a consumer counts itself waiting
+                # before it looks at `_pending`, so one of the two sees the element.
                 if (
                     self._waiting
-                    or len(batch) >= _PRODUCE_BATCH
+                    or len(pending) >= _PRODUCE_BATCH
                     or now - last > _PRODUCE_BATCH_ELEMENT_S
                     or batch_bytes >= _PRODUCE_BATCH_BYTES
                 ):
-                    if not self._publish(batch, batch_bytes):
+                    if not self._publish():
                         break
-                    batch = []
                     batch_bytes = 0
                 last = now
             else:
-                if batch:
-                    self._publish(batch, batch_bytes)
-                batch = []
+                self._publish()
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
         except BaseException as err:  # deliver any pipeline failure to the consumer
             if not isinstance(err, errors.DataServiceError):
                 log.debug("task %d failed:\n%s", self.task_id, traceback.format_exc())
-            if batch:  # the elements produced before the failure come first
-                self._publish(batch, batch_bytes)
+            self._publish()  # the elements produced before the failure come first
             with self._cv:
                 self._error = errors.capture(err)
         finally:
             with self._cv:
+                if self._stopped:
+                    pending.clear()
                 self._end = True
                 self._cv.notify_all()
 
-    def _publish(self, batch: list[tuple[Any, int]], batch_bytes: int) -> bool:
-        """Appends `batch` to the shared buffer, waiting while the buffer is full
-        (a full buffer takes a batch element by element, so the bounds hold to
-        one element). Returns False if the runner was stopped."""
+    def _take_pending_locked(self) -> bool:
+        """Moves `_pending` elements, oldest first, to the buffer while they fit its
+        bounds (one always, into an empty buffer). Returns whether any moved."""
+        pending = self._pending
+        if not pending or self._stopped:
+            return False
+        buffer = self._buffer
+        if self._size_bound_from_element:
+            self._size_bound_from_element = False
+            self._buffer_bytes = min(
+                self._max_buffer_bytes,
+                max(self._buffer_bytes, INITIAL_BUFFER_ELEMENTS * pending[0][1]),
+            )
+        room = self._buffer_elements - len(buffer)
+        total = self._buffered_bytes
+        bound = self._buffer_bytes
+        moved = 0
+        while pending:
+            nbytes = pending[0][1]
+            if buffer and (moved >= room or total + nbytes > bound):
+                break
+            buffer.append(pending.popleft())
+            total += nbytes
+            moved += 1
+        self._buffered_bytes = total
+        self._produced += moved
+        return moved > 0
+
+    def _publish(self) -> bool:
+        """Hands `_pending` to the shared buffer, waiting while the buffer is full
+        (so its bounds hold to one element). Returns False if the runner was stopped."""
         with self._cv:
-            if self._size_bound_from_element and batch:
-                self._size_bound_from_element = False
-                self._buffer_bytes = min(
-                    self._max_buffer_bytes,
-                    max(self._buffer_bytes, INITIAL_BUFFER_ELEMENTS * batch[0][1]),
-                )
-            buffer = self._buffer
-            if (
-                not self._stopped
-                and len(buffer) + len(batch) <= self._buffer_elements
-                and self._buffered_bytes + batch_bytes <= self._buffer_bytes
-            ):  # room for all of it
-                buffer.extend(batch)
-                self._buffered_bytes += batch_bytes
-                self._produced += len(batch)
-                if self._waiting:
+            while True:
+                if self._take_pending_locked() and self._waiting:
                     self._cv.notify_all()
-                return True
-            for item in batch:
-                while (
-                    not self._stopped
-                    and self._buffer
-                    and (
-                        len(self._buffer) >= self._buffer_elements
-                        or self._buffered_bytes + item[1] > self._buffer_bytes
-                    )
-                ):
-                    self._cv.notify_all()
-                    self._cv.wait(0.5)
                 if self._stopped:
                     return False
-                self._buffer.append(item)
-                self._buffered_bytes += item[1]
-                self._produced += 1
-            if self._waiting:
+                if not self._pending:
+                    return True
                 self._cv.notify_all()
-        return True
+                self._cv.wait(0.5)
 
     def start_producing(self) -> None:
         """A consumer asks for the task: a runner that waits for one before it runs
@@ -325,15 +331,18 @@ class TaskRunner:
         deadline = time.monotonic() + timeout_s
         out: list[Any] = []
         with self._cv:
-            while not self._buffer and (not self._end or self._end_holds) and not self._stopped:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return TaskRead(out)
-                self._waiting += 1
-                try:
+            # Counted waiting before looking at `_pending` (see `_produce`).
+            self._waiting += 1
+            try:
+                self._take_pending_locked()
+                while not self._buffer and (not self._end or self._end_holds) and not self._stopped:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return TaskRead(out)
                     self._cv.wait(remaining)
-                finally:
-                    self._waiting -= 1
+                    self._take_pending_locked()
+            finally:
+                self._waiting -= 1
             if self._stopped:
                 # Never an end of sequence: a stopped task's stream did not end (its
                 # producer ends early too); its consumers learn the task is gone.
@@ -449,6 +458,8 @@ class TaskRunner:
             while round_index not in self._rounds:
                 if self._stopped:  # not an end of sequence (see get_elements_raw)
                     return TaskRead([])
+                if len(self._buffer) < num_consumers:
+                    self._take_pending_locked()
                 open_rounds = len(self._rounds)
                 if open_rounds < MAX_OPEN_ROUNDS and (
                     len(self._buffer) >= num_consumers or self._end
@@ -467,7 +478,13 @@ class TaskRunner:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopped:
                     return TaskRead([])
-                self._cv.wait(remaining)
+                # Counted waiting, so the producer hands over each element it makes.
+                self._waiting += 1
+                try:
+                    if not self._take_pending_locked():
+                        self._cv.wait(remaining)
+                finally:
+                    self._waiting -= 1
             element = self._rounds[round_index][consumer_index]
             taken = self._round_taken[round_index]
             taken.add(consumer_index)
@@ -488,6 +505,7 @@ class TaskRunner:
         with self._cv:
             self._stopped = True
             self._buffer.clear()
+            self._pending.clear()  # the producer's next append is dropped when it exits
             self._buffered_bytes = 0
             self._cv.notify_all()
         self.unacked.close()

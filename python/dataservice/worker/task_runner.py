@@ -15,7 +15,10 @@ then holds a few elements on the worker, not `buffer_bytes`; a consumer that rea
 everything reaches the full bound after taking about `buffer_bytes` (6 doublings
 from 2 MiB to 64 MiB). A pipeline error, or an element that is not a
 numpy value in a pipeline that did not allow pickled elements, is delivered
-after the elements produced before it.
+after the elements produced before it. The producer hands a fast pipeline's
+elements to the buffer in batches (one lock and wake-up each); a read that finds
+the buffer short takes the batch made so far, so an element the pipeline made is
+never held back behind a slow or stuck next one.
 
 An element leaves the worker only when its consumer has it: gRPC replies are
 kept per consumer (`unacked_replies.UnackedReplies`, one per runner) until the

@@ -378,6 +378,12 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
     def _next_chunk(self) -> Any:
         start = time.monotonic()
         slow = _waits.SlowWait(log, self._describe_wait_locked, start=start)
+        # When every task is finished or removed, the dispatcher is asked at once
+        # whether the iteration is over, then after 0.05 s, 0.1 s, ... up to the
+        # heartbeat interval: each heartbeat's answer wakes this loop, so asking
+        # on every wake-up would ping-pong heartbeats with the dispatcher for the
+        # whole `worker_loss_timeout_ms` (~0.4 core each side).
+        ask_at, ask_delay_s = start, 0.05
         with self._cv:
             if not self._consumer_asked:
                 self._consumer_asked = True
@@ -414,8 +420,15 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 ):
                     self.stats.wait_s += time.monotonic() - start
                     raise StopIteration
-                if self._tasks and all(s.finished or s.removed for s in self._tasks.values()):
+                now = time.monotonic()
+                if (
+                    self._tasks
+                    and now >= ask_at
+                    and all(s.finished or s.removed for s in self._tasks.values())
+                ):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
+                    ask_at = now + ask_delay_s
+                    ask_delay_s = min(ask_delay_s * 2, self.heartbeat_s)
                 self._check_worker_loss_locked(start)
                 self._cv.wait(0.1)
                 slow.check()

@@ -9,16 +9,24 @@ worker timeout. By default (`restart_workers=True`) a worker process that
 exits is restarted on its port; the DYNAMIC splits its dead process held are
 counted lost and each consumer warns once (`stats()["lost_workers"]`). With
 `restart_workers=False` the cluster gives up on it at its first exit, as
-below. One that exits without having handed out an element (a pipeline that
-calls `os._exit`, segfaults, is OOM-killed before its consumer reached it)
-counts against `max_worker_restarts`; it is restarted after a backoff and
-starts its tasks' pipelines only when a consumer asks, so the consumer gets
-the elements produced before the next crash. A worker that hands out an
-element (or stays up 30 s) resets the count. When the count runs out the
-cluster gives up on that worker and tells the dispatcher, which fails the
-iterations no worker is left to run: their consumers raise
-`errors.WorkerCrashedError` naming each worker, its pids and exit codes, as
-PyTorch's DataLoader raises "worker (pid X) exited unexpectedly".
+below. An exit of a process that was up (ready) for less than
+`healthy_uptime_s` (30 s by default) counts against `max_worker_restarts`,
+whether or not it handed out elements first: a crash loop (a `map` that calls
+`os._exit` every few elements, segfaults, is OOM-killed; in OFF mode the same
+element of a task that starts over on each restarted process) cannot go on
+forever by producing a few elements before each crash. Such a worker is
+restarted after a backoff (0.1 s, doubling, at most 2 s) and starts its tasks'
+pipelines only when a consumer asks, so the consumer gets the elements
+produced before the next crash. Only a process that stayed up
+`healthy_uptime_s` resets the count, so a rare crash (one an hour) is
+restarted every time and a long run goes on; a crash loop whose processes each
+last longer than `healthy_uptime_s` is tolerated as rare crashes (at most one
+restart per `healthy_uptime_s`). When the count runs out the cluster gives up
+on that worker and tells the dispatcher, which fails the iterations no worker
+is left to run: their consumers raise `errors.WorkerCrashedError` naming each
+worker, its pids, how it ended, the number of exits in a row and the options
+to change, as PyTorch's DataLoader raises "worker (pid X) exited
+unexpectedly".
 
 Owns `WorkerSupervisionMixin` (the monitor thread's methods; `LocalCluster`
 inherits them and holds every field they use: the mixin adds none), the
@@ -48,7 +56,7 @@ logger = logging.getLogger("dataservice.cluster")
 
 RESTART_BACKOFF_S = 0.1  # before the first restart after an exit without progress
 MAX_RESTART_BACKOFF_S = 2.0  # the backoff doubles up to this
-HEALTHY_UPTIME_S = 30.0  # a worker up this long made progress, even if idle
+HEALTHY_UPTIME_S = 30.0  # default: a process up this long resets the restart count
 _MONITOR_PERIOD_S = 0.1
 _RSS_PERIOD_S = 0.5  # how often the monitor samples each worker's RSS
 try:
@@ -76,8 +84,10 @@ class _Slot:
     ready_at: float = 0.0  # time.monotonic() when the current process became ready
     retry_at: float = 0.0  # waiting: when to restart
     start_deadline: float = 0.0  # starting: when to give up waiting for the ready line
-    exits: list[str] = dataclasses.field(default_factory=list)  # in a row, without progress
+    exits: list[str] = dataclasses.field(default_factory=list)  # in a row, each up < healthy
     pids: list[int] = dataclasses.field(default_factory=list)  # of those exits
+    handed_out: int = 0  # how many of those processes handed out an element first
+    total_exits: int = 0  # every exit of this index since the cluster started
     last_rss_bytes: int = 0  # of the current process, sampled every _RSS_PERIOD_S
 
 
@@ -130,6 +140,7 @@ class WorkerSupervisionMixin:
     _failed: dict[str, str]
     _restart_workers: bool
     _max_worker_restarts: int | None
+    _healthy_uptime_s: float
     _start_timeout_s: float
     _auth_token: str
 
@@ -181,9 +192,12 @@ class WorkerSupervisionMixin:
         w.stdout.join(0.5)  # EOF: the first-element line, if any, has been read
         w.stderr.join(0.5)
         now = time.monotonic()
-        progressed = w.stdout.progress_seen() or (
-            was_ready and now - slot.ready_at >= HEALTHY_UPTIME_S
-        )
+        handed_out = w.stdout.progress_seen()
+        uptime_s = now - slot.ready_at if was_ready else 0.0
+        # Handing out elements is no sign of health: a crash loop hands out a
+        # few before each crash (and an OFF task starts over on each restart).
+        healthy = was_ready and uptime_s >= self._healthy_uptime_s
+        slot.total_exits += 1
         how = _describe_exit(code, slot.last_rss_bytes)
         if not was_ready:
             how += " before it was ready"
@@ -202,11 +216,12 @@ class WorkerSupervisionMixin:
                 w.popen.pid,
                 restarting=True,
             )
-        if progressed:
-            slot.exits, slot.pids = [], []
+        if healthy:
+            slot.exits, slot.pids, slot.handed_out = [], [], 0
         else:
             slot.exits.append(how)
             slot.pids.append(w.popen.pid)
+            slot.handed_out += bool(handed_out)
         limit = self._max_worker_restarts
         if limit is not None and len(slot.exits) > limit:
             self._give_up(slot, w)
@@ -214,13 +229,23 @@ class WorkerSupervisionMixin:
         delay = 0.0
         if slot.exits:
             delay = min(RESTART_BACKOFF_S * 2 ** (len(slot.exits) - 1), MAX_RESTART_BACKOFF_S)
+        if healthy:
+            after = f" after {uptime_s:.0f} s up"
+        else:
+            limit_text = "" if limit is None else f" of max_worker_restarts={limit}"
+            after = (
+                f" {uptime_s:.1f} s after it started"
+                f"{', having handed out elements' if handed_out else ''}"
+                f" ({len(slot.exits)} such exits in a row{limit_text}; a process up "
+                f"healthy_uptime_s={self._healthy_uptime_s:g} resets the count)"
+            )
         logger.warning(
             "LocalCluster: %s (pid %d, %s) %s%s; restarting it on port %s in %.1f s",
             w.name,
             w.popen.pid,
             w.address,
             how,
-            "" if progressed else f" without handing out an element ({len(slot.exits)} in a row)",
+            after,
             w.address.rsplit(":", 1)[-1],
             delay,
         )
@@ -300,10 +325,20 @@ class WorkerSupervisionMixin:
                 "not restart workers (restart_workers=False)"
             )
         else:
+            if slot.handed_out == n:
+                handed = "each after handing out elements"
+            elif slot.handed_out:
+                handed = f"{slot.handed_out} of them after handing out elements"
+            else:
+                handed = "without handing out an element"
             reason = (
-                f"{w.name} at {w.address} {how} without handing out an element (pids {pids}); "
+                f"{w.name} at {w.address} {how} each within "
+                f"healthy_uptime_s={self._healthy_uptime_s:g} s of starting, {handed} "
+                f"(pids {pids}; {slot.total_exits} exits since the cluster started); "
                 f"LocalCluster gave up restarting it (max_worker_restarts="
-                f"{self._max_worker_restarts})"
+                f"{self._max_worker_restarts}: a crash loop, e.g. in the pipeline's "
+                "functions; raise `LocalCluster(max_worker_restarts=...)`, or lower "
+                "`healthy_uptime_s`, to restart it more)"
             )
         tail = w.stderr.tail(5)
         if tail:

@@ -42,7 +42,7 @@ from types import TracebackType
 from typing import Any
 
 from dataservice import _proc, _serverproc, auth
-from dataservice._worker_supervision import WorkerSupervisionMixin, _Proc
+from dataservice._worker_supervision import HEALTHY_UPTIME_S, WorkerSupervisionMixin, _Proc
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 from dataservice.dispatcher import buffer_store
 
@@ -128,28 +128,38 @@ class LocalCluster(WorkerSupervisionMixin):
             `{"heartbeat_interval_ms": 100, "data_transfer_protocol": "grpc"}`.
             `dispatcher_address` is set by the cluster.
         restart_workers: Restart a worker process that exited (the default),
-            on the same port so its address stays the same. A worker that
-            exited without handing out an element (and was up less than 30 s)
-            is restarted after a backoff (0.1 s, doubling, at most 2 s) with
-            its tasks' pipelines started only when a consumer asks for them;
-            one that handed out an element is restarted at once and resets
-            the count below. False: the cluster gives up on a worker at its
+            on the same port so its address stays the same. A process that
+            was up less than `healthy_uptime_s` (whether or not it handed out
+            elements: a crash loop hands out a few before each crash) is
+            restarted after a backoff (0.1 s, doubling, at most 2 s) with its
+            tasks' pipelines started only when a consumer asks for them, and
+            counts against `max_worker_restarts`; one that stayed up longer
+            is restarted at once and resets that count (a rare crash never
+            ends a long run). False: the cluster gives up on a worker at its
             first exit (as `max_worker_restarts` below, which it ignores):
             an iteration no other worker serves fails at once with
             `errors.WorkerCrashedError` naming the worker, its pid and its
             exit code or signal. Either way a monitor thread sees each exit
             within 0.1 s and tells the dispatcher at once.
         max_worker_restarts: With `restart_workers`, how many times in a row a
-            worker that exits without handing out an element is restarted
-            (>= 0; None: forever). At the next such exit the cluster gives up
+            worker whose process exits within `healthy_uptime_s` of starting
+            is restarted (>= 0; None: forever). At the next such exit the
+            cluster gives up
             on that worker: it logs an error, lists it in `failed_workers`,
             and tells the dispatcher, which drops the worker and fails every
             iteration that no worker is left to run: its consumers' `next()`
             raises `errors.WorkerCrashedError`, e.g. "no worker is left to run
             job 1000, repetition 0: ... worker-1 at 127.0.0.1:PORT exited with
-            code 1, 4 times in a row, without handing out an element (pids
-            ...); LocalCluster gave up restarting it (max_worker_restarts=3)".
-            While another worker still serves the iteration, it goes on.
+            code 1, 4 times in a row, each within healthy_uptime_s=30 s of
+            starting, each after handing out elements (pids ...; 4 exits since
+            the cluster started); LocalCluster gave up restarting it
+            (max_worker_restarts=3: ...)". While another worker still serves
+            the iteration, it goes on.
+        healthy_uptime_s: How long (seconds, > 0) a restarted worker process
+            must stay up for its exit not to count against
+            `max_worker_restarts` (default 30 s). Processes that each crash
+            later than this are restarted forever, at most once per
+            `healthy_uptime_s`: raise it to catch slower crash loops.
         start_timeout_s: How long each server may take to print its ready line.
         grace_period_s: Seconds between SIGTERM and SIGKILL on teardown.
         forward_output: Copy the servers' stdout/stderr lines to our stderr,
@@ -175,6 +185,7 @@ class LocalCluster(WorkerSupervisionMixin):
         worker_options: Mapping[str, Any] | None = None,
         restart_workers: bool = True,
         max_worker_restarts: int | None = DEFAULT_MAX_WORKER_RESTARTS,
+        healthy_uptime_s: float = HEALTHY_UPTIME_S,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
         forward_output: bool = False,
@@ -222,6 +233,13 @@ class LocalCluster(WorkerSupervisionMixin):
                 f"`max_worker_restarts` must be an int >= 0 or None, got {max_worker_restarts!r}"
             )
 
+        if (
+            isinstance(healthy_uptime_s, bool)
+            or not isinstance(healthy_uptime_s, int | float)
+            or not healthy_uptime_s > 0
+        ):
+            raise ValueError(f"`healthy_uptime_s` must be a number > 0, got {healthy_uptime_s!r}")
+
         # The dispatcher's token (auth_token, auth_token_file or the environment),
         # else the workers', else a fresh one: a cluster never serves without one.
         token = auth.resolve_token(dispatcher_config.auth_token, dispatcher_config.auth_token_file)
@@ -239,6 +257,7 @@ class LocalCluster(WorkerSupervisionMixin):
         self._dispatcher_config = dispatcher_config
         self._restart_workers = restart_workers
         self._max_worker_restarts = max_worker_restarts
+        self._healthy_uptime_s = float(healthy_uptime_s)
         self._start_timeout_s = start_timeout_s
         self._grace_period_s = grace_period_s
         self._forward = sys.stderr if forward_output else None

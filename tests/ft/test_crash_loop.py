@@ -45,7 +45,9 @@ class _Reader:
                 self.count += 1
                 self.seen.add(int(x["i"]) if isinstance(x, dict) else int(x))
         except BaseException as err:  # noqa: BLE001  (the test inspects it)
-            self.error = err
+            # Without its traceback: that holds this frame, whose last element
+            # is a view of a shared-memory ring (kept mapped while referenced).
+            self.error = err.with_traceback(None)
         self.ended_at = time.monotonic()
 
     def join(self, timeout_s: float) -> None:
@@ -109,3 +111,98 @@ def test_cli_worker_loss_wait_costs_no_cpu(servers: Servers) -> None:
     assert (d1 - d0) / window < 0.1, f"the dispatcher used {d1 - d0:.2f} s CPU in {window:.1f} s"
     reader.join(30)
     assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
+
+
+def _big(x):
+    import numpy as np
+
+    return {"i": x, "pad": np.zeros(60_000, np.uint8)}
+
+
+def _run_cluster(num_workers: int, **kw) -> ds.LocalCluster:
+    return ds.LocalCluster(
+        num_workers,
+        grace_period_s=1.0,
+        worker_options={"heartbeat_interval_ms": 200},
+        dispatcher_config=ds.DispatcherConfig(worker_timeout_ms=2_000),
+        **kw,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_off_crash_at_the_same_element_each_restart_gives_up(num_workers: int, caplog) -> None:
+    """OFF, a map that calls os._exit(3) at element 500 of range(1000) in every
+    process (60 KB elements, copied: below the 64 KiB zero-copy threshold;
+    each process hands out hundreds first): the task starts over on each
+    restarted process and dies at the same place.
+    Before, every such exit reset the restart count and the epoch never ended
+    (47 restarts in 50 s, no error). Now the cluster gives up after
+    max_worker_restarts + 1 exits in a row and the consumer raises
+    WorkerCrashedError naming each worker, its exit code, the count and the
+    options; with 2 workers both loop, so both are named."""
+    limit = 2
+    with caplog.at_level(logging.WARNING, logger="dataservice.cluster"):
+        with _run_cluster(num_workers, max_worker_restarts=limit) as cluster:
+            data = (
+                ds.Dataset.range(1000)
+                .map(_exit_at_every_time(500, 3))
+                .map(_big)
+                .apply(ds.distribute("off", cluster.target, worker_loss_timeout_ms=5_000))
+            )
+            t0 = time.monotonic()
+            reader = _Reader(iter(data))
+            reader.join(90)
+            took = reader.ended_at - t0
+            addresses = cluster.worker_addresses
+            failed = cluster.failed_workers
+            restarts = cluster.num_restarts
+    print(f"{num_workers} worker(s): {reader.count} elements, {restarts} restarts, {took:.1f} s")
+    assert isinstance(reader.error, errors.WorkerCrashedError), repr(reader.error)
+    message = str(reader.error)
+    assert sorted(failed) == sorted(addresses)
+    assert restarts == limit * num_workers
+    for address in addresses:
+        assert f"at {address} exited with code 3, {limit + 1} times in a row" in message, message
+    assert f"{limit + 1} exits since the cluster started" in message
+    assert f"max_worker_restarts={limit}" in message and "healthy_uptime_s=30" in message
+    # Each process hands out at most elements 0..499 of its copy.
+    assert reader.seen <= set(range(500)), sorted(reader.seen - set(range(500)))[:5]
+    assert reader.count <= (limit + 1) * 500 * num_workers
+    assert took < 60, f"gave up {took:.1f} s after the start"
+
+
+@pytest.mark.timeout(120)
+def test_rare_crashes_are_restarted_past_max_worker_restarts(tmp_path) -> None:
+    """A crash once per healthy_uptime_s or less often (scaled down here: up
+    1 s, each of the first 4 processes crashes ~1.5 s after starting) resets
+    the count: with max_worker_restarts=1 the worker is restarted 4 times and
+    the (OFF) epoch completes on the fifth process."""
+    marker_dir = str(tmp_path)
+
+    def crash_late(x, marker_dir=marker_dir):
+        import os
+        import time
+
+        time.sleep(0.01)
+        if int(x) == 150:  # ~1.5 s after the process started its task
+            n = len(os.listdir(marker_dir))
+            if n < 4:
+                open(os.path.join(marker_dir, f"exit-{n}"), "w").close()
+                os._exit(5)
+        return x
+
+    with _run_cluster(1, max_worker_restarts=1, healthy_uptime_s=1.0) as cluster:
+        data = (
+            ds.Dataset.range(200)
+            .map(crash_late)
+            .apply(ds.distribute("off", cluster.target, worker_loss_timeout_ms=10_000))
+        )
+        reader = _Reader(iter(data))
+        reader.join(90)
+        restarts = cluster.num_restarts
+        failed = cluster.failed_workers
+    assert reader.error is None, repr(reader.error)
+    assert failed == {}
+    assert restarts == 4
+    assert reader.seen == set(range(200))

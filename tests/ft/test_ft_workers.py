@@ -134,6 +134,7 @@ def _count_with_crashing_map(
     code: int = 1,
     num_workers: int = 3,
     max_worker_restarts: int | None = cluster_module.DEFAULT_MAX_WORKER_RESTARTS,
+    healthy_uptime_s: float = cluster_module.HEALTHY_UPTIME_S,
     then_read_again: bool = False,
 ) -> _CrashRun:
     """Reads an endless OFF job whose map calls os._exit(`code`) with
@@ -157,6 +158,7 @@ def _count_with_crashing_map(
         num_workers,
         restart_workers=True,
         max_worker_restarts=max_worker_restarts,
+        healthy_uptime_s=healthy_uptime_s,
         grace_period_s=1.0,
         worker_options={"heartbeat_interval_ms": 100},
         dispatcher_config=ds.DispatcherConfig(worker_timeout_ms=1_000),
@@ -207,10 +209,11 @@ def _count_with_crashing_map(
 
 def _slow_crashing_map_progresses(target: int, deadline_s: float) -> None:
     """A 5 % chance per element of os._exit(1), with 50 ms of work per
-    element (a worker lives ~1 s): the restarted workers start their copies
-    over, each hands out elements (which resets its restart budget), and the
-    consumer gets `target` elements."""
-    run = _count_with_crashing_map(0.05, 0.05, target, deadline_s)
+    element (a worker lives ~1 s): with `healthy_uptime_s=0.5` a process that
+    lives that long resets its restart budget, the restarted workers start
+    their copies over, and the consumer gets `target` elements. (With the
+    default 30 s, a crash a second is a crash loop: see test_crash_loop.py.)"""
+    run = _count_with_crashing_map(0.05, 0.05, target, deadline_s, healthy_uptime_s=0.5)
     report(
         f"crashing map (50 ms/element): {run.n} elements in {run.elapsed:.1f} s, "
         f"{run.restarts} restarts"
@@ -262,8 +265,8 @@ def test_map_that_kills_its_worker_progresses_or_fails_in_bounded_time() -> None
     assert sorted(run.failed_workers) == sorted(run.worker_addresses)
     for address in run.worker_addresses:
         assert f"at {address} exited with code 1, " in message, message
-    assert "without handing out an element" in message
-    assert "gave up restarting it (max_worker_restarts=3)" in message
+    assert "4 times in a row, each within healthy_uptime_s=30 s of starting" in message
+    assert "gave up restarting it (max_worker_restarts=3: " in message
 
 
 @pytest.mark.timeout(120)
@@ -289,8 +292,9 @@ def test_map_that_always_kills_its_worker_fails_with_a_clear_error() -> None:
         assert reason in message
         assert re.search(
             rf"worker-\d at {re.escape(address)} exited with code 7, 2 times in a row, "
-            r"without handing out an element \(pids \d+, \d+\); LocalCluster gave up "
-            r"restarting it \(max_worker_restarts=1\)",
+            r"each within healthy_uptime_s=30 s of starting, without handing out an element "
+            r"\(pids \d+, \d+; 2 exits since the cluster started\); LocalCluster gave up "
+            r"restarting it \(max_worker_restarts=1: ",
             reason,
         ), reason
     assert run.restarts == 2  # one per worker

@@ -206,3 +206,99 @@ def test_rare_crashes_are_restarted_past_max_worker_restarts(tmp_path) -> None:
     assert failed == {}
     assert restarts == 4
     assert reader.seen == set(range(200))
+
+
+def _crash_randomly(p: float):
+    def fn(x, p=p):
+        import os
+        import random
+
+        if random.random() < p:
+            os._exit(4)
+        return x
+
+    return fn
+
+
+@pytest.mark.timeout(120)
+def test_dynamic_crash_loop_is_bounded_and_its_losses_are_reported(caplog) -> None:
+    """DYNAMIC, 2 workers, a 5 % crash rate per element (60 KB elements): the
+    same bound applies (at most max_worker_restarts + 1 exits in a row per
+    worker), and however the epoch ends the consumer says how much was lost.
+    Before, the epoch could end normally with 55 of 2000 elements and only
+    per-process WARNINGs. Now it raises WorkerCrashedError naming the
+    workers, or, if every split was handed out before that, ends with one
+    WARNING summing up the loss and `stats()` totals that add up to 2000."""
+    n, limit = 2000, 2
+    with caplog.at_level(logging.WARNING, logger="dataservice.client.reader"):
+        with _run_cluster(2, max_worker_restarts=limit) as cluster:
+            data = (
+                ds.Dataset.range(n)
+                .map(_crash_randomly(0.05))
+                .map(_big)
+                .apply(
+                    ds.distribute("distributed_epoch", cluster.target, worker_loss_timeout_ms=5_000)
+                )
+            )
+            t0 = time.monotonic()
+            reader = _Reader(iter(data))
+            reader.join(90)
+            took = reader.ended_at - t0
+            restarts = cluster.num_restarts
+            addresses = cluster.worker_addresses
+            failed = cluster.failed_workers
+            stats = reader.it.stats()
+    print(
+        f"DYNAMIC crash loop: {reader.count} elements, {restarts} restarts, {took:.1f} s, "
+        f"{type(reader.error).__name__ if reader.error else 'ended'}, "
+        f"splits_lost {stats['splits_lost']}, elements_lost {stats['elements_lost']}"
+    )
+    assert restarts <= 2 * limit
+    assert took < 60
+    assert len(reader.seen) == reader.count  # at-most-once: nothing twice
+    if reader.error is not None:
+        assert isinstance(reader.error, errors.WorkerCrashedError), repr(reader.error)
+        assert sorted(failed) == sorted(addresses)
+        for address in addresses:
+            assert f"at {address} exited with code 4, {limit + 1} times in a row" in str(
+                reader.error
+            )
+        return
+    assert stats["elements_lost"] is not None
+    assert reader.count + stats["elements_lost"] == n, (reader.count, stats["elements_lost"])
+    assert stats["splits_lost"] == stats["elements_lost"]
+    summary = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert len(summary) == 1, summary
+    assert f"ended after {reader.count} elements read here" in summary[0]
+    assert f"{stats['elements_lost']} elements" in summary[0] and f"of the {n} " in summary[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_dynamic_epoch_that_lost_splits_ends_with_one_summary_warning(tmp_path, caplog) -> None:
+    """DYNAMIC, 2 workers, one os._exit(4) at element 100: the worker is
+    restarted, the epoch ends normally, and the consumer logs one WARNING at
+    the end summing up what the dead process took (elements and share of the
+    epoch), matching `stats()`'s totals; read + lost == the dataset."""
+    n = 2000
+    with caplog.at_level(logging.WARNING, logger="dataservice.client.reader"):
+        with _run_cluster(2) as cluster:
+            data = (
+                ds.Dataset.range(n)
+                .map(_exit_at_once(str(tmp_path), 100, 4))
+                .apply(
+                    ds.distribute("distributed_epoch", cluster.target, worker_loss_timeout_ms=5_000)
+                )
+            )
+            reader = _Reader(iter(data))
+            reader.join(90)
+            stats = reader.it.stats()
+    assert reader.error is None, repr(reader.error)
+    lost = stats["elements_lost"]
+    print(f"read {reader.count}, lost {lost} ({stats['splits_lost']} splits)")
+    assert lost is not None and lost > 0 and stats["splits_lost"] == lost
+    assert reader.count + lost == n and len(reader.seen) == reader.count
+    summary = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert len(summary) == 1, summary
+    share = f"{100 * lost / n:.0f} %"
+    assert f"ended after {reader.count} elements read here" in summary[0], summary[0]
+    assert f"{lost} elements, {share} of the {n} " in summary[0], summary[0]

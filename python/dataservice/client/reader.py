@@ -419,6 +419,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                     s.finished or s.removed for s in self._tasks.values()
                 ):
                     self.stats.wait_s += time.monotonic() - start
+                    self.warn_losses_at_end_locked()
                     raise StopIteration
                 now = time.monotonic()
                 if (
@@ -535,7 +536,8 @@ class DataServiceIterator:
                                "task_id": int, "restarting": bool,
                                "splits_handed_out": int, "splits_lost": int,
                                "elements_received": int,
-                               "elements_lost": int | None}, ...]}
+                               "elements_lost": int | None}, ...],
+             "splits_lost": int, "elements_lost": int | None}
 
             `lost_workers` lists each worker process the iteration lost,
             oldest first (the client also logs one WARNING for each). Under
@@ -543,7 +545,11 @@ class DataServiceIterator:
             the dead process; when every split is one element and this is the
             job's only consumer, `splits_lost` = `elements_lost` = those not
             received here, else `splits_lost` is the upper bound
-            `splits_handed_out` and `elements_lost` None.
+            `splits_handed_out` and `elements_lost` None. The top-level
+            `splits_lost` and `elements_lost` sum them over every lost process
+            (`elements_lost` None when one of them is unknown); when a DYNAMIC
+            iteration that lost splits ends, one WARNING says the same, with
+            the share of the epoch lost.
         """
         with self._reader._cv:
             return self._reader.stats_locked()

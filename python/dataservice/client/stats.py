@@ -123,9 +123,40 @@ class WorkerLossTracking:
             "elements_lost": elements_lost,
         }
 
+    def warn_losses_at_end_locked(self) -> None:
+        """At the iteration's end: one WARNING summing up the DYNAMIC splits its
+        lost worker processes took with them, if any (with a crash loop most
+        of an epoch may be lost, a WARNING per process at a time; this says
+        how much in all, next to what was read)."""
+        entries = [self._describe_loss_locked(lost) for lost in self.stats.lost.values()]
+        dynamic = [d for d in entries if d["splits_handed_out"]]
+        splits_lost = sum(d["splits_lost"] for d in dynamic)
+        if not splits_lost:
+            return
+        read = self.stats.elements
+        if all(d["elements_lost"] is not None for d in dynamic):
+            lost = sum(d["elements_lost"] for d in dynamic)
+            what = (
+                f"{lost} elements, {100 * lost / (lost + read):.0f} % of the "
+                f"{lost + read} this consumer's epoch had"
+            )
+        else:
+            what = "an upper bound: another consumer of the job may have read some"
+        log.warning(
+            "iteration %d ended after %d elements read here; %d lost worker processes "
+            "took %d DYNAMIC splits with them (%s): DYNAMIC sharding reads each split at "
+            "most once, as tf.data service's (stats()['lost_workers'] lists each)",
+            self.iteration_id,
+            read,
+            len(dynamic),
+            splits_lost,
+            what,
+        )
+
     def stats_locked(self) -> dict[str, Any]:
         """`DataServiceIterator.stats()`'s value (see there), from `stats`."""
         s = self.stats
+        lost = [self._describe_loss_locked(entry) for entry in s.lost.values()]
         return {
             "elements": s.elements,
             "bytes": s.bytes,
@@ -138,7 +169,13 @@ class WorkerLossTracking:
                 }
                 for addr, w in s.workers.items()
             },
-            "lost_workers": [self._describe_loss_locked(lost) for lost in s.lost.values()],
+            "lost_workers": lost,
+            "splits_lost": sum(d["splits_lost"] for d in lost),
+            "elements_lost": (
+                sum(d["elements_lost"] for d in lost if d["elements_lost"] is not None)
+                if all(d["elements_lost"] is not None for d in lost if d["splits_handed_out"])
+                else None
+            ),
         }
 
     def _check_worker_loss_locked(self, wait_start: float) -> None:

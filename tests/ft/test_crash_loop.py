@@ -267,7 +267,7 @@ def test_dynamic_crash_loop_is_bounded_and_its_losses_are_reported(caplog) -> No
     assert stats["elements_lost"] is not None
     assert reader.count + stats["elements_lost"] == n, (reader.count, stats["elements_lost"])
     assert stats["splits_lost"] == stats["elements_lost"]
-    summary = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    summary = [r.getMessage() for r in caplog.records if "ended after" in r.getMessage()]
     assert len(summary) == 1, summary
     assert f"ended after {reader.count} elements read here" in summary[0]
     assert f"{stats['elements_lost']} elements" in summary[0] and f"of the {n} " in summary[0]
@@ -297,7 +297,7 @@ def test_a_dynamic_epoch_that_lost_splits_ends_with_one_summary_warning(tmp_path
     print(f"read {reader.count}, lost {lost} ({stats['splits_lost']} splits)")
     assert lost is not None and lost > 0 and stats["splits_lost"] == lost
     assert reader.count + lost == n and len(reader.seen) == reader.count
-    summary = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    summary = [r.getMessage() for r in caplog.records if "ended after" in r.getMessage()]
     assert len(summary) == 1, summary
     share = f"{100 * lost / n:.0f} %"
     assert f"ended after {reader.count} elements read here" in summary[0], summary[0]

@@ -143,14 +143,14 @@ class WorkerLossTracking:
         else:
             what = "an upper bound: another consumer of the job may have read some"
         log.warning(
-            "iteration %d ended after %d elements read here; %d lost worker processes "
-            "took %d DYNAMIC splits with them (%s): DYNAMIC sharding reads each split at "
+            "iteration %d ended after %d elements read here; %d DYNAMIC splits (%s) were "
+            "lost with %d worker processes that died: DYNAMIC sharding reads each split at "
             "most once, as tf.data service's (stats()['lost_workers'] lists each)",
             self.iteration_id,
             read,
-            len(dynamic),
             splits_lost,
             what,
+            len(dynamic),
         )
 
     def stats_locked(self) -> dict[str, Any]:

@@ -365,6 +365,24 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
             )
             if failing:
                 what += "; fetches keep failing from " + ", ".join(failing[:4])
+        elif any(s.removed and not s.finished for s in self._tasks.values()):
+            gone = sorted(
+                {
+                    s.endpoint.worker_address
+                    for s in self._tasks.values()
+                    if s.removed and not s.finished
+                }
+            )
+            timeout_ms = self.options.worker_loss_timeout_ms
+            what = (
+                f"the lost workers {', '.join(gone[:8])} to come back "
+                "(or another to take their tasks); "
+                + (
+                    "waiting forever (worker_loss_timeout_ms=None)"
+                    if timeout_ms is None
+                    else f"WorkerCrashedError after worker_loss_timeout_ms={timeout_ms}"
+                )
+            )
         else:
             what = (
                 "a worker: no worker runs a task of it yet (is a worker registered with "

@@ -22,7 +22,7 @@ Lifecycle (CASES C-01, C-23, C-24):
 Worker exits (CASES K4: a consumer gets progress or a bounded failure): a
 monitor thread tells the dispatcher of each worker exit at once, then restarts
 the worker on its port or gives up on it (`restart_workers`,
-`max_worker_restarts`); `_worker_supervision.py` owns that rule and states it
+`max_worker_restarts`, `healthy_uptime_s`); `_worker_supervision.py` owns that rule and states it
 in full.
 """
 

@@ -115,7 +115,8 @@ class WorkerCrashedError(DataServiceError):
     or is killed for memory) or were lost, and none came back. Raised at once
     when whoever restarts them gives up (`LocalCluster` at the first exit with
     `restart_workers=False`, else after `max_worker_restarts` restarts in a row
-    of a worker that handed out no element), otherwise once a consumer waited
+    of a worker whose processes each exited within `healthy_uptime_s` of
+    starting: a crash loop), otherwise once a consumer waited
     `distribute(..., worker_loss_timeout_ms)` for a worker to come back. The
     message names each worker, its address, pid and how it exited or was lost
     (the counterpart of PyTorch's "DataLoader worker (pid X) exited

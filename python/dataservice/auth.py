@@ -293,6 +293,18 @@ def client_token(dispatcher_address: str | None, auth_token: str | None = None) 
     return os.environ.get(AUTH_ENV) or None
 
 
+def _after_fork_in_child() -> None:
+    """A forked child keeps the registered tokens (so a DataLoader worker reads
+    from its parent's `LocalCluster`) but not the locks: another thread of the
+    parent may have held one at fork, and nothing would release it here."""
+    global _registry_mu, _sent_mu
+    _registry_mu = threading.Lock()
+    _sent_mu = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def refused_message(address: str, what: str) -> str:
     """A refused client's error: which server refused and what to set."""
     return f"{what}: {address} refused the call: missing or wrong auth token; {HOW_TO_SET}"

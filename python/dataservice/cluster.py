@@ -18,6 +18,12 @@ Lifecycle (CASES C-01, C-23, C-24):
   parent) and exit within a few seconds.
 * Servers run in their own session, so Ctrl-C in a terminal reaches only this
   process, which then tears the cluster down.
+* Only the process that started the cluster stops it. A process forked from it
+  (a PyTorch DataLoader worker, a `multiprocessing` "fork" pool process, a bare
+  `os.fork()`) inherits the cluster object, the `atexit` hook and the SIGTERM
+  handler; in it `stop()` does nothing, the hooks are reset at fork
+  (`os.register_at_fork`) and SIGTERM kills it as by default. Otherwise the
+  child's exit (or `Pool.terminate()`) would kill the parent's servers.
 
 Worker exits (CASES K4: a consumer gets progress or a bounded failure): a
 monitor thread tells the dispatcher of each worker exit at once, then restarts
@@ -272,6 +278,7 @@ class LocalCluster(WorkerSupervisionMixin):
         self._stopped = False  # guarded by self._lock
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._owner_pid = os.getpid()  # only this process stops the servers (forks don't)
         if start:
             self.start()
 
@@ -408,7 +415,13 @@ class LocalCluster(WorkerSupervisionMixin):
 
         SIGTERM to all, wait up to `grace_period_s` (default: the cluster's),
         then SIGKILL (with anything they started), then reap. Bounded.
+
+        In a process forked from the one that started the cluster it does
+        nothing: the servers are the parent's, still serving it.
         """
+        if os.getpid() != self._owner_pid:
+            logger.debug("LocalCluster.stop() in forked process %d: left to its owner", os.getpid())
+            return
         grace = self._grace_period_s if grace_period_s is None else grace_period_s
         with self._lock:
             if self._stopped:
@@ -528,7 +541,7 @@ _prev_sigterm: Any = None  # guarded by _live_mu: the handler ours replaced
 
 def _stop_all() -> None:
     with _live_mu:
-        clusters = list(_refs.values())
+        clusters = [c for c in _refs.values() if c._owner_pid == os.getpid()]
     for c in clusters:
         try:
             c.stop()
@@ -537,7 +550,8 @@ def _stop_all() -> None:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    """Tears every cluster down, then dies of SIGTERM as we would have."""
+    """Tears every cluster this process started down, then dies of SIGTERM as we
+    would have (a forked child whose at-fork reset could not run just dies)."""
     _stop_all()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -574,3 +588,25 @@ def _unregister(cluster: LocalCluster) -> None:
                     _prev_sigterm = None
             except ValueError:
                 pass
+
+
+def _after_fork_in_child() -> None:
+    """Forgets the parent's clusters in a forked child (`os.register_at_fork`).
+
+    The child must not stop them at exit or on SIGTERM, and `_live_mu` may have
+    been held by another thread of the parent at fork (it would never be
+    released here): a fresh lock, no clusters, the SIGTERM handler we replaced.
+    """
+    global _live_mu, _prev_sigterm
+    _live_mu = threading.RLock()
+    _refs.clear()
+    if _prev_sigterm is not None:
+        try:
+            if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                signal.signal(signal.SIGTERM, _prev_sigterm)
+        except ValueError:  # not the main thread: `_on_sigterm` checks the pid instead
+            return
+        _prev_sigterm = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 import weakref
@@ -476,6 +477,15 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
         self._channel.close()
 
 
+def _close_in_owner(reader: _Reader, owner_pid: int) -> None:
+    """Closes `reader` in the process that created it only. A forked child (a
+    DataLoader worker) inherits the parent's iterators but not their threads:
+    their locks may be held for ever there, and the iteration's consumer is the
+    parent, so the child's exit (or its garbage collection) leaves them alone."""
+    if os.getpid() == owner_pid:
+        reader.close()
+
+
 class DataServiceIterator:
     """Iterator over one iteration of a distributed dataset.
 
@@ -501,7 +511,7 @@ class DataServiceIterator:
 
     def __init__(self, options: ReadOptions, dataset_id: str, repetition: int) -> None:
         self._reader = _Reader(options)
-        self._finalizer = weakref.finalize(self, self._reader.close)
+        self._finalizer = weakref.finalize(self, _close_in_owner, self._reader, os.getpid())
         self.skip_empty_epoch = False
         try:
             if not self._reader.start(dataset_id, repetition):

@@ -64,6 +64,13 @@ def remove_private_dirs(pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_in_owner(path: str, owner_pid: int) -> None:
+    """Deletes the private folder in the process that made it, never in a
+    forked child (its exit would delete the parent's buffers)."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, True)
+
+
 class BufferStore:
     """The buffer files of one dispatcher. Thread-safe (files are written
     outside any dispatcher lock: `put` may take seconds for a big dataset).
@@ -83,7 +90,7 @@ class BufferStore:
         with self._mu:
             if self._dir is None:
                 self._dir = tempfile.mkdtemp(prefix=_private_dir_prefix(os.getpid()))
-                self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
+                self._cleanup = weakref.finalize(self, _remove_in_owner, self._dir, os.getpid())
             elif self._persistent:
                 files.private_dir(self._dir, "the dataset buffers folder", strict=False)
             return self._dir

@@ -5,8 +5,11 @@ read by its launcher (cluster.py, through `_proc.OutputPump`):
 
 * the ready line, `dataservice dispatcher listening on 127.0.0.1:5050`, once
   the server serves (a worker: once registered); `READY_RE` matches it, group 2
-  is the address ("host:port"). A dispatcher bound to port 0 tells its
-  launcher the chosen port this way, so there is no port race.
+  is the address ("host:port"). A server bound to every interface (`--host
+  0.0.0.0`) names an address other hosts can use (this host's name or primary
+  IP, `advertised_address`) and adds ` (on all interfaces, 0.0.0.0)`. A
+  dispatcher bound to port 0 tells its launcher the chosen port this way, so
+  there is no port race.
 * the first-element line, `dataservice worker handed out its first element`,
   once per worker process, before that element leaves it; `FIRST_ELEMENT_RE`
   matches it (`LocalCluster`'s sign that a restarted worker made progress).
@@ -38,16 +41,61 @@ FIRST_ELEMENT_RE = re.compile("^" + re.escape(FIRST_ELEMENT_LINE) + "$")
 _STDOUT_MU = threading.Lock()  # whole lines: the ready line and the first-element line
 
 
-def ready_line(kind: str, address: str) -> str:
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+"""Bind hosts that mean every interface."""
+
+
+def ready_line(kind: str, address: str, bound_host: str | None = None) -> str:
     """The ready line of a `kind` ("dispatcher" or "worker") server at `address`
-    ("host:port"), without its newline; `READY_RE` matches it."""
-    return f"dataservice {kind} listening on {address}"
+    ("host:port"), without its newline; `READY_RE` matches it. With a
+    wildcard `bound_host` the line says so after the address."""
+    line = f"dataservice {kind} listening on {address}"
+    if bound_host is not None and bound_host in WILDCARD_HOSTS:
+        line += f" (on all interfaces, {bound_host or '0.0.0.0'})"
+    return line
 
 
-def announce_ready(kind: str, address: str) -> None:
-    """Writes `ready_line(kind, address)` to stdout and flushes it."""
+def announce_ready(kind: str, address: str, bound_host: str | None = None) -> None:
+    """Writes `ready_line(kind, address, bound_host)` to stdout and flushes it."""
     with _STDOUT_MU:
-        print(ready_line(kind, address), flush=True)
+        print(ready_line(kind, address, bound_host), flush=True)
+
+
+def reachable_host() -> str:
+    """A name other hosts can use for this one: its host name when that
+    resolves to a non-loopback address, else its primary IP (the source
+    address of the default route; a UDP `connect` sends nothing), else the
+    host name anyway."""
+    import ipaddress
+    import socket
+
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, None)
+        if any(not ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos):
+            return name
+    except (OSError, ValueError):
+        pass
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                ip = s.getsockname()[0]
+            if not ipaddress.ip_address(ip).is_loopback:
+                return ip if family == socket.AF_INET else f"[{ip}]"
+        except (OSError, ValueError):
+            continue
+    return name
+
+
+def advertised_address(address: str, bound_host: str) -> str:
+    """`address` ("host:port") with a wildcard or loopback placeholder host
+    replaced by `reachable_host()` when the server bound `bound_host` is a
+    wildcard (every interface); else `address` unchanged."""
+    if bound_host not in WILDCARD_HOSTS:
+        return address
+    _, _, port = address.rpartition(":")
+    return f"{reachable_host()}:{port}"
 
 
 def announce_first_element() -> None:

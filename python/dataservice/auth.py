@@ -89,12 +89,35 @@ def read_token_file(path: str) -> str:
     if not token:
         raise ValueError(f"the auth token file {path!r} is empty")
     if stat.S_IMODE(mode) & 0o077:
-        log.warning(
-            "the auth token file %s can be read by other users (mode %o); chmod 600 it",
-            path,
-            stat.S_IMODE(mode),
-        )
+        key = (os.path.abspath(path), stat.S_IMODE(mode))
+        with _warned_mu:
+            first = key not in _warned_files
+            _warned_files.add(key)
+        if first:  # the CLI and the server it starts both resolve the token
+            log.warning(
+                "the auth token file %s can be read by other users (mode %o); chmod 600 it",
+                path,
+                stat.S_IMODE(mode),
+            )
     return check_token(token, f"file {path!r}")
+
+
+_warned_files: set[tuple[str, int]] = set()  # guarded by _warned_mu: (path, mode) warned of
+_warned_mu = threading.Lock()
+
+
+def token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """`$DATASERVICE_AUTH_TOKEN` with surrounding whitespace stripped (a value
+    set from a file, `$(cat token)` or a heredoc often ends in a newline); None
+    when unset or blank.
+
+    Raises:
+        ValueError: The value holds characters a token cannot have (see
+            `check_token`); the message names the variable, never the value.
+    """
+    value = (os.environ if environ is None else environ).get(AUTH_ENV)
+    value = value.strip() if value else ""
+    return check_token(value, f"the environment variable ${AUTH_ENV}") if value else None
 
 
 def resolve_token(
@@ -116,8 +139,7 @@ def resolve_token(
         return check_token(auth_token, "`auth_token`")
     if auth_token_file:
         return read_token_file(auth_token_file)
-    env = (os.environ if environ is None else environ).get(AUTH_ENV)
-    return check_token(env, f"${AUTH_ENV}") if env else None
+    return token_from_env(environ)
 
 
 def new_token() -> str:
@@ -282,32 +304,48 @@ def unregister_token(dispatcher_address: str) -> None:
 def client_token(dispatcher_address: str | None, auth_token: str | None = None) -> str | None:
     """The token a client sends: `auth_token`, else the one a `LocalCluster`
     of this process registered for `dispatcher_address`, else
-    `$DATASERVICE_AUTH_TOKEN`, else None."""
+    `$DATASERVICE_AUTH_TOKEN` (stripped), else None.
+
+    Raises:
+        ValueError: The token holds characters a token cannot have (gRPC
+            metadata values are printable ASCII; see `check_token`), before
+            any RPC; the message names where it came from.
+    """
     if auth_token:
-        return auth_token
+        return check_token(auth_token, "the `auth_token` argument")
     if dispatcher_address:
         with _registry_mu:
             token = _registry.get(dispatcher_address.split("://", 1)[-1])
         if token:
             return token
-    return os.environ.get(AUTH_ENV) or None
+    return token_from_env()
 
 
 def _after_fork_in_child() -> None:
     """A forked child keeps the registered tokens (so a DataLoader worker reads
     from its parent's `LocalCluster`) but not the locks: another thread of the
     parent may have held one at fork, and nothing would release it here."""
-    global _registry_mu, _sent_mu
+    global _registry_mu, _sent_mu, _warned_mu
     _registry_mu = threading.Lock()
     _sent_mu = threading.Lock()
+    _warned_mu = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def refused_message(address: str, what: str) -> str:
-    """A refused client's error: which server refused and what to set."""
-    return f"{what}: {address} refused the call: missing or wrong auth token; {HOW_TO_SET}"
+WORKER_HOW_TO_SET = (
+    f"start the worker with the dispatcher's token: `--auth-token-file PATH` or {AUTH_ENV} "
+    "in the worker's environment (`auth_token` / `auth_token_file` of its WorkerConfig)"
+)
+"""The advice a refused worker's error carries (it is no client)."""
+
+
+def refused_message(address: str, what: str, worker: bool = False) -> str:
+    """A refused caller's error: which server refused and what to set (a
+    worker's own advice when `worker`, else a client's)."""
+    how = WORKER_HOW_TO_SET if worker else HOW_TO_SET
+    return f"{what}: {address} refused the call: missing or wrong auth token; {how}"
 
 
 # ------------------------------------------------------------------ refusals

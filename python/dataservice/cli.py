@@ -15,8 +15,10 @@ the config's defaults.
 
 The server subcommands print one line when they serve, e.g.
 `dataservice dispatcher listening on 127.0.0.1:5050` (flushed; `LocalCluster`
-reads the address from it), then block. A worker also prints `dataservice
-worker handed out its first element` once, before that element leaves it
+reads the address from it; with `--host 0.0.0.0` the dispatcher names this
+host's name or primary IP and adds `(on all interfaces, 0.0.0.0)`), then
+block. A worker also prints `dataservice worker handed out its first element`
+once, before that element leaves it
 (`LocalCluster`'s sign that a restarted worker made progress). Both lines, and
 the patterns that read them, are `dataservice._serverproc`'s. SIGTERM or
 SIGINT stops the server (in-flight RPCs finish) and exits 0; a second signal
@@ -241,7 +243,10 @@ class _Stop(BaseException):
 
 
 def _serve(
-    kind: str, make_server: Callable[[], tuple[_Server, str]], parent_pid: int | None
+    kind: str,
+    make_server: Callable[[], tuple[_Server, str]],
+    parent_pid: int | None,
+    bound_host: str | None = None,
 ) -> int:
     """Starts a server, prints the ready line, blocks until a signal, the
     parent's death or the server's end, then stops it in bounded time."""
@@ -281,7 +286,7 @@ def _serve(
         logger.info("%s: interrupted by signal %d while starting", kind, e.signum)
         watchdog.arm(STOP_TIMEOUT_S, code=128 + e.signum)
         return 128 + e.signum
-    _serverproc.announce_ready(kind, address)
+    _serverproc.announce_ready(kind, address, bound_host)
 
     ended_by_itself = threading.Event()
     join_error: list[BaseException] = []
@@ -374,9 +379,13 @@ def _run_dispatcher(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         from dataservice.dispatcher.server import DispatchServer
 
         server = DispatchServer(config, start=True)
-        return server, _serverproc.strip_scheme(server.target)
+        # `target` names "localhost" for a wildcard bind: useless to other hosts.
+        address = _serverproc.advertised_address(
+            _serverproc.strip_scheme(server.target), config.host
+        )
+        return server, address
 
-    return _serve("dispatcher", make, args.parent_pid)
+    return _serve("dispatcher", make, args.parent_pid, config.host)
 
 
 def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -418,7 +427,7 @@ def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                     raise refused
         return server, server.address
 
-    return _serve("worker", make, args.parent_pid)
+    return _serve("worker", make, args.parent_pid, config.host)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

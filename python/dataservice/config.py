@@ -21,6 +21,29 @@ DEFAULT_HOST = "127.0.0.1"
 PROTOCOLS = ("grpc",)
 
 
+def check_address_port(address: str, what: str, template_ok: bool = False) -> None:
+    """Raises unless the port of `address` ("host:port", "grpc://host:port")
+    is a number in [1, 65535] (or "%port%" where `template_ok`).
+
+    gRPC would otherwise take "127.0.0.1:99999" and dial the port modulo 65536
+    for the whole connect timeout.
+
+    Raises:
+        ValueError: No port, or one out of range; the message names `what`
+            and the address.
+    """
+    rest = address.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if template_ok and port == "%port%" and host:
+        return
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{what} must be 'host:port', got {address!r}")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"{what} {address!r} has port {port}, out of range: a TCP port is 1 to 65535"
+        )
+
+
 def _check_port(port: int) -> None:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ValueError(f"`port` must be an int in [0, 65535], got {port!r}")
@@ -68,12 +91,15 @@ class DispatcherConfig:
         worker_timeout_ms: A worker missing heartbeats this long is lost (ms).
         host: Interface to bind, "127.0.0.1" unless told otherwise; "0.0.0.0"
             serves every interface.
-        auth_token: When set, every RPC must carry it (metadata
-            "authorization: Bearer <token>") or is refused UNAUTHENTICATED.
-            Given as a CLI flag it is visible to every local user in `ps`:
-            prefer `auth_token_file` or DATASERVICE_AUTH_TOKEN, which the
-            server also reads (a token from any of the three is required).
-        auth_token_file: A file holding the token (mode 0600), read at start.
+        auth_token: Optional. When the server has a token (from this,
+            `auth_token_file` or DATASERVICE_AUTH_TOKEN), every RPC must carry
+            it (metadata "authorization: Bearer <token>") or is refused
+            UNAUTHENTICATED. Without one it warns at start-up and serves only
+            loopback (beyond it only with `insecure`). Given as a CLI flag it
+            is visible to every local user in `ps`: prefer `auth_token_file`
+            or DATASERVICE_AUTH_TOKEN.
+        auth_token_file: Optional. A file holding the token (mode 0600;
+            surrounding whitespace stripped), read at start.
         insecure: Serve a `host` beyond loopback without a token, which is
             otherwise refused (anyone who can reach the port can run code).
 
@@ -113,6 +139,10 @@ class DispatcherConfig:
             _check_positive(name, getattr(self, name))
         if self.worker_addresses is not None:
             object.__setattr__(self, "worker_addresses", list(self.worker_addresses))
+            for entry in self.worker_addresses:
+                if not isinstance(entry, str):
+                    raise ValueError(f"`worker_addresses` must hold strings, got {entry!r}")
+                check_address_port(entry, "`worker_addresses` entry", template_ok=True)
 
     @property
     def job_gc_check_interval_ms_or_default(self) -> int:
@@ -153,11 +183,13 @@ class WorkerConfig:
         shm_ring_bytes: Size of each shared-memory ring (bytes).
         cross_trainer_cache_size_bytes: Bound of the cross-trainer cache (bytes).
         host: Interface to bind, "127.0.0.1" unless told otherwise.
-        auth_token: Token this worker requires of every RPC and of every
-            shared-memory handshake, and sends to the dispatcher. Also read
-            from `auth_token_file` or DATASERVICE_AUTH_TOKEN (a token from
-            any of the three is required); as a CLI flag it shows in `ps`.
-        auth_token_file: A file holding the token (mode 0600), read at start.
+        auth_token: Optional. The token this worker sends to the
+            dispatcher and requires of every RPC and shared-memory handshake;
+            also read from `auth_token_file` or DATASERVICE_AUTH_TOKEN.
+            Without one it warns at start-up and serves only loopback (beyond
+            it only with `insecure`). As a CLI flag it shows in `ps`.
+        auth_token_file: Optional. A file holding the token (mode 0600;
+            surrounding whitespace stripped), read at start.
         insecure: Serve a `host` beyond loopback without a token, which is
             otherwise refused (anyone who can reach the port can run code).
         shm_allowed_uids: User ids besides the worker's own (and root) whose
@@ -205,6 +237,9 @@ class WorkerConfig:
             raise ValueError(
                 f"`dispatcher_address` must be a non-empty string, got {self.dispatcher_address!r}"
             )
+        check_address_port(self.dispatcher_address, "`dispatcher_address`")
+        if self.worker_address:
+            check_address_port(self.worker_address, "`worker_address`", template_ok=True)
         _check_port(self.port)
         _check_protocol(self.protocol)
         _check_positive("heartbeat_interval_ms", self.heartbeat_interval_ms)

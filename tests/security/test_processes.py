@@ -5,7 +5,6 @@ worker refused by its dispatcher exiting non-zero without its ready line."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,12 +13,12 @@ import grpc
 import pytest
 
 import dataservice as ds
-from dataservice import auth, errors
+from dataservice import _serverproc, auth, errors
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
 from tests.conftest import values
 
-READY = re.compile(r"^dataservice (dispatcher|worker) listening on (\S+)$")
+READY = _serverproc.READY_RE
 
 
 def _env(token: str | None = None) -> dict[str, str]:
@@ -146,9 +145,26 @@ def test_cli_refuses_a_wildcard_bind_without_a_token():
 
 
 def test_cli_insecure_serves_a_wildcard_and_says_so():
-    proc, _ = _start(["dispatcher", "--port", "0", "--host", "0.0.0.0", "--insecure"], _env())
-    err = _stop(proc)
+    proc, address = _start(["dispatcher", "--port", "0", "--host", "0.0.0.0", "--insecure"], _env())
+    try:
+        host, _, port = address.rpartition(":")
+        # Not "localhost": the address is for other hosts, which the wildcard serves.
+        assert host == _serverproc.reachable_host() and host not in ("localhost", "0.0.0.0")
+        assert _info(f"127.0.0.1:{port}", None) == grpc.StatusCode.OK
+    finally:
+        err = _stop(proc)
     assert "INSECURE" in err
+
+
+def test_wildcard_ready_line_says_all_interfaces_and_still_parses():
+    line = _serverproc.ready_line("dispatcher", "myhost:5050", "0.0.0.0")
+    assert line == "dataservice dispatcher listening on myhost:5050 (on all interfaces, 0.0.0.0)"
+    assert READY.search(line).group(2) == "myhost:5050"
+    assert _serverproc.ready_line("worker", "127.0.0.1:5", "127.0.0.1").endswith("on 127.0.0.1:5")
+    assert _serverproc.advertised_address("localhost:5050", "127.0.0.1") == "localhost:5050"
+    assert _serverproc.advertised_address("localhost:5050", "::") == (
+        f"{_serverproc.reachable_host()}:5050"
+    )
 
 
 def test_cli_token_beyond_loopback_warns_it_travels_in_clear(tmp_path):
@@ -183,6 +199,30 @@ def test_refused_worker_exits_non_zero_without_its_ready_line():
     assert "listening" not in out.stdout
     assert "UnauthenticatedError" in out.stderr
     assert address in out.stderr and auth.AUTH_ENV in out.stderr
+    # A worker's advice, not a client's.
+    assert "--auth-token-file" in out.stderr and "the worker's environment" in out.stderr
+    assert "client's environment" not in out.stderr
+
+
+def test_world_readable_token_file_is_warned_of_once(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("file-token\n")
+    path.chmod(0o644)
+    proc, address = _start(["dispatcher", "--port", "0", "--auth-token-file", str(path)], _env())
+    try:  # the trailing newline is stripped: the token is "file-token"
+        assert _info(address, "file-token") == grpc.StatusCode.OK
+    finally:
+        err = _stop(proc)
+    assert err.count("can be read by other users") == 1, err
+
+
+@pytest.mark.parametrize("kind", ["dispatcher", "worker"])
+def test_server_help_says_the_token_is_optional(kind):
+    out = _run([kind, "--help"], _env())
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "is required" not in text
+    assert "Optional." in text and "serves only loopback" in text
 
 
 def test_cli_worker_with_the_token_in_its_environment_requires_it():

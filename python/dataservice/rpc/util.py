@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from dataservice import _waits, auth, errors
+from dataservice import _waits, auth, config, errors
 from dataservice.rpc import service_pb2
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def parse_address(service: str) -> str:
     """'grpc://host:port' or 'host:port' -> 'host:port'.
 
     Raises:
-        ValueError: Empty, several '://', a protocol other than grpc, or no port.
+        ValueError: Empty, several '://', a protocol other than grpc, no port,
+            or a port outside [1, 65535].
     """
     if not isinstance(service, str):
         raise ValueError(f"`service` must be a string, got {service!r}")
@@ -102,6 +103,7 @@ def parse_address(service: str) -> str:
         address = parts[0]
     if ":" not in address or not address.rsplit(":", 1)[1].isdigit():
         raise ValueError(f"`service` must be 'host:port' or 'grpc://host:port', got {service!r}")
+    config.check_address_port(address, "the dispatcher address")
     return address
 
 
@@ -166,6 +168,34 @@ def abort_with(context: grpc.ServicerContext, err: BaseException) -> None:
     context.abort(code, str(err))
 
 
+_GRPC_NO_METHOD = "Method not found!"
+"""gRPC's own UNIMPLEMENTED details: the server registers no such service/method."""
+
+_SERVICE_OF_METHOD = {
+    m.name: service.name
+    for service in service_pb2.DESCRIPTOR.services_by_name.values()
+    for m in service.methods
+}
+_OTHER_SERVER = {
+    "DispatcherService": ("dispatcher", "is it a worker's address?"),
+    "WorkerService": ("worker", "is it the dispatcher's address?"),
+}
+
+
+def _wrong_server_message(address: str, what: str) -> str | None:
+    """The error for a call that reached a server without the method's
+    service (a worker's address given as the dispatcher's), or None when
+    `what` names no method of ours."""
+    service = _SERVICE_OF_METHOD.get(what.split(" ", 1)[0].rstrip(":"))
+    if service is None:
+        return None
+    kind, hint = _OTHER_SERVER[service]
+    return (
+        f"{what}: the server at {address} is not a dataservice {kind} "
+        f"(it does not serve {service}; {hint})"
+    )
+
+
 def to_error(err: grpc.RpcError, address: str, what: str) -> errors.DataServiceError:
     """Turns a failed RPC into the matching `DataServiceError`, naming the address."""
     code = err.code() if hasattr(err, "code") else None
@@ -182,6 +212,10 @@ def to_error(err: grpc.RpcError, address: str, what: str) -> errors.DataServiceE
                 break
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return errors.UnauthenticatedError(auth.refused_message(address, what))
+    if code == grpc.StatusCode.UNIMPLEMENTED and details == _GRPC_NO_METHOD:
+        wrong = _wrong_server_message(address, what)
+        if wrong:
+            return errors.UnimplementedError(wrong)
     if code in RETRYABLE:
         return cls(f"{what} at {address} failed: {details}")
     return cls(details)

@@ -429,9 +429,14 @@ class WorkerServer(ElementServing):
                     rpc_util.mark_reached(address)
                 if err.code() not in rpc_util.RETRYABLE and not registered:  # type: ignore[attr-defined]
                     # Refused (e.g. not in the dispatcher's worker list): no point retrying.
-                    self._registration_error = rpc_util.to_error(
-                        err, address, "worker registration"
-                    )
+                    if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # type: ignore[attr-defined]
+                        self._registration_error = errors.UnauthenticatedError(
+                            auth.refused_message(address, "worker registration", worker=True)
+                        )
+                    else:
+                        self._registration_error = rpc_util.to_error(
+                            err, address, "worker registration"
+                        )
                     log.error(
                         "worker %s: the dispatcher at %s refused it: %s",
                         self._address,
@@ -467,7 +472,7 @@ class WorkerServer(ElementServing):
                         log.warning(
                             "worker %s: %s",
                             self._address,
-                            auth.refused_message(address, "heartbeat"),
+                            auth.refused_message(address, "heartbeat", worker=True),
                         )
                 else:
                     doing = "heartbeats (its tasks go on)" if registered else "registration"

@@ -1,0 +1,110 @@
+"""Bad input named at once, before any RPC: tokens with a trailing newline or
+characters gRPC metadata cannot carry, addresses with a port out of range, and
+a worker's address given as the dispatcher's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dataservice as ds
+from dataservice import auth, errors
+from tests.conftest import values
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------ tokens
+def test_env_token_with_a_trailing_newline_is_stripped(monkeypatch):
+    monkeypatch.setenv(auth.AUTH_ENV, "env-token\n")
+    assert auth.client_token(None) == "env-token"
+    assert auth.resolve_token() == "env-token"
+
+
+def test_client_reads_with_an_env_token_ending_in_a_newline(monkeypatch):
+    monkeypatch.delenv(auth.AUTH_ENV, raising=False)
+    with ds.LocalCluster(
+        num_workers=1, dispatcher_config=ds.DispatcherConfig(auth_token="tok-1")
+    ) as c:
+        auth.unregister_token(c.dispatcher_address)  # as a client in another process
+        monkeypatch.setenv(auth.AUTH_ENV, "tok-1\n")
+        assert values(ds.Dataset.range(5).apply(ds.distribute("off", c.target))) == list(range(5))
+
+
+@pytest.mark.parametrize("bad", ["to ken", "tok\x07en", "tök", "a\nb"])
+def test_env_token_with_bad_characters_names_the_variable_before_any_rpc(monkeypatch, bad):
+    monkeypatch.setenv(auth.AUTH_ENV, bad)
+    start = time.monotonic()
+    # Port 1: nothing listens; a ValueError before any RPC comes at once.
+    with pytest.raises(ValueError, match=r"\$DATASERVICE_AUTH_TOKEN") as info:
+        ds.register_dataset("127.0.0.1:1", ds.Dataset.range(3))
+    assert time.monotonic() - start < 2.0
+    assert bad not in str(info.value)
+
+
+def test_token_argument_with_bad_characters_names_the_argument():
+    with pytest.raises(ValueError, match="`auth_token` argument"):
+        auth.client_token("127.0.0.1:1", "tok\n")
+
+
+def test_token_file_with_a_trailing_newline_is_stripped(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("  file-token\r\n")
+    path.chmod(0o600)
+    assert auth.resolve_token(auth_token_file=str(path)) == "file-token"
+    path.write_text("file token\n")
+    with pytest.raises(ValueError, match=str(path)):
+        auth.resolve_token(auth_token_file=str(path))
+
+
+# --------------------------------------------------------------- addresses
+@pytest.mark.parametrize("target", ["127.0.0.1:99999", "grpc://localhost:65536", "localhost:0"])
+def test_client_target_with_port_out_of_range_is_an_immediate_value_error(target):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="out of range") as info:
+        list(ds.Dataset.range(3).apply(ds.distribute("off", target)))
+    assert target.split("://")[-1] in str(info.value)
+    assert time.monotonic() - start < 2.0
+
+
+def test_config_addresses_with_port_out_of_range_are_value_errors():
+    with pytest.raises(ValueError, match="`dispatcher_address` '127.0.0.1:99999'"):
+        ds.WorkerConfig(dispatcher_address="127.0.0.1:99999")
+    with pytest.raises(ValueError, match="`worker_address` 'h:70000'"):
+        ds.WorkerConfig(dispatcher_address="localhost:5050", worker_address="h:70000")
+    with pytest.raises(ValueError, match="`worker_addresses` entry 'b:0'"):
+        ds.DispatcherConfig(worker_addresses=["a:%port%", "b:0"])
+    # Still accepted: the port template, and a valid port.
+    ds.WorkerConfig(dispatcher_address="grpc://localhost:5050", worker_address="h:%port%")
+
+
+def test_cli_worker_with_port_out_of_range_exits_2_naming_the_address():
+    out = subprocess.run(
+        [sys.executable, "-m", "dataservice", "worker", "--dispatcher", "127.0.0.1:99999"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "127.0.0.1:99999" in out.stderr and "out of range" in out.stderr
+
+
+# ------------------------------------------------------------- wrong server
+def test_worker_address_given_as_the_dispatcher_address_says_so():
+    dispatcher = ds.DispatchServer()
+    worker = ds.WorkerServer(ds.WorkerConfig(dispatcher.target, heartbeat_interval_ms=100))
+    try:
+        start = time.monotonic()
+        with pytest.raises(errors.UnimplementedError) as info:
+            ds.register_dataset(worker.address, ds.Dataset.range(3))
+        message = str(info.value)
+        assert f"the server at {worker.address} is not a dataservice dispatcher" in message
+        assert "DispatcherService" in message and "worker's address" in message
+        assert time.monotonic() - start < 5.0
+    finally:
+        worker.stop()
+        dispatcher.stop()

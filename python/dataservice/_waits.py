@@ -102,6 +102,16 @@ class SlowWait:
 
 _ONCE_MU = threading.Lock()
 _ONCE_KEYS: OrderedDict[Any, None] = OrderedDict()  # guarded by _ONCE_MU
+
+
+def _renew_once_mu_after_fork() -> None:
+    """A forked child gets a fresh `_ONCE_MU`: a thread of the parent may have held
+    it at fork, and no thread here would ever release it."""
+    global _ONCE_MU
+    _ONCE_MU = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_once_mu_after_fork)
 _ONCE_MAX_KEYS = 4096
 
 

@@ -26,8 +26,13 @@ import dataservice as ds
 def child_read(target):
     return sum(1 for _ in ds.Dataset.range(100).apply(ds.distribute("off", target)))
 
-def pid(_):
-    return os.getpid()
+def child_read_forever(args):
+    target, started = args
+    it = iter(ds.Dataset.range(10**9).apply(ds.distribute("off", target)))
+    next(it)
+    started.put(os.getpid())
+    for _ in it:  # until the pool terminates us (SIGTERM) mid-read
+        pass
 
 def wait_exit(pid, timeout_s):
     deadline = time.monotonic() + timeout_s
@@ -46,7 +51,12 @@ if scenario.startswith("pool_"):
     pool = mp.get_context("fork").Pool(2)
     out["child_reads"] = pool.map(child_read, [c.target] * 2)
     out["children"] = [p.pid for p in pool._pool]
-    if scenario == "pool_terminate":
+    if scenario == "pool_terminate_busy":
+        # SIGTERM reaches the children while they are inside gRPC reads.
+        started = mp.get_context("fork").Manager().Queue()
+        pool.map_async(child_read_forever, [(c.target, started)] * 2)
+        out["busy"] = sorted(started.get(timeout=60) for _ in range(2))
+    if scenario.startswith("pool_terminate"):
         pool.terminate()
     else:
         pool.close()
@@ -130,7 +140,7 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("scenario", ["pool_terminate", "pool_close"])
+@pytest.mark.parametrize("scenario", ["pool_terminate", "pool_close", "pool_terminate_busy"])
 def test_fork_pool_children_read_and_leave_the_cluster_serving(scenario: str) -> None:
     out = _run(scenario)
     assert out["child_reads"] == [100, 100]
@@ -138,6 +148,8 @@ def test_fork_pool_children_read_and_leave_the_cluster_serving(scenario: str) ->
     assert out["same_servers"] is True
     assert out["restarts"] == 0
     assert len(out["children"]) == 2
+    if scenario == "pool_terminate_busy":
+        assert out["busy"] == sorted(out["children"])
     _assert_gone(out["children"])
 
 

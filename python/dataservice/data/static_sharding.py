@@ -11,6 +11,7 @@ graph, through `graph.py`. A worker calls it on the dataset of each static task.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from dataservice import errors
@@ -70,6 +71,16 @@ def shard_files(
 
 _fallback_logged: set[tuple[int, tuple[tuple[str, ...], ...]]] = set()
 _fallback_logged_mu = threading.Lock()
+
+
+def _renew_fallback_logged_mu_after_fork() -> None:
+    """A forked child gets a fresh `_fallback_logged_mu`: a thread of the parent may have held
+    it at fork, and no thread here would ever release it."""
+    global _fallback_logged_mu
+    _fallback_logged_mu = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_fallback_logged_mu_after_fork)
 
 
 def _log_data_fallback_once(num_workers: int, file_lists: list[tuple[str, ...]]) -> None:

@@ -8,6 +8,7 @@ bigger than gRPC's 4 MiB default arrive in one message.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -35,6 +36,16 @@ PROBE_FIRST_BYTES = 64 << 10
 # Addresses that answered an RPC of this process (see `was_reached`).
 _REACHED_MU = threading.Lock()
 _REACHED: set[str] = set()  # guarded by _REACHED_MU
+
+
+def _renew_reached_mu_after_fork() -> None:
+    """A forked child gets a fresh `_REACHED_MU`: a thread of the parent may have held
+    it at fork, and no thread here would ever release it."""
+    global _REACHED_MU
+    _REACHED_MU = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_reached_mu_after_fork)
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -271,6 +272,16 @@ ServerFactory = Callable[[TransferHost], TransferServer]
 _lock = threading.Lock()
 _factories: dict[str, ClientFactory] = {}  # guarded by _lock
 _server_factories: dict[str, ServerFactory] = {}  # guarded by _lock
+
+
+def _renew_lock_after_fork() -> None:
+    """A forked child gets a fresh `_lock`: a thread of the parent may have held
+    it at fork, and no thread here would ever release it."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_lock_after_fork)
 
 
 def register_protocol(name: str, factory: ClientFactory) -> None:

@@ -73,6 +73,13 @@ else:
         n = child_read(c.target)
         if n != 100:
             os._exit(3)
+        if it is not None:  # the parent's iterator: a clear error, not a wait for ever
+            try:
+                next(it)
+                os._exit(4)
+            except ds.errors.FailedPreconditionError as e:
+                if "create the iterator in the forked process" not in str(e):
+                    os._exit(5)
         if scenario.startswith("fork_os_exit"):
             os._exit(0)
         sys.exit(0)

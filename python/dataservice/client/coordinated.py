@@ -51,6 +51,7 @@ class CoordinatedReads:
     call: Callable[..., Any]
     _what_iteration: Callable[[], str]
     _dispatcher_silence: Callable[[], str]
+    check_process: Callable[[], None]
 
     def _init_rounds(self) -> None:
         """Sets up the round state (from the reader's __init__)."""
@@ -107,6 +108,7 @@ class CoordinatedReads:
             WorkerCrashedError: The worker serving the round could not be
                 reached for `worker_loss_timeout_ms` and no other took it.
         """
+        self.check_process()  # a forked copy of this read raises, never waits
         start = time.monotonic()
         round_index = self._round
         dead = 0

@@ -74,6 +74,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
 
     def __init__(self, options: ReadOptions) -> None:
         self.options = options
+        self.owner_pid = os.getpid()  # see check_process
+        _live_readers.add(self)
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._wake_heartbeat = threading.Event()
@@ -394,7 +396,26 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
             + self._dispatcher_silence()
         )
 
+    def check_process(self) -> None:
+        """Raises in a process forked from the one that started this read.
+
+        The fork copied the iterator but not its fetch and heartbeat threads
+        (nothing would ever fill it) nor a consistent lock state (a lock a
+        parent thread held stays held), so a wait here would be for ever.
+
+        Raises:
+            FailedPreconditionError: Says to make the iterator in the child.
+        """
+        if os.getpid() != self.owner_pid:
+            raise errors.FailedPreconditionError(
+                f"this iterator of {self.options.dispatcher_address} was created in process "
+                f"{self.owner_pid}; process {os.getpid()} is a fork of it and cannot use it: "
+                "create the iterator in the forked process (e.g. iter(dataset) inside a "
+                "DataLoader worker or a Pool task)"
+            )
+
     def _next_chunk(self) -> Any:
+        self.check_process()  # before any lock: one held at fork is never released here
         start = time.monotonic()
         slow = _waits.SlowWait(log, self._describe_wait_locked, start=start)
         # When every task is finished or removed, the dispatcher is asked at once
@@ -475,6 +496,22 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
             if t is not threading.current_thread():
                 t.join(timeout=0.2)
         self._channel.close()
+
+
+_live_readers: weakref.WeakSet[_Reader] = weakref.WeakSet()
+"""Every read of this process, for `_forget_chunks_after_fork`."""
+
+
+def _forget_chunks_after_fork() -> None:
+    """In a forked child, empties each inherited read's current chunk, so that
+    the child's next() reaches `check_process` at once rather than first
+    handing out copies of elements the parent also consumes."""
+    for reader in list(_live_readers):
+        reader._chunk = []
+        reader._chunk_pos = 0
+
+
+os.register_at_fork(after_in_child=_forget_chunks_after_fork)
 
 
 def _close_in_owner(reader: _Reader, owner_pid: int) -> None:

@@ -69,6 +69,7 @@ class WorkerLossTracking:
     _tasks: dict[int, _TaskState]
     _iteration_finished: bool
     _no_live_task_since: float | None
+    _missing_shards: list[Any]
 
     def _note_lost_workers(self, reports: Any) -> None:
         """Records the worker processes the dispatcher says the iteration lost
@@ -158,13 +159,23 @@ class WorkerLossTracking:
                 return
             since = max(s.silent_since for s in live if s.silent_since is not None)
         else:
-            if self._no_live_task_since is None or not self.stats.lost:
+            if self._no_live_task_since is None or not (self.stats.lost or self._missing_shards):
                 return
             since = self._no_live_task_since
         now = time.monotonic()
         waited_s = now - max(since, wait_start)
         if waited_s * 1000 < timeout_ms:
             return
+        if not live and self._missing_shards:
+            raise errors.MissingShardsError(
+                f"iteration {self.iteration_id} cannot end: static sharding reads one shard "
+                "per listed worker (DispatcherConfig.worker_addresses), and the shards of "
+                f"{len(self._missing_shards)} listed worker(s) were not read and nobody reads "
+                f"them; waited {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms) with nothing "
+                "else to read. Start the missing workers (or fix their addresses), or pass "
+                "worker_loss_timeout_ms=None to wait for them forever:\n  "
+                + describe_missing_shards(self._missing_shards, sep="\n  ")
+            )
         lines = []
         for lost in self.stats.lost.values():
             d = self._describe_loss_locked(lost)
@@ -182,3 +193,10 @@ class WorkerLossTracking:
             f"back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
             + "\n  ".join(lines)
         )
+
+
+def describe_missing_shards(shards: Any, sep: str = "; ") -> str:
+    """One line per `pb.MissingShard`: "worker ADDRESS (shard I): why"."""
+    return sep.join(
+        f"worker {m.worker_address} (shard {m.worker_index}): {m.reason}" for m in shards
+    )

@@ -280,6 +280,10 @@ class DispatcherState:
         self.next_client_id = FIRST_CLIENT_ID
         self.next_task_id = FIRST_TASK_ID
         self.next_dataset_number = 1000
+        # len(DispatcherConfig.worker_addresses) (0: no fixed list). Not in the
+        # journal: the dispatcher sets it from its config before replaying, so
+        # a replay finishes iterations as the first run did.
+        self.num_listed_workers = 0
 
     # The one write path.
     def apply(self, update: Update) -> None:
@@ -409,6 +413,8 @@ class DispatcherState:
         job = self.jobs[it.job_id]
         if job.reads_local_workers_only and job.processing_mode != ShardingPolicy.DYNAMIC:
             return
+        if self.unread_shards(it):
+            return
         if any(t.finished for t in it.tasks.values()) and not it.live_tasks():
             it.finished = True
 
@@ -434,6 +440,21 @@ class DispatcherState:
         if any(t.finished for t in mine):
             return True
         return self.jobs[it.job_id].processing_mode == ShardingPolicy.DYNAMIC and it.splits_ended
+
+    def unread_shards(self, it: Iteration) -> list[int]:
+        """Under static sharding with a fixed worker list: the shards (worker
+        indices, positions in DispatcherConfig.worker_addresses) of `it` that
+        no task read to its end. As in tf.data service, each listed worker
+        holds one shard and an iteration is not over until every shard was
+        read, so one whose worker has not registered yet (or was lost) keeps
+        the iteration open for it instead of ending it with part of the data.
+        Empty for other policies."""
+        if not self.num_listed_workers:
+            return []
+        if self.jobs[it.job_id].processing_mode not in STATIC_POLICIES:
+            return []
+        done = {t.worker_index for t in it.tasks.values() if t.finished}
+        return [i for i in range(self.num_listed_workers) if i not in done]
 
     def unfinished_iterations(self) -> list[Iteration]:
         return [it for it in self.iterations.values() if not it.finished]

@@ -107,3 +107,11 @@ def test_listed_worker_lost_and_not_back_fails_the_read_naming_it(make_cluster, 
     assert isinstance(err, errors.MissingShardsError), err
     assert f"worker {lost} (shard 1): registered, then was lost" in str(err)
     assert took_s < 15, took_s
+
+
+@pytest.mark.timeout(60)
+def test_data_sharding_of_a_seeded_shuffle_reads_every_element_once(make_cluster):
+    # The fix the unseeded-randomness warning names: the same seed on every worker.
+    c = static_cluster(make_cluster, 2)
+    got = [to_py(e) for e in dist(ds.Dataset.range(100).shuffle(10, seed=1), c, DATA)]
+    assert sorted(got) == list(range(100))

@@ -480,7 +480,13 @@ def distribute(
             was lost (ms; default 60,000). None waits forever, as tf.data
             service does. Only time spent in `next()` counts: a slow consumer
             never trips it, nor does a slow pipeline whose worker is alive
-            (it keeps heartbeating). (Not in tf.data service.)
+            (it keeps heartbeating). (Not in tf.data service.) Under static
+            sharding it also bounds the wait for a listed worker
+            (`DispatcherConfig.worker_addresses`) whose shard nobody reads
+            (it never registered, or was lost): with nothing else to read,
+            `next()` raises `errors.MissingShardsError` naming each missing
+            worker address and shard index; until then the iteration does not
+            end, and a listed worker that registers late delivers its shard.
 
     Returns:
         A function `Dataset -> Dataset` for `dataset.apply(...)`.

@@ -63,8 +63,10 @@ class ReadOptions:
     trainer_id: str = ""  # set: read through the job's cross-trainer cache
     compression: str | None = "AUTO"  # "AUTO", None or "ZSTD" (distribute's argument)
     zero_copy: bool = True  # shared memory: large arrays may be views of the ring
-    # After the iteration lost its workers: how long next() waits for one to
-    # come back before raising WorkerCrashedError (ms); None: forever (tf.data).
+    # After the iteration lost its workers, or (static sharding) while a listed
+    # worker's shard is read by nobody: how long next() waits for one to come
+    # before raising WorkerCrashedError / MissingShardsError (ms); None: forever
+    # (tf.data).
     worker_loss_timeout_ms: int | None = 60_000
 
 

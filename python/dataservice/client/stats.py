@@ -6,7 +6,8 @@ processes the iteration lost, as the dispatcher's heartbeat replies report them.
 `WorkerLossTracking` (a part of `reader._Reader`, under its lock) records those
 losses, logs one WARNING for each, describes them for `stats()["lost_workers"]`,
 raises WorkerCrashedError once no worker is left to run the iteration
-(`worker_loss_timeout_ms`), and builds `stats()`'s value.
+(`worker_loss_timeout_ms`; MissingShardsError where listed workers' static
+shards are what is left), and builds `stats()`'s value.
 """
 
 from __future__ import annotations
@@ -142,6 +143,14 @@ class WorkerLossTracking:
             "lost_workers": [self._describe_loss_locked(lost) for lost in s.lost.values()],
         }
 
+    def _lost_lines_locked(self) -> list[str]:
+        """One line per worker process the iteration lost: address, pid, reason."""
+        lines = []
+        for lost in self.stats.lost.values():
+            d = self._describe_loss_locked(lost)
+            lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
+        return lines
+
     def _check_worker_loss_locked(self, wait_start: float) -> None:
         """Raises WorkerCrashedError when no task can produce and next() has
         waited `worker_loss_timeout_ms` for that to change (only time spent
@@ -149,7 +158,10 @@ class WorkerLossTracking:
         iteration lost its workers and none came back, or every worker it
         still has went silent (no heartbeat to the dispatcher: stopped, e.g.
         SIGSTOP, or hung) and stayed so. A worker that is alive but slow
-        keeps heartbeating and never trips it."""
+        keeps heartbeating and never trips it. Under static sharding, when
+        what is left unread is the shards of listed workers nobody reads (the
+        dispatcher's `missing_shards`: never registered, or lost and not
+        back), MissingShardsError (a WorkerCrashedError) naming them."""
         timeout_ms = self.options.worker_loss_timeout_ms
         if timeout_ms is None or self._iteration_finished:
             return
@@ -175,11 +187,9 @@ class WorkerLossTracking:
                 "else to read. Start the missing workers (or fix their addresses), or pass "
                 "worker_loss_timeout_ms=None to wait for them forever:\n  "
                 + describe_missing_shards(self._missing_shards, sep="\n  ")
+                + "".join(f"\n  lost {line}" for line in self._lost_lines_locked())
             )
-        lines = []
-        for lost in self.stats.lost.values():
-            d = self._describe_loss_locked(lost)
-            lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
+        lines = self._lost_lines_locked()
         for s in live:
             assert s.silent_since is not None
             lines.append(

@@ -176,6 +176,7 @@ class JobsMixin(DispatcherBase):
                     target,
                     request.client_host_id,
                     cache,
+                    len(self._config.worker_addresses or ()) if mode in STATIC_POLICIES else 0,
                 )
             )
             self._job_last_used[job_id] = time.monotonic()

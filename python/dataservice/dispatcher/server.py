@@ -238,7 +238,6 @@ class DispatchServer(
         """
         with self._mu:
             self._state = st.DispatcherState()
-            self._state.num_listed_workers = len(self._config.worker_addresses or ())
             self._datasets = {}
             self._buffers.close()
             self._buffers = BufferStore(None)
@@ -258,7 +257,6 @@ class DispatchServer(
                 assert self._config.work_dir
                 journal = Journal(self._config.work_dir)
                 self._state = journal.load_snapshot() or self._state
-                self._state.num_listed_workers = len(self._config.worker_addresses or ())
                 for update in journal.replay():
                     self._state.apply(update)
                 # The journal holds each definition with its buffers inline; the

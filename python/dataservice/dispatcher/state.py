@@ -62,6 +62,7 @@ class CreateJob:
     target_workers: str
     client_host_id: str
     use_cross_trainer_cache: bool = False
+    num_shards: int = 0  # static sharding: listed workers (Job.num_shards)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,9 @@ class Job:
     target_workers: str
     client_host_id: str
     use_cross_trainer_cache: bool = False
+    # Static sharding: len(DispatcherConfig.worker_addresses) at creation, one shard
+    # per listed worker, each read by every iteration (unread_shards); 0 otherwise.
+    num_shards: int = 0
     iterations: dict[int, IterationId] = field(default_factory=dict)  # repetition -> id
     garbage_collected: bool = False
     retired: bool = False  # replaced under its name by another job (RetireJob)
@@ -280,10 +284,6 @@ class DispatcherState:
         self.next_client_id = FIRST_CLIENT_ID
         self.next_task_id = FIRST_TASK_ID
         self.next_dataset_number = 1000
-        # len(DispatcherConfig.worker_addresses) (0: no fixed list). Not in the
-        # journal: the dispatcher sets it from its config before replaying, so
-        # a replay finishes iterations as the first run did.
-        self.num_listed_workers = 0
 
     # The one write path.
     def apply(self, update: Update) -> None:
@@ -449,12 +449,11 @@ class DispatcherState:
         read, so one whose worker has not registered yet (or was lost) keeps
         the iteration open for it instead of ending it with part of the data.
         Empty for other policies."""
-        if not self.num_listed_workers:
-            return []
-        if self.jobs[it.job_id].processing_mode not in STATIC_POLICIES:
+        job = self.jobs[it.job_id]
+        if not job.num_shards or job.processing_mode not in STATIC_POLICIES:
             return []
         done = {t.worker_index for t in it.tasks.values() if t.finished}
-        return [i for i in range(self.num_listed_workers) if i not in done]
+        return [i for i in range(job.num_shards) if i not in done]
 
     def unfinished_iterations(self) -> list[Iteration]:
         return [it for it in self.iterations.values() if not it.finished]

@@ -86,9 +86,13 @@ class DispatcherConfig:
             iterations (ms); unset: every `job_gc_timeout_ms`, at most every
             10 min, so that a short `job_gc_timeout_ms` alone takes effect.
         job_gc_timeout_ms: A job with no client heartbeat for this long is
-            collected (ms).
-        client_timeout_ms: A client missing heartbeats this long is dropped (ms).
-        worker_timeout_ms: A worker missing heartbeats this long is lost (ms).
+            collected (ms); default 300,000 (5 min).
+        client_timeout_ms: A client missing heartbeats this long is dropped
+            (ms); default 300,000 (5 min). Not the consumer's own
+            `distribute(..., client_timeout_ms=...)`, how long it retries a
+            dispatcher that does not answer (default 60,000).
+        worker_timeout_ms: A worker missing heartbeats this long is lost (ms);
+            default 300,000 (5 min).
         host: Interface to bind, "127.0.0.1" unless told otherwise; "0.0.0.0"
             serves every interface.
         auth_token: Optional. When the server has a token (from this,

@@ -124,6 +124,20 @@ class WorkerCrashedError(DataServiceError):
     """
 
 
+class MissingShardsError(WorkerCrashedError):
+    """Static sharding (FILE, DATA, FILE_OR_DATA, HINT) with a fixed worker
+    list: a listed worker's shard was not read and nobody reads it, because
+    that worker never registered with the dispatcher, or registered, was lost
+    and did not come back. Each listed worker holds one shard (its position in
+    `DispatcherConfig.worker_addresses`) and an iteration is not over until
+    every shard was read, so the consumer waits for the worker (warning about
+    it meanwhile) and raises this once it waited `distribute(...,
+    worker_loss_timeout_ms)` with nothing else to read. The message names each
+    missing worker address and shard index. A subclass of WorkerCrashedError:
+    a worker that was lost is what the read misses.
+    """
+
+
 class WorkerError(DataServiceError):
     """A user function raised on a worker.
 

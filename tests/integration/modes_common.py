@@ -45,6 +45,18 @@ def dist(dataset, target, mode=OFF, **kw):
     return dataset.apply(ds.distribute(mode, getattr(target, "target", target), **kw))
 
 
+def read_live_shards(dataset, target, mode, **kw) -> list:
+    """The elements of a static-sharding read of a cluster where only some listed workers
+    run (`static_cluster(..., live=...)`): their shards arrive, then, the other listed
+    workers never registering, the read raises MissingShardsError after
+    `worker_loss_timeout_ms` (300 ms here) instead of ending with part of the data."""
+    got = []
+    with pytest.raises(ds.errors.MissingShardsError, match="has not registered"):
+        for e in dist(dataset, target, mode, worker_loss_timeout_ms=300, **kw):
+            got.append(e)
+    return got
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct ports that were free a moment ago (bound together, then closed)."""
     socks = []
@@ -291,7 +303,8 @@ def registered(cluster):
 
 def static_cluster(make_cluster, num_workers: int, live=None, **kw):
     """In-process: a dispatcher with a fixed list of `num_workers` addresses; only the
-    workers at positions `live` (default: all) run, so a read returns exactly their shards."""
+    workers at positions `live` (default: all) run, so a read returns exactly their shards
+    before it fails for the others' (`read_live_shards`)."""
     ports = free_ports(num_workers)
     addresses = [f"127.0.0.1:{p}" for p in ports]
     c = make_cluster(0, worker_addresses=addresses, **kw)
@@ -344,7 +357,7 @@ class InProcessHarness:
         out = {}
         for i in range(num_workers):
             c = static_cluster(self._make, num_workers, live=[i])
-            got = values(dist(dataset, c.target, mode))
+            got = [to_py(e) for e in read_live_shards(dataset, c.target, mode)]
             if got:
                 out[i] = got
         return out

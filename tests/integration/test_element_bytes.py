@@ -183,3 +183,21 @@ def test_a_non_numpy_leaf_reaches_a_cross_trainer_cache_reader(make_cluster, pro
     )
     with pytest.raises(errors.InvalidArgumentError, match=r"element\['s'\] is a set"):
         next(it)
+
+
+def test_an_object_array_of_dicts_needs_allow_pickled_elements(cluster):
+    def records(i):
+        arr = np.empty(2, object)
+        arr[0], arr[1] = {"id": int(i)}, {"id": -int(i)}
+        return {"rows": arr}
+
+    dataset = ds.Dataset.range(3).map(records)
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match=r"element\['rows'\]\[0\] is a dict \(held by a numpy object array",
+    ):
+        list(dataset.apply(ds.distribute(ds.ShardingPolicy.OFF, cluster.target)))
+    read = dataset.apply(
+        ds.distribute(ds.ShardingPolicy.OFF, cluster.target, allow_pickled_elements=True)
+    )
+    assert [[r["id"] for r in e["rows"]] for e in read] == [[0, 0], [1, -1], [2, -2]]

@@ -32,6 +32,7 @@ from tests.integration.modes_common import (
     dist,
     free_ports,
     read_files,
+    read_live_shards,
     record,
     registered,
     static_cluster,
@@ -52,7 +53,7 @@ def tfrecords(tmp_path_factory) -> list[str]:
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_data_sharding_worker_keeps_every_nth_element(make_cluster, index):
     c = static_cluster(make_cluster, 3, live=[index])
-    assert values(dist(ds.Dataset.range(20), c, DATA)) == list(range(index, 20, 3))
+    assert values(read_live_shards(ds.Dataset.range(20), c, DATA)) == list(range(index, 20, 3))
 
 
 @pytest.mark.timeout(60)
@@ -70,14 +71,14 @@ def test_data_sharding_all_workers_union_is_the_dataset_once(make_cluster):
 )
 def test_file_sharding_worker_reads_files_i_i_plus_n(make_cluster, tfrecords, mode, index):
     c = static_cluster(make_cluster, 3, live=[index])
-    got = list(dist(read_files(tfrecords), c, mode))
+    got = read_live_shards(read_files(tfrecords), c, mode)
     assert got == [record(f, r) for f in range(index, NUM_FILES, 3) for r in range(3)]
 
 
 @pytest.mark.timeout(60)
 def test_file_sharding_of_a_tfrecord_file_list(make_cluster, tfrecords):
     c = static_cluster(make_cluster, 3, live=[2])
-    got = list(dist(ds.TFRecordDataset(tfrecords), c, FILE))
+    got = read_live_shards(ds.TFRecordDataset(tfrecords), c, FILE)
     assert got == [record(f, r) for f in (2, 5) for r in range(3)]
 
 
@@ -91,7 +92,7 @@ def test_file_sharding_all_workers_union_is_every_record_once(make_cluster, tfre
 @pytest.mark.timeout(60)
 def test_file_or_data_without_file_source_falls_back_to_data(make_cluster):
     c = static_cluster(make_cluster, 3, live=[1])
-    assert values(dist(ds.Dataset.range(20), c, FILE_OR_DATA)) == list(range(1, 20, 3))
+    assert values(read_live_shards(ds.Dataset.range(20), c, FILE_OR_DATA)) == list(range(1, 20, 3))
 
 
 @pytest.mark.timeout(60)
@@ -106,17 +107,17 @@ def test_file_sharding_without_file_source_is_an_error(make_cluster):
 def test_hint_placeholder_becomes_num_workers_and_index(make_cluster, tfrecords, index):
     c = static_cluster(make_cluster, 3, live=[index])
     by_elements = ds.Dataset.range(20).shard(ds.SHARD_HINT, ds.SHARD_HINT)
-    assert values(dist(by_elements, c, HINT)) == list(range(index, 20, 3))
+    assert values(read_live_shards(by_elements, c, HINT)) == list(range(index, 20, 3))
     files = ds.Dataset.list_files(tfrecords, shuffle=False).shard(ds.SHARD_HINT, ds.SHARD_HINT)
     by_files = files.flat_map(lambda f: ds.TFRecordDataset(f))
-    got = list(dist(by_files, c, HINT))
+    got = read_live_shards(by_files, c, HINT)
     assert got == [record(f, r) for f in range(index, NUM_FILES, 3) for r in range(3)]
 
 
 @pytest.mark.timeout(60)
 def test_hint_without_placeholder_is_a_no_op(make_cluster):
     c = static_cluster(make_cluster, 3, live=[1])
-    assert values(dist(ds.Dataset.range(6), c, HINT)) == list(range(6))
+    assert values(read_live_shards(ds.Dataset.range(6), c, HINT)) == list(range(6))
 
 
 @pytest.mark.timeout(60)

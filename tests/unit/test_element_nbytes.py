@@ -256,3 +256,39 @@ def test_a_pil_image_is_refused_or_counted_by_its_pixels():
     with pytest.raises(errors.InvalidArgumentError, match=r"^element\['img'\] is a PIL\.Image"):
         codec.element_nbytes({"img": image, "label": 1}, allow_pickled=False)
     assert codec.element_nbytes({"img": image, "label": 1}) >= 100 * 100 * 3 + 8
+
+
+@pytest.mark.parametrize(
+    "element,path,type_name",
+    [
+        (objects({"a": 1}, {"b": 2}), "element[0]", "dict"),
+        ({"x": objects(b"ok", [1, 2])}, "element['x'][1]", "list"),
+        ([objects(np.zeros(2), (1, 2))], "element[0][1]", "tuple"),
+        (objects(objects(b"ok", {"c": 3})), "element[0][1]", "dict"),
+    ],
+    ids=["dicts", "list_item", "tuple_item", "nested_array"],
+)
+def test_containers_inside_an_object_array_need_the_opt_in(element, path, type_name):
+    # The array is pickled whole, not walked as a nest of the element's structure.
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        codec.element_nbytes(element, allow_pickled=False)
+    text = str(info.value)
+    assert text.startswith(f"{path} is a {type_name} (held by a numpy object array"), text
+    assert "allow_pickled_elements=True" in text
+    assert codec.element_nbytes(element, allow_pickled=True) > 0
+
+
+def test_object_arrays_of_values_pass_without_the_opt_in():
+    for arr in (
+        objects(b"ab", "cde", 7, None),
+        objects(np.zeros(3), np.ones(2, np.int8)),
+        objects(np.float32(1.5), b"x"),
+    ):
+        assert codec.element_nbytes(arr, allow_pickled=False) > 0
+
+
+def test_a_structured_array_with_object_fields_needs_the_opt_in():
+    arr = np.zeros(2, dtype=[("a", "O"), ("b", "i4")])
+    with pytest.raises(errors.InvalidArgumentError, match="structured array with object fields"):
+        codec.element_nbytes(arr, allow_pickled=False)
+    assert codec.element_nbytes(arr, allow_pickled=True) > 0

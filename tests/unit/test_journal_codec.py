@@ -80,7 +80,7 @@ def _non_default_updates() -> list[st.Update]:
     return [
         st.SetIncarnation("inc-\u00e9"),
         st.RegisterDataset("ds/1", "f" * 64, b"\x00spec\xff", -2, True, "d" * 64),
-        st.CreateJob(st.JobId(1001), "ds/1", "job", ShardingPolicy.HINT, 3, "ANY", "host", True),
+        st.CreateJob(st.JobId(1001), "ds/1", "job", ShardingPolicy.HINT, 3, "ANY", "host", True, 4),
         st.CreateIteration(st.IterationId(2001), st.JobId(1001), 4, 2**62 - 1, 3),
         st.AcquireIterationClient(st.IterationClientId(3001), st.IterationId(2001), "host-a"),
         st.ReleaseIterationClient(st.IterationClientId(3001)),
@@ -241,6 +241,7 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
                     pick(["AUTO", "ANY", "LOCAL"]),
                     draw(text),
                     draw(hs.booleans()),
+                    draw(hs.integers(0, 3)),
                 )
             )
         elif kind == "iteration":
@@ -345,8 +346,15 @@ def test_snapshot_round_trips_exactly(updates):
 
 def test_rich_snapshot_round_trips_exactly():
     """A hand-built state with every collection non-empty and every flag set."""
-    state = _applied(_non_default_updates()[:7])  # up to CreateTask
+    # Up to CreateTask; the HINT job without shards (with them, its iteration would stay
+    # open for the unread ones: DispatcherState.unread_shards); a job with shards below.
+    updates = _non_default_updates()[:7]
+    no_shards = [
+        dataclasses.replace(u, num_shards=0) if isinstance(u, st.CreateJob) else u for u in updates
+    ]
+    state = _applied(no_shards)
     for u in [
+        st.CreateJob(st.JobId(1002), "ds/1", "", ShardingPolicy.DATA, 0, "ANY", "h", False, 3),
         st.CreateTask(st.TaskId(4002), st.IterationId(2001), "w:2", 1, "host-b"),
         st.AcquireIterationClient(st.IterationClientId(3002), st.IterationId(2001), "host-b"),
         st.ProduceSplits(st.IterationId(2001), 5, False, 0),
@@ -362,6 +370,7 @@ def test_rich_snapshot_round_trips_exactly():
     assert state.jobs_by_name and state.datasets_by_fingerprint and state.clients
     assert state.client_hosts == {3002: "host-b"} and it.consumer_hosts == ["host-a", "host-b"]
     assert state.next_dataset_number == 1006
+    assert state.jobs[1002].num_shards == 3
     _assert_same_state(codec.decode_snapshot(codec.encode_snapshot(state)), state)
 
 
@@ -537,3 +546,26 @@ def test_unreadable_snapshot_names_the_file(tmp_path, damage):
     with pytest.raises(errors.DataLossError) as info:
         Journal(str(tmp_path)).load_snapshot()
     assert path in str(info.value)
+
+
+def test_static_iteration_waits_for_every_shard_across_a_snapshot_and_replay():
+    # Static sharding: one shard per listed worker; reading shard 0 alone ends nothing.
+    updates = [
+        st.RegisterDataset("ds", "fp", b"", 10, False),
+        st.CreateJob(st.JobId(1000), "ds", "", ShardingPolicy.DATA, 0, "ANY", "h", False, 2),
+        st.CreateIteration(st.IterationId(2000), st.JobId(1000), 0, 7, 1),
+        st.CreateTask(st.TaskId(4000), st.IterationId(2000), "w:0", 0, "h"),
+        st.FinishTask(st.TaskId(4000)),
+    ]
+    state = _applied(updates)
+    it = state.iterations[2000]
+    assert not it.finished and state.unread_shards(it) == [1]
+    restored = codec.decode_snapshot(codec.encode_snapshot(state))
+    assert restored.unread_shards(restored.iterations[2000]) == [1]
+    for u in [
+        st.CreateTask(st.TaskId(4001), st.IterationId(2000), "w:1", 1, "h"),
+        st.FinishTask(st.TaskId(4001)),
+    ]:
+        restored.apply(codec.decode_update(codec.encode_update(u)))
+    assert restored.iterations[2000].finished
+    assert restored.unread_shards(restored.iterations[2000]) == []

@@ -345,3 +345,36 @@ def test_a_pipeline_pickled_when_ops_were_in_dataset_py_still_loads(monkeypatch)
         [[4, 6], [2, 3]],
         [[8], [4]],
     ] * 2
+
+
+@pytest.mark.parametrize("mode", ["r", "rb", "w", "r+"])
+def test_a_captured_open_file_is_refused_in_any_mode(tmp_path, mode):
+    # A read-mode file would otherwise travel as a copy of what is left of it, read on
+    # this host: not the file a worker on another host sees.
+    path = tmp_path / "data.txt"
+    path.write_text("abc")
+    with open(path, mode) as f:
+
+        def reads(x):
+            return f.read(1), x
+
+        with pytest.raises(ValueError) as e:
+            serialize(Dataset.range(3).map(reads))
+    msg = str(e.value)
+    assert "its closure variable `f`" in msg, msg
+    assert f"an open file ({str(path)!r}, mode {mode!r}) cannot be shipped" in msg, msg
+    assert "open the file inside the function" in msg
+
+
+def test_the_standard_streams_and_in_memory_files_still_serialize():
+    # sys.stderr goes by name (a module global), a BytesIO by value.
+    import io
+    import sys
+
+    buf = io.BytesIO(b"xyz")
+
+    def uses(x):
+        print(x, file=sys.stderr)
+        return buf.getvalue(), x
+
+    serialize(Dataset.range(3).map(uses))

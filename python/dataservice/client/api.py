@@ -8,6 +8,7 @@ ops applied after `distribute` run in the consumer's process.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import threading
@@ -28,6 +29,8 @@ from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import ShardingPolicy, to_sharding_policy
+
+log = logging.getLogger(__name__)
 
 CLIENT_TIMEOUT_ENV = "DATASERVICE_CLIENT_TIMEOUT_MS"
 DEFAULT_CLIENT_TIMEOUT_MS = 60_000
@@ -163,6 +166,36 @@ def _worker_loss_timeout_ms(value: Any) -> int | None:
             f"`worker_loss_timeout_ms` must be a positive int or None (wait forever), got {value!r}"
         )
     return value
+
+
+def _warn_unseeded_randomness(dataset: Dataset, policy: ShardingPolicy) -> None:
+    """Logs a WARNING when `policy` shards `dataset`'s elements (DATA, FILE_OR_DATA
+    without a file source, HINT below its `shard(SHARD_HINT, ...)`) and the pipeline
+    has ops with unseeded randomness (`graph.unseeded_random_ops`): each worker then
+    runs them in another order and keeps every n-th element, so some elements come
+    twice and others never (tf.data has the same pitfall). A warning, not an error:
+    such a read is valid where the exact set of elements does not matter (an
+    infinite, repeated, randomly sampled stream)."""
+    if policy == ShardingPolicy.DATA or (
+        policy == ShardingPolicy.FILE_OR_DATA and not graph.file_sources(dataset)
+    ):
+        ops = graph.unseeded_random_ops(dataset)
+    elif policy == ShardingPolicy.HINT:
+        ops = graph.unseeded_random_ops(dataset, under_shard_hints=True)
+    else:
+        return
+    if not ops:
+        return
+    log.warning(
+        "distribute(%s): the pipeline has unseeded randomness: %s. Under %s sharding "
+        "each worker runs the whole pipeline and keeps every n-th element, so with a "
+        "different order on each worker the shards overlap: some elements are read "
+        "twice and others never. Give each such op a seed (the same on every worker), "
+        "or use ShardingPolicy.FILE or DYNAMIC",
+        policy.name,
+        "; ".join(ops),
+        "HINT (element)" if policy == ShardingPolicy.HINT else "DATA",
+    )
 
 
 def _dispatcher_call(
@@ -447,7 +480,13 @@ def distribute(
             was lost (ms; default 60,000). None waits forever, as tf.data
             service does. Only time spent in `next()` counts: a slow consumer
             never trips it, nor does a slow pipeline whose worker is alive
-            (it keeps heartbeating). (Not in tf.data service.)
+            (it keeps heartbeating). (Not in tf.data service.) Under static
+            sharding it also bounds the wait for a listed worker
+            (`DispatcherConfig.worker_addresses`) whose shard nobody reads
+            (it never registered, or was lost): with nothing else to read,
+            `next()` raises `errors.MissingShardsError` naming each missing
+            worker address and shard index; until then the iteration does not
+            end, and a listed worker that registers late delivers its shard.
 
     Returns:
         A function `Dataset -> Dataset` for `dataset.apply(...)`.
@@ -478,6 +517,7 @@ def distribute(
         if allow_pickled_elements:
             dataset = AllowPickledElementsDataset(dataset)
         serialize_dataset(dataset)  # fails now, naming a function that cannot be shipped
+        _warn_unseeded_randomness(dataset, policy)
         return DistributedDataset(
             address=address,
             processing_mode=policy,

@@ -28,7 +28,7 @@ import grpc
 from dataservice import _waits, auth, errors
 from dataservice.client.coordinated import CoordinatedReads
 from dataservice.client.fetch import TaskFetching, _FairSemaphore, _Fetched, _TaskState
-from dataservice.client.stats import ReadStats, WorkerLossTracking
+from dataservice.client.stats import ReadStats, WorkerLossTracking, describe_missing_shards
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
@@ -64,8 +64,10 @@ class ReadOptions:
     trainer_id: str = ""  # set: read through the job's cross-trainer cache
     compression: str | None = "AUTO"  # "AUTO", None or "ZSTD" (distribute's argument)
     zero_copy: bool = True  # shared memory: large arrays may be views of the ring
-    # After the iteration lost its workers: how long next() waits for one to
-    # come back before raising WorkerCrashedError (ms); None: forever (tf.data).
+    # After the iteration lost its workers, or (static sharding) while a listed
+    # worker's shard is read by nobody: how long next() waits for one to come
+    # before raising WorkerCrashedError / MissingShardsError (ms); None: forever
+    # (tf.data).
     worker_loss_timeout_ms: int | None = 60_000
 
 
@@ -117,6 +119,9 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
         self._tasks: dict[int, _TaskState] = {}
         self._iteration_finished = False
         self._no_live_task_since: float | None = None  # since when no task can produce
+        # Static sharding: the shards (pb.MissingShard) of listed workers that
+        # nobody reads, as the last heartbeat said; the iteration waits for them.
+        self._missing_shards: list[Any] = []
         # Workers a fetch could not reach since the last heartbeat (the
         # dispatcher probes them at once: a dead worker is dropped in < 1 s).
         self._unreachable: set[str] = set()
@@ -274,6 +279,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 if task_id not in live and not state.finished:
                     state.removed = True
             self._iteration_finished = response.iteration_finished
+            self._missing_shards = list(response.missing_shards)
             if live or response.iteration_finished:
                 self._no_live_task_since = None
             elif self._no_live_task_since is None:
@@ -386,10 +392,19 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                     else f"WorkerCrashedError after worker_loss_timeout_ms={timeout_ms}"
                 )
             )
-        else:
+        elif not self._missing_shards:
             what = (
                 "a worker: no worker runs a task of it yet (is a worker registered with "
                 "the dispatcher, and on this host for local reads?)"
+            )
+        else:
+            what = ""
+        if self._missing_shards:
+            what += ("; and " if what else "") + (
+                "the shards of listed workers that nobody reads (static sharding: the "
+                "iteration ends once every listed worker's shard was read; given up after "
+                f"worker_loss_timeout_ms={self.options.worker_loss_timeout_ms}): "
+                + describe_missing_shards(self._missing_shards)
             )
         return (
             f"consumer of {self._what_iteration()} is waiting for {what}"

@@ -6,7 +6,8 @@ processes the iteration lost, as the dispatcher's heartbeat replies report them.
 `WorkerLossTracking` (a part of `reader._Reader`, under its lock) records those
 losses, logs one WARNING for each, describes them for `stats()["lost_workers"]`,
 raises WorkerCrashedError once no worker is left to run the iteration
-(`worker_loss_timeout_ms`), and builds `stats()`'s value.
+(`worker_loss_timeout_ms`; MissingShardsError where listed workers' static
+shards are what is left), and builds `stats()`'s value.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class WorkerLossTracking:
     _tasks: dict[int, _TaskState]
     _iteration_finished: bool
     _no_live_task_since: float | None
+    _missing_shards: list[Any]
 
     def _note_lost_workers(self, reports: Any) -> None:
         """Records the worker processes the dispatcher says the iteration lost
@@ -178,6 +180,14 @@ class WorkerLossTracking:
             ),
         }
 
+    def _lost_lines_locked(self) -> list[str]:
+        """One line per worker process the iteration lost: address, pid, reason."""
+        lines = []
+        for lost in self.stats.lost.values():
+            d = self._describe_loss_locked(lost)
+            lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
+        return lines
+
     def _check_worker_loss_locked(self, wait_start: float) -> None:
         """Raises WorkerCrashedError when no task can produce and next() has
         waited `worker_loss_timeout_ms` for that to change (only time spent
@@ -185,7 +195,10 @@ class WorkerLossTracking:
         iteration lost its workers and none came back, or every worker it
         still has went silent (no heartbeat to the dispatcher: stopped, e.g.
         SIGSTOP, or hung) and stayed so. A worker that is alive but slow
-        keeps heartbeating and never trips it."""
+        keeps heartbeating and never trips it. Under static sharding, when
+        what is left unread is the shards of listed workers nobody reads (the
+        dispatcher's `missing_shards`: never registered, or lost and not
+        back), MissingShardsError (a WorkerCrashedError) naming them."""
         timeout_ms = self.options.worker_loss_timeout_ms
         if timeout_ms is None or self._iteration_finished:
             return
@@ -195,17 +208,25 @@ class WorkerLossTracking:
                 return
             since = max(s.silent_since for s in live if s.silent_since is not None)
         else:
-            if self._no_live_task_since is None or not self.stats.lost:
+            if self._no_live_task_since is None or not (self.stats.lost or self._missing_shards):
                 return
             since = self._no_live_task_since
         now = time.monotonic()
         waited_s = now - max(since, wait_start)
         if waited_s * 1000 < timeout_ms:
             return
-        lines = []
-        for lost in self.stats.lost.values():
-            d = self._describe_loss_locked(lost)
-            lines.append(f"worker {d['address']} (pid {d['pid'] or 'unknown'}): {d['reason']}")
+        if not live and self._missing_shards:
+            raise errors.MissingShardsError(
+                f"iteration {self.iteration_id} cannot end: static sharding reads one shard "
+                "per listed worker (DispatcherConfig.worker_addresses), and the shards of "
+                f"{len(self._missing_shards)} listed worker(s) were not read and nobody reads "
+                f"them; waited {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms) with nothing "
+                "else to read. Start the missing workers (or fix their addresses), or pass "
+                "worker_loss_timeout_ms=None to wait for them forever:\n  "
+                + describe_missing_shards(self._missing_shards, sep="\n  ")
+                + "".join(f"\n  lost {line}" for line in self._lost_lines_locked())
+            )
+        lines = self._lost_lines_locked()
         for s in live:
             assert s.silent_since is not None
             lines.append(
@@ -219,3 +240,10 @@ class WorkerLossTracking:
             f"back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
             + "\n  ".join(lines)
         )
+
+
+def describe_missing_shards(shards: Any, sep: str = "; ") -> str:
+    """One line per `pb.MissingShard`: "worker ADDRESS (shard I): why"."""
+    return sep.join(
+        f"worker {m.worker_address} (shard {m.worker_index}): {m.reason}" for m in shards
+    )

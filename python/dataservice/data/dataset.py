@@ -200,6 +200,12 @@ class Dataset:
     def _compute_cardinality(self) -> int:
         return UNKNOWN_CARDINALITY
 
+    def _unseeded_randomness(self) -> str | None:
+        """What makes this op's output differ between runs without a seed (its
+        order or contents), as a message names it with the fix; None when it is
+        the same in every process (graph.unseeded_random_ops)."""
+        return None
+
     def _static_element_spec(self) -> Any:
         """The element spec if known without running the pipeline, else None."""
         if type(self).element_spec is not _BASE_ELEMENT_SPEC:  # a subclass knows its spec

@@ -13,8 +13,8 @@ Owns:
 * DYNAMIC sharding's two ends: the dispatcher's split providers (`num_split_sources`,
   `split_providers`) and a worker's iterator reading splits (`make_iterator`);
 * what the client needs before registering a pipeline (`static_element_spec`,
-  `check_splittable`), and whether a pipeline opted in to elements that are not numpy
-  values (`allows_pickled_elements`, read by the worker).
+  `check_splittable`, `unseeded_random_ops`), and whether a pipeline opted in to
+  elements that are not numpy values (`allows_pickled_elements`, read by the worker).
 
 Every function is thread-safe and leaves the `Dataset` it is given unchanged (a rewrite
 returns a new graph, sharing the nodes it did not change).
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dataservice.data.dataset import Dataset, IterContext
-from dataservice.data.ops import AllowPickledElementsDataset
+from dataservice.data.ops import AllowPickledElementsDataset, ShardDataset
 from dataservice.data.sources import ListFilesDataset, TFRecordDataset
 from dataservice.data.splits import SplitProvider, SplitSource
 
@@ -41,6 +41,7 @@ __all__ = [
     "source_files",
     "split_providers",
     "static_element_spec",
+    "unseeded_random_ops",
     "walk",
     "with_source_files",
 ]
@@ -156,3 +157,41 @@ def allows_pickled_elements(dataset: Dataset) -> bool:
     (`distribute`/`register_dataset(..., allow_pickled_elements=True)`, which add an
     `allow_pickled_elements` op to the graph)."""
     return any(isinstance(d, AllowPickledElementsDataset) for d in walk(dataset))
+
+
+def unseeded_random_ops(dataset: Dataset, *, under_shard_hints: bool = False) -> list[str]:
+    """The ops of `dataset`'s graph whose output differs from one process (or run) to
+    the next because they have no seed: `shuffle` without `seed`, `list_files` that
+    shuffles without `seed`, `map(..., deterministic=False)` with parallel calls. Each
+    entry names the op and its fix (e.g. "shuffle(buffer_size=10) without a seed (fix:
+    shuffle(10, seed=...))"), in `walk` order, each node once. User functions' own
+    randomness (a `map` calling `random`) is not seen.
+
+    Static sharding that shards elements (DATA, FILE_OR_DATA without file sources,
+    HINT) has each worker run the whole pipeline and keep every n-th element: such an
+    op gives each worker another order, so the shards overlap (elements duplicated,
+    others never read), as in tf.data.
+
+    Args:
+        under_shard_hints: Only the ops below a `shard(SHARD_HINT, ...)` (those whose
+            output HINT sharding splits between workers).
+    """
+    if under_shard_hints:
+        roots = [
+            node._input
+            for node in walk(dataset)
+            if isinstance(node, ShardDataset) and node._has_hint
+        ]
+    else:
+        roots = [dataset]
+    seen: set[int] = set()
+    out = []
+    for root in roots:
+        for node in walk(root):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            why = node._unseeded_randomness()
+            if why is not None:
+                out.append(why)
+    return out

@@ -193,6 +193,15 @@ class MapDataset(_UnaryDataset):
     def _static_element_spec(self) -> Any:
         return None
 
+    def _unseeded_randomness(self) -> str | None:
+        n = self._num_parallel_calls
+        if self._deterministic or n is None or n == 1:
+            return None
+        return (
+            f"map(num_parallel_calls={n}, deterministic=False) (its output order varies "
+            "from run to run; fix: deterministic=True)"
+        )
+
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
         n = parallelism(self._num_parallel_calls, "map")
         fn = self._fn
@@ -377,6 +386,14 @@ class ShuffleDataset(_UnaryDataset):
         self._buffer_size = buffer_size
         self._seed = None if seed is None else as_index(seed, "seed")
         self._reshuffle = bool(reshuffle_each_iteration)
+
+    def _unseeded_randomness(self) -> str | None:
+        if self._seed is not None:
+            return None
+        return (
+            f"shuffle(buffer_size={self._buffer_size}) without a seed (fix: "
+            f"shuffle({self._buffer_size}, seed=...))"
+        )
 
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
         rng = node_epoch_rng(self, self._seed, self._reshuffle, ctx)

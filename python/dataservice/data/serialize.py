@@ -24,6 +24,7 @@ import mmap
 import os
 import pickle
 import stat
+import sys
 import types
 from typing import Any
 
@@ -46,6 +47,44 @@ __all__ = [
 ]
 
 PICKLE_PROTOCOL = 5
+
+# Open files of the OS (not in-memory io.BytesIO/StringIO). cloudpickle would ship a
+# read-mode one as a StringIO of what is left of it, read here at serialisation: not the
+# file on the worker's host, nor a position that moves with the worker's reads, and all
+# of a big file copied into the definition. Refused, as write-mode ones are.
+_OPEN_FILE_TYPES = (
+    io.FileIO,
+    io.BufferedReader,
+    io.BufferedWriter,
+    io.BufferedRandom,
+    io.TextIOWrapper,
+)
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    """cloudpickle's pickler that refuses open files (`_OPEN_FILE_TYPES`), naming
+    the file and the fix; the standard streams keep cloudpickle's by-name pickling."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _OPEN_FILE_TYPES) and obj not in (sys.stdin, sys.stdout, sys.stderr):
+            name = getattr(obj, "name", "?")
+            mode = getattr(obj, "mode", "?")
+            raise pickle.PicklingError(
+                f"an open file ({name!r}, mode {mode!r}) cannot be shipped to the workers: "
+                "they run in other processes, maybe on other hosts, where this file object "
+                "means nothing (a copy would hold what is left of it as read here, at its "
+                "position now); capture the path and open the file inside the function"
+            )
+        return super().reducer_override(obj)
+
+
+def _dumps(obj: Any, buffer_callback: Any = None) -> bytes:
+    """`cloudpickle.dumps(obj, PICKLE_PROTOCOL, buffer_callback=...)` with `_Pickler`."""
+    with io.BytesIO() as out:
+        _Pickler(out, protocol=PICKLE_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
+        return out.getvalue()
+
+
 MIN_SHARED_BUFFER_BYTES = 1 << 20
 """Buffers this big (bytes) or bigger travel out of band and are shared on a host."""
 
@@ -104,7 +143,7 @@ def serialize(dataset: Dataset) -> bytes:
         return False
 
     try:
-        data: bytes = cloudpickle.dumps(dataset, protocol=PICKLE_PROTOCOL, buffer_callback=in_band)
+        data: bytes = _dumps(dataset, buffer_callback=in_band)
     except Exception as e:
         raise _explain(dataset, e) from e
     definition = dataset_pb2.DatasetDef(pickle=data)
@@ -228,7 +267,7 @@ def _pickle_error(obj: Any) -> Exception | None:
     """Why cloudpickle cannot pickle `obj`, or None if it can. Buffers stay out
     of band (not copied), so a big array costs nothing here."""
     try:
-        cloudpickle.dumps(obj, protocol=PICKLE_PROTOCOL, buffer_callback=lambda _: False)
+        _dumps(obj, buffer_callback=lambda _: False)
     except Exception as e:
         return e
     return None
@@ -377,7 +416,7 @@ def _explain(dataset: Dataset, error: Exception) -> ValueError:
     for node in nodes:
         for _, fn in node._user_functions():
             try:
-                cloudpickle.dumps(fn, protocol=PICKLE_PROTOCOL)
+                _dumps(fn)
             except Exception as e:
                 name, where = _describe_function(fn)
                 return ValueError(
@@ -390,7 +429,7 @@ def _explain(dataset: Dataset, error: Exception) -> ValueError:
             if attr in skip or isinstance(value, Dataset):
                 continue
             try:
-                cloudpickle.dumps(value, protocol=PICKLE_PROTOCOL)
+                _dumps(value)
             except Exception as e:
                 found = _culprit(value)
                 inner = ""

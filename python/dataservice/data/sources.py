@@ -459,6 +459,14 @@ class ListFilesDataset(Dataset):
         self._shuffle = True if shuffle is None else bool(shuffle)
         self._seed = None if seed is None else as_index(seed, "seed")
 
+    def _unseeded_randomness(self) -> str | None:
+        if not self._shuffle or self._seed is not None or len(self._files) < 2:
+            return None
+        return (
+            "list_files(shuffle=True) without a seed (fix: list_files(..., seed=...), "
+            "or shuffle=False)"
+        )
+
     @property
     def files(self) -> tuple[str, ...]:
         """The matched file names, unshuffled."""

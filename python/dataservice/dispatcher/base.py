@@ -32,6 +32,7 @@ from dataservice.dispatcher import journal as journal_module
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.buffer_store import BufferStore
 from dataservice.dispatcher.journal import Journal
+from dataservice.rpc import service_pb2 as pb
 
 # One logger for all of the dispatcher's modules, under the name it has always had.
 log = logging.getLogger("dataservice.dispatcher.server")
@@ -179,3 +180,67 @@ class DispatcherBase:
                 "created again (run the dispatcher with work_dir and fault_tolerant_mode=True "
                 "to keep them across restarts)"
             )
+
+    def _missing_shards_locked(self, it: st.Iteration, host: str | None) -> list[Any]:
+        """The shards of `it` nobody reads now, as `pb.MissingShard`s (static
+        sharding with a fixed worker list; empty otherwise): those no task read
+        to its end (`DispatcherState.unread_shards`) and no live task reads.
+        Their listed worker never registered, or registered and was lost.
+
+        With `host` (a job that reads only local workers), only the shards
+        that may be that host's: those of a worker registered there, and of a
+        listed worker whose host is unknown or was that host when it was
+        lost (a worker that never registered may be any host's).
+        """
+        unread = self._state.unread_shards(it)
+        if not unread:
+            return []
+        listed = self._config.worker_addresses or []
+        registered = {w.index: w for w in self._workers.values() if w.index >= 0}
+        by_index: dict[int, list[st.Task]] = {}
+        for t in sorted(it.tasks.values(), key=lambda t: t.task_id):
+            by_index.setdefault(t.worker_index, []).append(t)
+        missing = []
+        for index in unread:
+            tasks = by_index.get(index, [])
+            if any(not t.finished and not t.removed for t in tasks):
+                continue  # being read
+            worker = registered.get(index)
+            if host is not None:
+                known_host = worker.host_id if worker else (tasks[-1].host_id if tasks else None)
+                if known_host is not None and known_host != host:
+                    continue
+            address = worker.address if worker else (tasks[-1].worker_address if tasks else "")
+            address = address or (listed[index] if index < len(listed) else f"#{index}")
+            before = bool(tasks) or address in self._lost_uids or worker is not None
+            if address in self._failed_workers:
+                reason = f"given up by its supervisor: {self._failed_workers[address]}"
+            elif worker is not None:
+                reason = "registered, but runs no task of this iteration yet"
+            elif before:
+                reason = (
+                    "registered, then was lost (its process exited or it sent no heartbeat "
+                    "for worker_timeout_ms) and has not registered again"
+                )
+            else:
+                reason = "has not registered with the dispatcher"
+            missing.append(
+                pb.MissingShard(
+                    worker_address=address,
+                    worker_index=index,
+                    registered_before=before,
+                    reason=reason,
+                )
+            )
+        return missing
+
+    def _host_part_finished_locked(self, it: st.Iteration, host: str) -> bool:
+        """`DispatcherState.host_part_finished`, and under static sharding no
+        shard that may be `host`'s is unread (`_missing_shards_locked`): the
+        consumers on a host are not done while a listed worker that may be
+        theirs has not delivered its shard."""
+        if not self._state.host_part_finished(it, host):
+            return False
+        if it.finished:
+            return True
+        return not self._missing_shards_locked(it, host)

@@ -176,6 +176,7 @@ class JobsMixin(DispatcherBase):
                     target,
                     request.client_host_id,
                     cache,
+                    len(self._config.worker_addresses or ()) if mode in STATIC_POLICIES else 0,
                 )
             )
             self._job_last_used[job_id] = time.monotonic()
@@ -208,7 +209,7 @@ class JobsMixin(DispatcherBase):
             return True
         if job.reads_local_workers_only and job.processing_mode != ShardingPolicy.DYNAMIC:
             return bool(it.consumer_hosts) and all(
-                self._state.host_part_finished(it, host) for host in it.consumer_hosts
+                self._host_part_finished_locked(it, host) for host in it.consumer_hosts
             )
         return False
 
@@ -312,7 +313,7 @@ class JobsMixin(DispatcherBase):
                         "dataset again for a new repetition, or use another job_name"
                     )
                 if local:
-                    already_finished = self._state.host_part_finished(iteration, host)
+                    already_finished = self._host_part_finished_locked(iteration, host)
                 else:
                     already_finished = iteration.finished
                 created = False
@@ -364,14 +365,20 @@ class JobsMixin(DispatcherBase):
             if job.reads_local_workers_only:
                 # This consumer reads its own host's workers, and is done with them.
                 host = self._state.client_hosts.get(client_id) or job.client_host_id
-                finished = self._state.host_part_finished(iteration, host)
+                finished = self._host_part_finished_locked(iteration, host)
                 tasks = [t for t in iteration.live_tasks() if t.host_id == host]
+                shards_of: str | None = host
             else:
                 finished = iteration.finished
                 tasks = iteration.live_tasks()
+                shards_of = None
             response = pb.ClientHeartbeatResponse(iteration_finished=finished)
             for task in tasks:
                 self._add_task_info_locked(response.tasks, task)
+            if not finished:
+                # Static sharding: the shards of listed workers that are not
+                # registered (the consumer waits for them, then gives up).
+                response.missing_shards.extend(self._missing_shards_locked(iteration, shards_of))
             response.lost_workers.extend(self._worker_losses.get(iteration_id, ()))
             return response
 

@@ -184,6 +184,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             use_cross_trainer_cache=job.use_cross_trainer_cache,
             garbage_collected=job.garbage_collected,
             retired=job.retired,
+            num_shards=job.num_shards,
         )
         for repetition, iteration_id in job.iterations.items():
             message.iterations.add(repetition=repetition, iteration_id=iteration_id)
@@ -258,6 +259,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
             iterations={e.repetition: st.IterationId(e.iteration_id) for e in j.iterations},
             garbage_collected=j.garbage_collected,
             retired=j.retired,
+            num_shards=j.num_shards,
         )
     for e in snapshot.jobs_by_name:
         state.jobs_by_name[e.job_name] = st.JobId(e.job_id)

@@ -303,9 +303,24 @@ class LivenessMixin(DispatcherBase):
         self._silent_since = None
         self._grant_restart_grace_locked(now + extra_s)
 
+    def _unread_shards_text_locked(self, job: st.Job, iteration: st.Iteration) -> str:
+        """The shards of a static-sharding `iteration` nobody reads, in words
+        ("" if none): for every consumer host of a job that reads local workers."""
+        hosts: list[str | None] = (
+            list(iteration.consumer_hosts) if job.reads_local_workers_only else [None]
+        )
+        seen: dict[int, str] = {}
+        for host in hosts:
+            for m in self._missing_shards_locked(iteration, host):
+                seen[m.worker_index] = (
+                    f"worker {m.worker_address} (shard {m.worker_index}): {m.reason}"
+                )
+        return "; ".join(text for _, text in sorted(seen.items()))
+
     def _warn_starved_iterations(self, now: float) -> None:
         """Warns (`_waits.SlowWait`: after 10 s, then every 30 s) about each
-        iteration that has consumers but no worker running it."""
+        iteration that has consumers but no worker running it, or (static
+        sharding) that waits for the shards of listed workers nobody reads."""
         waits: list[_waits.SlowWait] = []
         with self._mu:
             starved: dict[st.IterationId, str] = {}
@@ -313,11 +328,21 @@ class LivenessMixin(DispatcherBase):
                 if not iteration.clients or iteration.iteration_id in self._iteration_errors:
                     continue
                 job = self._state.jobs[iteration.job_id]
-                if job.garbage_collected or any(not t.removed for t in iteration.tasks.values()):
+                if job.garbage_collected:
+                    continue
+                name = f" {job.job_name!r}" if job.job_name else ""
+                if any(not t.removed for t in iteration.tasks.values()):
+                    missing = self._unread_shards_text_locked(job, iteration)
+                    if missing:
+                        starved[iteration.iteration_id] = (
+                            f"dispatcher at {self.target}: iteration {iteration.iteration_id} "
+                            f"of job {job.job_id}{name} (repetition {iteration.repetition}) "
+                            "cannot end: static sharding reads one shard per listed worker, "
+                            f"and nobody reads these: {missing}"
+                        )
                     continue
                 if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
                     continue
-                name = f" {job.job_name!r}" if job.job_name else ""
                 if not self._workers:
                     why = "no worker is registered"
                 else:

@@ -62,6 +62,7 @@ class CreateJob:
     target_workers: str
     client_host_id: str
     use_cross_trainer_cache: bool = False
+    num_shards: int = 0  # static sharding: listed workers (Job.num_shards)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,9 @@ class Job:
     target_workers: str
     client_host_id: str
     use_cross_trainer_cache: bool = False
+    # Static sharding: len(DispatcherConfig.worker_addresses) at creation, one shard
+    # per listed worker, each read by every iteration (unread_shards); 0 otherwise.
+    num_shards: int = 0
     iterations: dict[int, IterationId] = field(default_factory=dict)  # repetition -> id
     garbage_collected: bool = False
     retired: bool = False  # replaced under its name by another job (RetireJob)
@@ -409,6 +413,8 @@ class DispatcherState:
         job = self.jobs[it.job_id]
         if job.reads_local_workers_only and job.processing_mode != ShardingPolicy.DYNAMIC:
             return
+        if self.unread_shards(it):
+            return
         if any(t.finished for t in it.tasks.values()) and not it.live_tasks():
             it.finished = True
 
@@ -434,6 +440,20 @@ class DispatcherState:
         if any(t.finished for t in mine):
             return True
         return self.jobs[it.job_id].processing_mode == ShardingPolicy.DYNAMIC and it.splits_ended
+
+    def unread_shards(self, it: Iteration) -> list[int]:
+        """Under static sharding with a fixed worker list: the shards (worker
+        indices, positions in DispatcherConfig.worker_addresses) of `it` that
+        no task read to its end. As in tf.data service, each listed worker
+        holds one shard and an iteration is not over until every shard was
+        read, so one whose worker has not registered yet (or was lost) keeps
+        the iteration open for it instead of ending it with part of the data.
+        Empty for other policies."""
+        job = self.jobs[it.job_id]
+        if not job.num_shards or job.processing_mode not in STATIC_POLICIES:
+            return []
+        done = {t.worker_index for t in it.tasks.values() if t.finished}
+        return [i for i in range(job.num_shards) if i not in done]
 
     def unfinished_iterations(self) -> list[Iteration]:
         return [it for it in self.iterations.values() if not it.finished]

@@ -57,7 +57,7 @@ class WorkerTasksMixin(DispatcherBase):
         if not job.reads_local_workers_only:
             return True
         return worker.host_id in iteration.consumer_hosts and not (
-            self._state.host_part_finished(iteration, worker.host_id)
+            self._host_part_finished_locked(iteration, worker.host_id)
         )
 
     def _host_part_over_locked(self, task: st.Task) -> bool:
@@ -68,7 +68,7 @@ class WorkerTasksMixin(DispatcherBase):
         if iteration.finished:
             return True
         job = self._state.jobs[iteration.job_id]
-        return job.reads_local_workers_only and self._state.host_part_finished(
+        return job.reads_local_workers_only and self._host_part_finished_locked(
             iteration, task.host_id
         )
 

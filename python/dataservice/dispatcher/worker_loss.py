@@ -155,7 +155,7 @@ class WorkerLossMixin(DispatcherBase):
                     h
                     for h in iteration.consumer_hosts
                     if h not in live_hosts
-                    and not self._state.host_part_finished(iteration, h)
+                    and not self._host_part_finished_locked(iteration, h)
                     and not any(w.host_id == h for w in self._workers.values())
                 ]
                 if not stranded:

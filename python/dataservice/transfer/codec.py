@@ -225,10 +225,10 @@ def _nbytes(value: Any, walk: _Walk, depth: int) -> int:
         if not value.dtype.hasobject:
             return int(value.nbytes)
         if value.dtype.fields is not None:  # a structured dtype with object fields
-            return _pickled_nbytes(value)
+            return _other(value, walk, "a structured array with object fields: pickled")
         flat = value.ravel()  # C order (a copy of the pointers if not contiguous)
         try:
-            return int(value.nbytes) + _items_nbytes(flat, walk, depth)
+            return int(value.nbytes) + _items_nbytes(flat, walk, depth, in_array=True)
         except _NotNumpy as err:
             index = err.steps.pop() if err.steps else ""
             if value.ndim != 1 and index:  # the flat index as the array's own
@@ -263,8 +263,19 @@ def _is_known(kind: type) -> bool:
     return issubclass(kind, (np.ndarray, np.generic, dict, tuple, list, *_SIMPLE_LEAVES))
 
 
-def _items_nbytes(items: Any, walk: _Walk, depth: int) -> int:
-    """The bytes of a list's, tuple's or flattened object array's items."""
+def _is_array_item(kind: type) -> bool:
+    """Whether an object array may hold items of `kind` without the opt-in to
+    pickled leaves: bytes and str (a string tensor), numbers and None, numpy
+    arrays and scalars (a ragged array; checked in turn). Not dicts, lists or
+    tuples: the array is not a nest of the element's structure, so the codecs
+    pickle it whole (the shared-memory frame codec carries only object arrays of
+    bytes as values)."""
+    return issubclass(kind, (np.ndarray, np.generic, *_SIMPLE_LEAVES))
+
+
+def _items_nbytes(items: Any, walk: _Walk, depth: int, *, in_array: bool = False) -> int:
+    """The bytes of a list's, tuple's or flattened object array's items
+    (`in_array`: the latter, whose items `_is_array_item` restricts)."""
     n = len(items)
     if n == 0:
         return 0
@@ -274,10 +285,14 @@ def _items_nbytes(items: Any, walk: _Walk, depth: int) -> int:
     if kinds <= {int, float, bool, type(None)}:
         return _LEAF_BYTES * n
     if not walk.allow_pickled:
-        unknown = tuple(k for k in kinds if not _is_known(k))
+        allowed = _is_array_item if in_array else _is_known
+        unknown = tuple(k for k in kinds if not allowed(k))
         if unknown:  # the first one, wherever it is: checked before any estimate
             i = next(i for i, item in enumerate(items) if type(item) in unknown)
-            err = _NotNumpy(items[i], "")
+            why = ""
+            if _is_known(type(items[i])):
+                why = "held by a numpy object array, which is pickled; a list of them is not"
+            err = _NotNumpy(items[i], why)
             err.steps.append(f"[{i}]")
             raise err
     total = 0

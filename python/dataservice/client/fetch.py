@@ -10,12 +10,13 @@ client's own bound on unconsumed bytes; at most `max_outstanding_requests`
 fetches run at once (`_FairSemaphore`, served in arrival order). A worker that
 cannot be reached is retried with backoff and reported to the dispatcher (the
 heartbeat thread asks at once); a worker that restarted has the elements
-fetched from its previous process dropped (the task starts over there); a
-pipeline error ends the read after what was fetched before it.
+fetched from its previous process dropped when the task starts over there (not
+under DYNAMIC sharding, whose restarted task reads new splits: they are
+yielded); a pipeline error ends the read after what was fetched before it.
 
 `TaskFetching` is a part of `reader._Reader`, whose state (declared below) it
 reads and writes under `_cv`. This module may import `connect`, `stats`,
-`transfer`, `rpc` and `errors`, never `reader.py` at run time.
+`transfer`, `rpc`, `sharding` and `errors`, never `reader.py` at run time.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataservice import errors
 from dataservice.client import connect
 from dataservice.client.stats import ReadStats, WorkerStats
 from dataservice.rpc import util as rpc_util
+from dataservice.sharding import ShardingPolicy
 from dataservice.transfer import base as transfer
 
 if TYPE_CHECKING:
@@ -44,6 +46,7 @@ _FETCH_WAIT_S = 1.0
 # A forced protocol that cannot reach a worker fails the read, but only after
 # this long: a worker that just died is reported first (WorkerCrashedError).
 _FORCED_CONNECT_GRACE_S = 3.0
+DYNAMIC = ShardingPolicy.DYNAMIC
 _MAX_BYTES_PER_FETCH = 16 << 20
 _RESULT_BUFFER_BYTES = 128 << 20
 
@@ -286,7 +289,7 @@ class TaskFetching:
                             )
                         return
                     if result.worker_uid and result.worker_uid != state.worker_uid:
-                        if state.worker_uid:
+                        if state.worker_uid and self.options.processing_mode != DYNAMIC:
                             self._drop_unconsumed_locked(state)
                         state.worker_uid = result.worker_uid
                     if result.elements:
@@ -331,9 +334,12 @@ class TaskFetching:
 
     def _drop_unconsumed_locked(self, state: _TaskState) -> None:
         """The task's worker restarted, so the task started over there (tf.data
-        service's OFF semantics): the elements fetched from its previous process
-        and not yet handed out would come again, so they are dropped. (Those the
-        consumer already took are not taken back.)"""
+        service's OFF semantics, and the static FILE/DATA shards'): the elements
+        fetched from its previous process and not yet handed out would come
+        again, so they are dropped. (Those the consumer already took are not
+        taken back.) Not called under DYNAMIC sharding: the restarted task reads
+        splits not handed out before, so those elements would never come again
+        (and the loss report counts them as received)."""
         kept: collections.deque[_Fetched] = collections.deque()
         dropped = 0
         for entry in self._results:

@@ -46,7 +46,6 @@ _FETCH_WAIT_S = 1.0
 # A forced protocol that cannot reach a worker fails the read, but only after
 # this long: a worker that just died is reported first (WorkerCrashedError).
 _FORCED_CONNECT_GRACE_S = 3.0
-DYNAMIC = ShardingPolicy.DYNAMIC
 _MAX_BYTES_PER_FETCH = 16 << 20
 _RESULT_BUFFER_BYTES = 128 << 20
 
@@ -289,7 +288,8 @@ class TaskFetching:
                             )
                         return
                     if result.worker_uid and result.worker_uid != state.worker_uid:
-                        if state.worker_uid and self.options.processing_mode != DYNAMIC:
+                        starts_over = self.options.processing_mode != ShardingPolicy.DYNAMIC
+                        if state.worker_uid and starts_over:
                             self._drop_unconsumed_locked(state)
                         state.worker_uid = result.worker_uid
                     if result.elements:

@@ -486,6 +486,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 if (
                     self._tasks
                     and now >= ask_at
+                    and not self._iteration_finished
                     and all(s.finished or s.removed for s in self._tasks.values())
                 ):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over

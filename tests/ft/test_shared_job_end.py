@@ -158,7 +158,9 @@ def test_shared_job_consumers_yield_every_received_element(
     assert late.late >= ROUNDS
 
 
-@pytest.mark.parametrize("policy", [ds.ShardingPolicy.DYNAMIC, ds.ShardingPolicy.OFF])
+@pytest.mark.parametrize(
+    "policy", [ds.ShardingPolicy.DYNAMIC, ds.ShardingPolicy.OFF], ids=["dynamic", "off"]
+)
 def test_shared_job_consumers_exact_over_grpc(monkeypatch: pytest.MonkeyPatch, policy: Any) -> None:
     late = _LateLastReplies(monkeypatch)
     with ds.LocalCluster(num_workers=NUM_WORKERS) as cluster:

@@ -10,12 +10,13 @@ client's own bound on unconsumed bytes; at most `max_outstanding_requests`
 fetches run at once (`_FairSemaphore`, served in arrival order). A worker that
 cannot be reached is retried with backoff and reported to the dispatcher (the
 heartbeat thread asks at once); a worker that restarted has the elements
-fetched from its previous process dropped (the task starts over there); a
-pipeline error ends the read after what was fetched before it.
+fetched from its previous process dropped when the task starts over there (not
+under DYNAMIC sharding, whose restarted task reads new splits: they are
+yielded); a pipeline error ends the read after what was fetched before it.
 
 `TaskFetching` is a part of `reader._Reader`, whose state (declared below) it
 reads and writes under `_cv`. This module may import `connect`, `stats`,
-`transfer`, `rpc` and `errors`, never `reader.py` at run time.
+`transfer`, `rpc`, `sharding` and `errors`, never `reader.py` at run time.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataservice import errors
 from dataservice.client import connect
 from dataservice.client.stats import ReadStats, WorkerStats
 from dataservice.rpc import util as rpc_util
+from dataservice.sharding import ShardingPolicy
 from dataservice.transfer import base as transfer
 
 if TYPE_CHECKING:
@@ -111,6 +113,11 @@ class _TaskState:
     worker_uid: str = ""  # the worker process the last fetched elements came from
     fetch_error: str = ""  # why the last fetch failed; "" once one succeeds (for warnings)
     worker_pid: int = 0  # as the dispatcher knows it (0: unknown)
+    # A fetch is on its way (decided under `_cv` with `removed` false, until its
+    # result is in the results queue or it failed): the iteration does not end
+    # before it lands, even if the task finished meanwhile (another consumer of a
+    # shared job got its end of sequence) and the dispatcher dropped it.
+    fetching: bool = False
     # time.monotonic() since which the dispatcher has not heard from the
     # task's worker (None: it heartbeats on time)
     silent_since: float | None = None
@@ -134,6 +141,8 @@ class TaskFetching:
     _buffered_elements: int
     _buffered_bytes: int
     _consumer_asked: bool
+    _ended: bool
+    iteration_id: int
     _unreachable: set[str]
     _fail: Callable[[BaseException], None]
 
@@ -191,6 +200,7 @@ class TaskFetching:
                         self._cv.wait(0.5)
                     if state.removed or self._stop.is_set():
                         return
+                    state.fetching = True
                     want = max(
                         1,
                         min(
@@ -209,6 +219,7 @@ class TaskFetching:
                 if self._outstanding is not None:
                     while not self._outstanding.acquire(timeout=0.5):
                         if self._stop.is_set() or state.removed:
+                            self._fetch_over(state)
                             return
                 try:
                     if client is None:  # reconnect (a restarted worker needs a new handshake)
@@ -251,6 +262,7 @@ class TaskFetching:
                         client = None
                     if self._outstanding is not None:
                         self._outstanding.release()
+                    self._fetch_over(state)
                     backoff.sleep(time.monotonic() + 1.0, self._stop)
                     continue
                 if self._outstanding is not None:
@@ -258,8 +270,26 @@ class TaskFetching:
                 backoff = rpc_util.Backoff(0.05, 1.0)
                 state.fetch_error = ""
                 with self._cv:
+                    state.fetching = False
+                    self._cv.notify_all()
+                    if self._ended:
+                        # Only a lost worker's fetch may still be on its way when the
+                        # iteration ends (`_Reader._over_locked`): what it brought
+                        # is told, not silently dropped.
+                        if result.elements:
+                            self.stats.not_yielded += len(result.elements)
+                            log.warning(
+                                "%d elements from worker %s (task %d) arrived after this "
+                                "consumer's iteration %d ended; they were not yielded",
+                                len(result.elements),
+                                endpoint.worker_address,
+                                endpoint.task_id,
+                                self.iteration_id,
+                            )
+                        return
                     if result.worker_uid and result.worker_uid != state.worker_uid:
-                        if state.worker_uid:
+                        starts_over = self.options.processing_mode != ShardingPolicy.DYNAMIC
+                        if state.worker_uid and starts_over:
                             self._drop_unconsumed_locked(state)
                         state.worker_uid = result.worker_uid
                     if result.elements:
@@ -284,8 +314,16 @@ class TaskFetching:
         except BaseException as err:  # e.g. WorkerError: the pipeline raised
             self._fail(err)
         finally:
+            self._fetch_over(state)
             if client is not None:
                 client.close()
+
+    def _fetch_over(self, state: _TaskState) -> None:
+        """The task's fetch in flight (if any) ended without a result to queue."""
+        with self._cv:
+            if state.fetching:
+                state.fetching = False
+                self._cv.notify_all()
 
     def _unbuffer_locked(self, fetched: _Fetched, state: _TaskState) -> None:
         """A fetched chunk leaves the results queue (taken by next(), or dropped):
@@ -296,9 +334,12 @@ class TaskFetching:
 
     def _drop_unconsumed_locked(self, state: _TaskState) -> None:
         """The task's worker restarted, so the task started over there (tf.data
-        service's OFF semantics): the elements fetched from its previous process
-        and not yet handed out would come again, so they are dropped. (Those the
-        consumer already took are not taken back.)"""
+        service's OFF semantics, and the static FILE/DATA shards'): the elements
+        fetched from its previous process and not yet handed out would come
+        again, so they are dropped. (Those the consumer already took are not
+        taken back.) Not called under DYNAMIC sharding: the restarted task reads
+        splits not handed out before, so those elements would never come again
+        (and the loss report counts them as received)."""
         kept: collections.deque[_Fetched] = collections.deque()
         dropped = 0
         for entry in self._results:

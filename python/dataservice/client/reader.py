@@ -5,8 +5,9 @@ heartbeats to learn the iteration's tasks, runs one fetch thread per task
 (bounded by `max_outstanding_requests` concurrent requests and by a results
 buffer; each thread's loop is `fetch.py`'s, its transfer client and the
 protocol fallback `connect.py`'s), and yields elements as they arrive. The
-iteration ends when the dispatcher says it is finished and every buffered
-element was yielded.
+iteration ends when the dispatcher says it is finished, every fetch on its way
+from a live worker landed, and every element received was yielded
+(`_Reader._over_locked`).
 
 Threads hold only `_Reader` (not the iterator), so an abandoned iterator is
 garbage collected, which releases its iteration client and stops its threads.
@@ -118,6 +119,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
         self._chunk_nbytes = 0
         self._tasks: dict[int, _TaskState] = {}
         self._iteration_finished = False
+        self._ended = False  # next() raised StopIteration (the iteration is over here)
         self._no_live_task_since: float | None = None  # since when no task can produce
         # Static sharding: the shards (pb.MissingShard) of listed workers that
         # nobody reads, as the last heartbeat said; the iteration waits for them.
@@ -362,7 +364,18 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 if not s.finished and not s.removed
             }
         )
-        if live:
+        landing = sorted(
+            f"{s.endpoint.worker_address} (task {s.endpoint.task_id})"
+            for s in self._tasks.values()
+            if s.removed and s.fetching
+        )
+        if self._iteration_finished and landing:
+            what = (
+                "the last reply from the workers "
+                + ", ".join(landing[:8])
+                + " (the iteration is finished; the reply is on its way)"
+            )
+        elif live:
             shown = ", ".join(live[:8]) + (f" and {len(live) - 8} more" if len(live) > 8 else "")
             what = f"an element from the workers {shown}"
             failing = sorted(
@@ -429,6 +442,37 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 "DataLoader worker or a Pool task)"
             )
 
+    def _over_locked(self) -> bool:
+        """Whether this consumer's iteration is over: the dispatcher says it
+        finished, and every task ended here (its end of sequence taken) or was
+        dropped by the dispatcher with no fetch from it on its way. A task of a
+        shared job is dropped once any consumer took its end, which the worker
+        gives only after every other reply of the task was taken out of the
+        transport: a fetch then in flight here holds elements this consumer
+        received, so they are yielded first. A lost worker's fetch is not waited
+        for (it may hang until its transport's timeout): the loss is reported
+        (`lost_workers`), and what such a fetch still brings is logged and
+        counted (`elements_not_yielded`)."""
+        if not self._iteration_finished:
+            return False
+        for state in self._tasks.values():
+            if state.finished:
+                continue
+            if not state.removed:
+                return False
+            if state.fetching and not self._worker_lost_locked(state):
+                return False
+        return True
+
+    def _worker_lost_locked(self, state: _TaskState) -> bool:
+        """Whether the dispatcher reported the worker process `state`'s fetches
+        go to as lost."""
+        task_id = state.endpoint.task_id
+        return any(
+            key[3] == task_id and (not key[1] or not state.worker_uid or key[1] == state.worker_uid)
+            for key in self.stats.lost
+        )
+
     def _next_chunk(self) -> Any:
         self.check_process()  # before any lock: one held at fork is never released here
         start = time.monotonic()
@@ -470,9 +514,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                     raise self._error
                 if self._stop.is_set():
                     raise errors.CancelledError("the iterator was closed")
-                if self._iteration_finished and all(
-                    s.finished or s.removed for s in self._tasks.values()
-                ):
+                if self._over_locked():
+                    self._ended = True
                     self.stats.wait_s += time.monotonic() - start
                     self.warn_losses_at_end_locked()
                     raise StopIteration
@@ -480,6 +523,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 if (
                     self._tasks
                     and now >= ask_at
+                    and not self._iteration_finished
                     and all(s.finished or s.removed for s in self._tasks.values())
                 ):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
@@ -617,7 +661,8 @@ class DataServiceIterator:
                                "splits_handed_out": int, "splits_lost": int,
                                "elements_received": int,
                                "elements_lost": int | None}, ...],
-             "splits_lost": int, "elements_lost": int | None}
+             "splits_lost": int, "elements_lost": int | None,
+             "elements_not_yielded": int}
 
             `lost_workers` lists each worker process the iteration lost,
             oldest first (the client also logs one WARNING for each). Under
@@ -629,7 +674,10 @@ class DataServiceIterator:
             `splits_lost` and `elements_lost` sum them over every lost process
             (`elements_lost` None when one of them is unknown); when a DYNAMIC
             iteration that lost splits ends, one WARNING says the same, with
-            the share of the epoch lost.
+            the share of the epoch lost. `elements_not_yielded` counts elements
+            a lost worker's fetch brought after the iteration had ended here
+            (each batch also logs a WARNING); every other element received is
+            yielded.
         """
         with self._reader._cv:
             return self._reader.stats_locked()

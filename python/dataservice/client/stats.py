@@ -57,6 +57,8 @@ class ReadStats:
     # (task_id, worker_uid) -> elements fetched from that worker process's task
     received: dict[tuple[int, str], int] = field(default_factory=dict)
     lost: dict[tuple[str, str, int, int], LostWorker] = field(default_factory=dict)
+    # elements a lost worker's fetch brought after the iteration ended here
+    not_yielded: int = 0
 
 
 class WorkerLossTracking:
@@ -178,6 +180,7 @@ class WorkerLossTracking:
                 if all(d["elements_lost"] is not None for d in lost if d["splits_handed_out"])
                 else None
             ),
+            "elements_not_yielded": s.not_yielded,
         }
 
     def _lost_lines_locked(self) -> list[str]:

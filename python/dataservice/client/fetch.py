@@ -306,10 +306,15 @@ class TaskFetching:
                         )
                         w.elements += len(result.elements)
                         w.bytes += result.nbytes
-                    if result.end_of_sequence:
+                    end = result.end_of_sequence
+                    if end:
                         self._results.append(_Fetched([], task=state, end=True))
                     self._cv.notify_all()
-                if result.end_of_sequence:
+                # The elements are the queue's now: this frame must not keep them (views
+                # of a shared-memory ring keep it mapped, its memfd open) while it waits,
+                # reconnects to a restarting worker, or survives in a traceback.
+                del result
+                if end:
                     return
         except BaseException as err:  # e.g. WorkerError: the pipeline raised
             self._fail(err)

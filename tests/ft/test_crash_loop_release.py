@@ -19,7 +19,7 @@ import pytest
 import dataservice as ds
 from dataservice import errors
 
-from .conftest import memfds, our_shm_names
+from .conftest import memfds, our_shm_names, report
 from .test_crash_loop import _exit_at_every_time, _Reader, _run_cluster
 
 
@@ -51,7 +51,9 @@ def test_crash_loop_leaves_no_ring_behind_once_the_iterator_is_dropped(nbytes: i
         reader.join(90)
         error = reader.error
         assert isinstance(error, errors.WorkerCrashedError), error
-        assert reader.count > 0, "no element came before the crash loop"
+        report(f"{reader.count} elements of {nbytes} bytes read before {error!r}")
+        if nbytes >= 64 << 10:  # views of the ring were handed out (copies may all be lost)
+            assert reader.count > 0, "no element came before the crash loop"
         del reader, data  # the iterator goes with its _Reader
 
         def left() -> set[str]:

@@ -483,6 +483,10 @@ class GrpcTransferClient(base.TransferClient):
         self._compression = compression
 
     def close(self) -> None:
+        # As ShmTransferClient.close: the stored error keeps no traceback, which would
+        # hold this client and its callers' frames (their elements) in a cycle.
+        if self._error is not None:
+            self._error = self._error.with_traceback(None)
         self._channel.close()
 
 

@@ -502,6 +502,11 @@ class ShmTransferClient(base.TransferClient):
         return dict(self._ring.stats()) if self._ring is not None else {}
 
     def close(self) -> None:
+        # The stored error goes (a closed client raises CancelledError first): its
+        # traceback and context hold the frames it was raised through, which hold this
+        # client (a cycle only gc.collect() breaks) and their callers' locals: the
+        # elements of a fetch, views that keep a ring mapped and its memfd open.
+        self._error = None
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()

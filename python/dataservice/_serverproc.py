@@ -72,7 +72,7 @@ def reachable_host() -> str:
     name = socket.gethostname()
     try:
         infos = socket.getaddrinfo(name, None)
-        if any(not ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos):
+        if any(not ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos):
             return name
     except (OSError, ValueError):
         pass

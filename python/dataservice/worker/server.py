@@ -387,9 +387,12 @@ class WorkerServer(ElementServing):
         """Heartbeats every `heartbeat_interval_ms` until `stop()`.
 
         Registration (the first answered heartbeat) is retried for up to
-        `dispatcher_timeout_ms`, or `dispatcher_unreachable_timeout_ms` while
-        the dispatcher's address never answered (likely a wrong address); then
-        the worker stops and `join()` raises. Once registered it retries
+        `dispatcher_unreachable_timeout_ms` while the dispatcher's address never
+        answered (likely a wrong address); then the worker stops and `join()`
+        raises. A dispatcher that answered once and is now unavailable is
+        restarting: registration is retried until it answers (as tf.data
+        service's worker start), with the warnings below, so a dispatcher
+        restarted while a worker starts does not stop that worker. Once registered it retries
         unanswered heartbeats while serving its tasks. An unanswered stretch
         longer than `_waits.FIRST_WARNING_S` logs a WARNING (then one every
         `_waits.REPEAT_WARNING_S`).
@@ -455,11 +458,6 @@ class WorkerServer(ElementServing):
                             address,
                             unreachable_ms,
                             details,
-                        )
-                    elif now - first_try > timeout_ms / 1000:
-                        self._registration_error = errors.UnavailableError(
-                            f"worker {self._address} could not register with the dispatcher at "
-                            f"{address} within {timeout_ms} ms: {details}"
                         )
                     if self._registration_error is not None:
                         log.error("%s", self._registration_error)

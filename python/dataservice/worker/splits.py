@@ -103,18 +103,47 @@ class SplitFetcher:
 
     def _fetch(self, batch: int) -> tuple[list[Any], bool]:
         """One GetSplits RPC: (splits, end_of_splits)."""
-        request = pb.GetSplitsRequest(
-            iteration_id=self._task.iteration_id,
-            task_id=self._task.task_id,
-            max_splits=batch,
-            incarnation_id=self._worker._incarnation,
-            split_provider_index=self._provider_index,
-        )
-        try:
-            response = self._worker._call_dispatcher("GetSplits", request)
-        except errors.NotFoundError:
+        got = _get_splits(self._worker, self._task, batch, [self._provider_index])
+        if got is None:
             return [], True
-        return _splits_of(response), response.end_of_splits
+        return _splits_of(got[0]), got[0].end_of_splits
+
+
+def _get_splits(
+    worker: WorkerServer, task: Any, max_splits: int, indices: list[int]
+) -> list[Any] | None:
+    """One GetSplits RPC for task `task`'s sources `indices`: one batch per index,
+    in order (a `SplitBatch`, or for one source the response itself, which has
+    the same fields); None when the dispatcher no longer knows the iteration
+    (nothing more to read). Several sources get a joint grant: the same count
+    of each source that has splits left.
+
+    Raises:
+        InternalError: The answer does not have one batch per source asked for.
+        DataServiceError: What `WorkerServer._call_dispatcher` raises.
+    """
+    request = pb.GetSplitsRequest(
+        iteration_id=task.iteration_id,
+        task_id=task.task_id,
+        max_splits=max_splits,
+        incarnation_id=worker._incarnation,
+    )
+    if len(indices) == 1:
+        request.split_provider_index = indices[0]
+    else:
+        request.joint_split_provider_indices.extend(indices)
+    try:
+        response = worker._call_dispatcher("GetSplits", request)
+    except errors.NotFoundError:
+        return None
+    if len(indices) == 1:
+        return [response]
+    if len(response.batches) != len(indices):
+        raise errors.InternalError(
+            f"GetSplits answered {len(response.batches)} batches for the "
+            f"{len(indices)} sources {indices} asked for"
+        )
+    return list(response.batches)
 
 
 def _splits_of(batch: Any) -> list[Any]:
@@ -170,25 +199,12 @@ class JointSplitFetch:
         open_indices = [i for i, end in enumerate(self._end) if not end]
         batch = self._batch
         self._batch = min(batch * 2, _MAX_SPLIT_BATCH)
-        request = pb.GetSplitsRequest(
-            iteration_id=self._task.iteration_id,
-            task_id=self._task.task_id,
-            max_splits=batch,
-            incarnation_id=self._worker._incarnation,
-            joint_split_provider_indices=open_indices,
-        )
-        try:
-            response = self._worker._call_dispatcher("GetSplits", request)
-        except errors.NotFoundError:  # the iteration is gone: nothing more to read
+        batches = _get_splits(self._worker, self._task, batch, open_indices)
+        if batches is None:  # the iteration is gone: nothing more to read
             for i in open_indices:
                 self._end[i] = True
             return
-        if len(response.batches) != len(open_indices):
-            raise errors.InternalError(
-                f"GetSplits answered {len(response.batches)} batches for the "
-                f"{len(open_indices)} sources {open_indices} asked for"
-            )
-        for i, got in zip(open_indices, response.batches, strict=True):
+        for i, got in zip(open_indices, batches, strict=True):
             left = self._splits[i][self._pos[i] :]
             self._splits[i] = left + _splits_of(got)
             self._pos[i] = 0

@@ -8,7 +8,7 @@ reported.
 The dispatcher and two workers are real processes (`python -m dataservice
 ...`); nothing is stopped. Two ways to cut the dispatcher off:
 
-- `_CutOffProxy`, a TCP proxy in front of the dispatcher (one for the workers,
+- `TcpProxy`, a TCP proxy in front of the dispatcher (one for the workers,
   one for the consumers), that the test tells to stop forwarding: it then
   holds every connection open, reads nothing and answers nothing (a link that
   drops packets), and forwards what was held once restored (TCP's
@@ -25,14 +25,11 @@ The dispatcher and two workers are real processes (`python -m dataservice
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import os
 import pickle
-import select
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -46,119 +43,11 @@ from dataservice.data.serialize import serialize
 from dataservice.rpc import service_pb2 as pb
 
 from .conftest import Server, Servers, report, wait_until
+from .tcp_proxy import TcpProxy
 
 TIMEOUT_MS = 3_000  # the dispatcher's worker_timeout_ms and client_timeout_ms
 CUT_S = 7.0  # over twice those
 _LOST = r"worker lost|timed out|lost with|is gone"
-
-
-class _CutOffProxy:
-    """Forwards TCP connections from 127.0.0.1:`port` to `upstream` until
-    `cut()`, then holds them (and new ones) without reading, writing or
-    connecting until `restore()`. Thread-safe; `close()` ends every connection
-    and thread.
-
-    Args:
-        upstream: "host:port" to forward to.
-    """
-
-    def __init__(self, upstream: str) -> None:
-        host, _, port = upstream.rpartition(":")
-        self._upstream = (host, int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._forwarding = threading.Event()
-        self._forwarding.set()
-        self._closed = threading.Event()
-        self._mu = threading.Lock()
-        self._sockets: list[socket.socket] = [self._listener]
-        self._threads: list[threading.Thread] = []
-        self._spawn(self._accept_loop)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def cut(self) -> None:
-        self._forwarding.clear()
-
-    def restore(self) -> None:
-        self._forwarding.set()
-
-    def close(self) -> None:
-        self._closed.set()
-        self._forwarding.set()
-        with self._mu:
-            sockets, self._sockets = self._sockets, []
-            threads = list(self._threads)
-        for s in sockets:
-            with contextlib.suppress(OSError):
-                s.close()
-        for t in threads:
-            t.join(5)
-        assert not any(t.is_alive() for t in threads), "a proxy thread did not end"
-
-    def _spawn(self, target, *args) -> None:
-        t = threading.Thread(target=target, args=args, name="test-proxy", daemon=True)
-        with self._mu:
-            self._threads.append(t)
-        t.start()
-
-    def _track(self, s: socket.socket) -> bool:
-        with self._mu:
-            if self._closed.is_set():
-                s.close()
-                return False
-            self._sockets.append(s)
-            return True
-
-    def _wait_forwarding(self) -> bool:
-        """Waits while cut off; False once closed."""
-        while not self._forwarding.wait(0.05):
-            pass
-        return not self._closed.is_set()
-
-    def _accept_loop(self) -> None:
-        self._listener.settimeout(0.1)
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if self._track(conn):
-                self._spawn(self._connect, conn)
-
-    def _connect(self, conn: socket.socket) -> None:
-        # Opened while cut off: it waits, as a SYN is retransmitted until the link returns.
-        if not self._wait_forwarding():
-            return
-        try:
-            upstream = socket.create_connection(self._upstream, timeout=5)
-        except OSError:
-            conn.close()
-            return
-        if self._track(upstream):
-            self._spawn(self._pump, conn, upstream)
-            self._spawn(self._pump, upstream, conn)
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while self._wait_forwarding():
-                if not select.select([src], [], [], 0.05)[0]:
-                    continue
-                data = src.recv(1 << 16)
-                if not data:
-                    dst.shutdown(socket.SHUT_WR)
-                    return
-                if not self._wait_forwarding():  # cut off meanwhile: held until restored
-                    return
-                dst.sendall(data)
-        except (OSError, ValueError):  # closed by the other direction or by close()
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.close()
 
 
 @dataclasses.dataclass
@@ -169,8 +58,8 @@ class _Cluster:
 
     dispatcher: Server
     workers: list[Server]
-    workers_link: _CutOffProxy
-    clients_link: _CutOffProxy
+    workers_link: TcpProxy
+    clients_link: TcpProxy
 
     @property
     def target(self) -> str:
@@ -194,7 +83,7 @@ def cluster(servers: Servers) -> Iterator[_Cluster]:
     dispatcher = servers.dispatcher(
         worker_timeout_ms=TIMEOUT_MS, extra=("--client-timeout-ms", str(TIMEOUT_MS))
     )
-    links = [_CutOffProxy(dispatcher.address), _CutOffProxy(dispatcher.address)]
+    links = [TcpProxy(dispatcher.address), TcpProxy(dispatcher.address)]
     try:
         workers = servers.workers(links[0].address, 2)  # type: ignore[arg-type]
         yield _Cluster(dispatcher, workers, *links)

@@ -32,6 +32,7 @@ from dataservice.transfer import grpc as grpc_transfer
 from dataservice.worker import task_runner
 from dataservice.worker.server import WorkerServer
 from tests.conftest import FAST, to_py
+from tests.ft.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -296,83 +297,16 @@ def test_shm_consumer_gone_mid_read_leaves_what_it_never_took_to_the_others(make
 
 
 # ---------------------------------------------------------------- slow links
-class ThrottledProxy:
-    """Forwards TCP connections to 127.0.0.1:`target_port`, sending the server's
-    bytes to the client at `rate_bytes_per_s` (a slow link)."""
-
-    def __init__(self, target_port: int, rate_bytes_per_s: float) -> None:
-        self._target_port = target_port
-        self._rate = rate_bytes_per_s
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.port = self._listener.getsockname()[1]
-        self._stop = threading.Event()
-        self._socks: list[socket.socket] = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self._target_port))
-            self._socks += [client, upstream]
-            for src, dst, rate in ((client, upstream, 0.0), (upstream, client, self._rate)):
-                t = threading.Thread(target=self._pump, args=(src, dst, rate), daemon=True)
-                self._threads.append(t)
-                t.start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, rate: float) -> None:
-        start = time.monotonic()
-        sent = 0
-        src.settimeout(0.2)
-        try:
-            while not self._stop.is_set():
-                try:
-                    data = src.recv(64 << 10)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                if rate:
-                    ahead_s = (sent + len(data)) / rate - (time.monotonic() - start)
-                    if ahead_s > 0 and self._stop.wait(ahead_s):
-                        break
-                dst.sendall(data)
-                sent += len(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        for t in self._threads:
-            t.join(5)
-        for s in self._socks:
-            s.close()
-        assert not any(t.is_alive() for t in self._threads)
-
-
 def read_through_slow_link(
     make_cluster, element_bytes: int, n: int, rate: float
 ) -> tuple[list[int], float]:
     """Reads `n` elements of `element_bytes` from a worker whose clients reach it
-    through a `ThrottledProxy` at `rate` bytes/s: (element ids, seconds taken)."""
+    through a `TcpProxy` at `rate` bytes/s: (element ids, seconds taken)."""
     cluster = make_cluster(0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proxy = ThrottledProxy(port, rate)
+    proxy = TcpProxy(port, down_rate=rate)
     try:
         config = ds.WorkerConfig(
             cluster.target, port=port, worker_address=f"127.0.0.1:{proxy.port}", **FAST

@@ -33,6 +33,7 @@ from dataservice.transfer import grpc as grpc_transfer
 from dataservice.worker import task_runner
 from dataservice.worker.server import WorkerServer
 from tests.conftest import FAST
+from tests.ft.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,97 +41,9 @@ OFF = ds.ShardingPolicy.OFF
 NO_PROGRESS_S = 1.0
 
 
-class SlowLink:
-    """A TCP proxy to 127.0.0.1:`target_port` that forwards each direction of each
-    connection at `rate_bytes_per_s`, in small steps (a twentieth of a second's
-    worth), reading only as fast as it forwards so that the sender feels the link."""
-
-    def __init__(self, target_port: int, rate_bytes_per_s: float) -> None:
-        self._target_port = target_port
-        self.rate = rate_bytes_per_s  # may be changed while it runs
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.1)
-        self.port = self._listener.getsockname()[1]
-        self.address = f"127.0.0.1:{self.port}"
-        self._stop = threading.Event()
-        self._mu = threading.Lock()
-        self._socks: list[socket.socket] = []  # guarded by self._mu
-        self._threads: list[threading.Thread] = []  # guarded by self._mu
-        self.connections = 0
-        self.forwarded_bytes = 0  # server to client; guarded by self._mu
-        accept = threading.Thread(target=self._accept, name="slow-link-accept", daemon=True)
-        self._threads.append(accept)
-        accept.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self._target_port), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            with self._mu:
-                self.connections += 1
-                self._socks += [client, upstream]
-                for src, dst, down in ((client, upstream, False), (upstream, client, True)):
-                    t = threading.Thread(
-                        target=self._pump, args=(src, dst, down), name="slow-link", daemon=True
-                    )
-                    self._threads.append(t)
-                    t.start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
-        start = time.monotonic()
-        sent = 0
-        src.settimeout(0.1)
-        try:
-            while not self._stop.is_set():
-                try:
-                    data = src.recv(max(256, int(self.rate / 20)))
-                except TimeoutError:
-                    # An idle link does not bank bandwidth for later.
-                    start, sent = time.monotonic(), 0
-                    continue
-                if not data:
-                    break
-                ahead_s = (sent + len(data)) / self.rate - (time.monotonic() - start)
-                if ahead_s > 0 and self._stop.wait(ahead_s):
-                    break
-                dst.sendall(data)
-                sent += len(data)
-                if down:
-                    with self._mu:
-                        self.forwarded_bytes += len(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        with self._mu:
-            threads, socks = list(self._threads), list(self._socks)
-        for t in threads:
-            t.join(5)
-        for s in socks:
-            s.close()
-        assert not any(t.is_alive() for t in threads)
-
-
 @pytest.fixture
 def slow_worker(make_cluster, monkeypatch) -> Iterator:
-    """`make(rate)`: a cluster whose one worker clients reach through a `SlowLink` at
+    """`make(rate)`: a cluster whose one worker clients reach through a `TcpProxy` at
     `rate` bytes/s; returns (cluster, link). The no-progress timeout is 1 s."""
     monkeypatch.setattr(grpc_transfer, "_NO_PROGRESS_S", NO_PROGRESS_S)
     made: list[tuple] = []
@@ -140,7 +53,7 @@ def slow_worker(make_cluster, monkeypatch) -> Iterator:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        link = SlowLink(port, rate)
+        link = TcpProxy(port, down_rate=rate, up_rate=rate)
         made.append((cluster, link))
         config = ds.WorkerConfig(cluster.target, port=port, worker_address=link.address, **FAST)
         cluster.workers.append(ds.WorkerServer(config))
@@ -191,9 +104,9 @@ def test_64_kib_elements_over_a_20_kb_s_link_arrive_once_in_order(
     assert waits and link.address in waits[0] and "B/s" in waits[0], waits
     # The payload crossed the link about once: smaller messages did not resend much.
     assert n * size <= link.forwarded_bytes < 3 * n * size, link.forwarded_bytes
-    assert elapsed_s >= n * size / link.rate * 0.9, f"the link was not throttled ({elapsed_s})"
+    assert elapsed_s >= n * size / link.down_rate * 0.9, f"the link was not throttled ({elapsed_s})"
     print(
-        f"\n{n} x {size} B over {link.rate:.0f} B/s: {elapsed_s:.1f} s, "
+        f"\n{n} x {size} B over {link.down_rate:.0f} B/s: {elapsed_s:.1f} s, "
         f"{link.forwarded_bytes} B forwarded, {link.connections} connections"
     )
 
@@ -264,7 +177,7 @@ def test_messages_shrink_on_a_slow_link_and_grow_back_when_it_is_fast(slow_worke
         read_until(lambda: bool(got), 8)
         assert got, sizes  # elements arrived
         assert 0 < (client.message_bytes or 0) <= 64 << 10, sizes  # in small messages
-        link.rate = 20_000_000
+        link.down_rate = link.up_rate = 20_000_000
         read_until(lambda: client.message_bytes is None, 12)
         assert client.message_bytes is None, sizes  # back to the worker's default
         assert got == [i % 251 for i in range(len(got))], got  # each once, in order
@@ -439,7 +352,7 @@ def test_a_large_dataset_registers_over_a_slow_link_to_the_dispatcher(make_clust
     monkeypatch.setattr(rpc_util, "DISPATCHER_ATTEMPT_S", 0.5)
     cluster = make_cluster(0)
     port = int(cluster.target.rsplit(":", 1)[1])
-    link = SlowLink(port, 60_000)
+    link = TcpProxy(port, down_rate=60_000, up_rate=60_000)
     try:
         values = np.arange(150_000, dtype=np.uint8)
         dataset = ds.Dataset.from_tensor_slices(values)
@@ -447,8 +360,9 @@ def test_a_large_dataset_registers_over_a_slow_link_to_the_dispatcher(make_clust
         dataset_id = ds.register_dataset(link.address, dataset, client_timeout_ms=60_000)
         elapsed_s = time.monotonic() - start
         assert dataset_id
-        assert elapsed_s >= 150_000 / link.rate * 0.9, elapsed_s  # it did cross the link
-        print(f"\nRegisterDataset of {values.nbytes} B over {link.rate:.0f} B/s: {elapsed_s:.1f} s")
+        assert elapsed_s >= 150_000 / link.down_rate * 0.9, elapsed_s  # it did cross the link
+        rate = link.down_rate
+        print(f"\nRegisterDataset of {values.nbytes} B over {rate:.0f} B/s: {elapsed_s:.1f} s")
         # The same definition, straight to the dispatcher: the same id.
         assert ds.register_dataset(cluster.target, dataset) == dataset_id
     finally:

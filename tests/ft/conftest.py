@@ -318,3 +318,48 @@ def gone(pid: int) -> bool:
 def report(msg: str) -> None:
     """A measured value, printed so that `pytest -s` (or a failure) shows it."""
     print(f"[ft] {msg}", flush=True)
+
+
+class ThreadReader:
+    """Reads an iterator on a thread, so the test can kill workers meanwhile;
+    counts elements (`count`) and distinct values (`seen`: `x["i"]` of dict
+    elements, else `x`), and keeps the error that ended it (`error`)."""
+
+    def __init__(self, it) -> None:
+        self.it = it
+        self.count = 0
+        self.seen: set[int] = set()
+        self.error: BaseException | None = None
+        self.ended_at = 0.0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for x in self.it:
+                self.count += 1
+                self.seen.add(int(x["i"]) if isinstance(x, dict) else int(x))
+        except BaseException as err:  # noqa: BLE001  (the test inspects it)
+            # Without its traceback: that holds this frame, whose last element
+            # is a view of a shared-memory ring (kept mapped while referenced).
+            self.error = err.with_traceback(None)
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"the consumer hung ({self.count} elements read)"
+
+
+def exit_at_once(marker_dir: str, index: int, code: int) -> Callable[[object], object]:
+    """A map function whose worker process calls os._exit(code) at element
+    `index`, once per marker directory (a restarted worker goes on)."""
+
+    def fn(x):
+        if int(x) == index:
+            marker = os.path.join(marker_dir, "exited")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(code)
+        return x
+
+    return fn

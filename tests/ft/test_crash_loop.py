@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 import psutil
@@ -24,35 +23,7 @@ import pytest
 import dataservice as ds
 from dataservice import errors
 
-from .conftest import Servers, wait_until
-
-
-class _Reader:
-    """Reads an iterator on a thread; counts elements and distinct values."""
-
-    def __init__(self, it) -> None:
-        self.it = it
-        self.count = 0
-        self.seen: set[int] = set()
-        self.error: BaseException | None = None
-        self.ended_at = 0.0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for x in self.it:
-                self.count += 1
-                self.seen.add(int(x["i"]) if isinstance(x, dict) else int(x))
-        except BaseException as err:  # noqa: BLE001  (the test inspects it)
-            # Without its traceback: that holds this frame, whose last element
-            # is a view of a shared-memory ring (kept mapped while referenced).
-            self.error = err.with_traceback(None)
-        self.ended_at = time.monotonic()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), f"the consumer hung ({self.count} elements read)"
+from .conftest import Servers, ThreadReader, exit_at_once, wait_until
 
 
 def _exit_at_every_time(index: int, code: int):
@@ -62,18 +33,6 @@ def _exit_at_every_time(index: int, code: int):
     def fn(x):
         if int(x) == index:
             os._exit(code)
-        return x
-
-    return fn
-
-
-def _exit_at_once(marker_dir: str, index: int, code: int):
-    def fn(x):
-        if int(x) == index:
-            marker = os.path.join(marker_dir, "exited")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                os._exit(code)
         return x
 
     return fn
@@ -95,7 +54,7 @@ def test_cli_worker_loss_wait_costs_no_cpu(servers: Servers) -> None:
         .map(_exit_at_every_time(50, 3))
         .apply(ds.distribute("distributed_epoch", dispatcher.address, worker_loss_timeout_ms=9000))
     )
-    reader = _Reader(iter(data))
+    reader = ThreadReader(iter(data))
     wait_until(lambda: worker.popen.poll() is not None, 30, "the worker's exit")
     me = psutil.Process()
     disp = psutil.Process(dispatcher.popen.pid)
@@ -151,7 +110,7 @@ def test_off_crash_at_the_same_element_each_restart_gives_up(num_workers: int, c
                 .apply(ds.distribute("off", cluster.target, worker_loss_timeout_ms=5_000))
             )
             t0 = time.monotonic()
-            reader = _Reader(iter(data))
+            reader = ThreadReader(iter(data))
             reader.join(90)
             took = reader.ended_at - t0
             addresses = cluster.worker_addresses
@@ -198,7 +157,7 @@ def test_rare_crashes_are_restarted_past_max_worker_restarts(tmp_path) -> None:
             .map(crash_late)
             .apply(ds.distribute("off", cluster.target, worker_loss_timeout_ms=10_000))
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         reader.join(90)
         restarts = cluster.num_restarts
         failed = cluster.failed_workers
@@ -241,7 +200,7 @@ def test_dynamic_crash_loop_is_bounded_and_its_losses_are_reported(caplog) -> No
                 )
             )
             t0 = time.monotonic()
-            reader = _Reader(iter(data))
+            reader = ThreadReader(iter(data))
             reader.join(90)
             took = reader.ended_at - t0
             restarts = cluster.num_restarts
@@ -284,12 +243,12 @@ def test_a_dynamic_epoch_that_lost_splits_ends_with_one_summary_warning(tmp_path
         with _run_cluster(2) as cluster:
             data = (
                 ds.Dataset.range(n)
-                .map(_exit_at_once(str(tmp_path), 100, 4))
+                .map(exit_at_once(str(tmp_path), 100, 4))
                 .apply(
                     ds.distribute("distributed_epoch", cluster.target, worker_loss_timeout_ms=5_000)
                 )
             )
-            reader = _Reader(iter(data))
+            reader = ThreadReader(iter(data))
             reader.join(90)
             stats = reader.it.stats()
     assert reader.error is None, repr(reader.error)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -26,48 +25,9 @@ import pytest
 import dataservice as ds
 from dataservice import errors
 
-from .conftest import HEARTBEAT_MS, Servers, wait_until
+from .conftest import HEARTBEAT_MS, Servers, ThreadReader, exit_at_once, wait_until
 
 PROTOCOLS = ["grpc", "shm"]
-
-
-class _Reader:
-    """Reads an iterator on a thread, so the test can kill workers meanwhile."""
-
-    def __init__(self, it: ds.DataServiceIterator) -> None:
-        self.it = it
-        self.count = 0
-        self.error: BaseException | None = None
-        self.ended_at = 0.0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for _ in self.it:
-                self.count += 1
-        except BaseException as err:  # noqa: BLE001  (the test inspects it)
-            self.error = err
-        self.ended_at = time.monotonic()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), f"the consumer hung ({self.count} elements read)"
-
-
-def _exit_at(marker_dir: str, index: int, code: int):
-    """A map function whose worker process calls os._exit(code) at element
-    `index`, once per marker directory (a restarted worker goes on)."""
-
-    def fn(x):
-        if int(x) == index:
-            marker = os.path.join(marker_dir, "exited")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                os._exit(code)
-        return x
-
-    return fn
 
 
 def _block_at(index: int):
@@ -106,11 +66,11 @@ def test_os_exit_in_map_without_restarts_raises_naming_pid_and_exit_code(
         pid = cluster.worker_pids[0]
         data = (
             ds.Dataset.range(10_000)
-            .map(_exit_at(str(tmp_path), 300, 7))
+            .map(exit_at_once(str(tmp_path), 300, 7))
             .apply(ds.distribute(mode, cluster.target, data_transfer_protocol=protocol))
         )
         t0 = time.monotonic()
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         reader.join(30)
         took = time.monotonic() - t0
         assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
@@ -142,7 +102,7 @@ def test_a_segfault_in_map_without_restarts_raises_naming_the_signal() -> None:
             .map(_segfault_at(100))
             .apply(ds.distribute("off", cluster.target))
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         reader.join(30)
         assert isinstance(reader.error, errors.WorkerCrashedError), reader.error
         message = str(reader.error)
@@ -165,7 +125,7 @@ def test_one_of_two_workers_exiting_without_restarts_leaves_the_other_serving(
 
         data = (
             ds.Dataset.range(n)
-            .map(_exit_at(str(tmp_path), 300, 5))
+            .map(exit_at_once(str(tmp_path), 300, 5))
             .map(tag)
             .apply(ds.distribute("off", cluster.target))
         )
@@ -199,7 +159,7 @@ def test_sigkill_of_the_only_worker_while_next_waits_raises_naming_the_signal(
             .map(_block_at(0))
             .apply(ds.distribute("off", cluster.target, data_transfer_protocol=protocol))
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         time.sleep(1.5)  # next() is waiting: the pipeline never returns element 0
         assert reader.count == 0 and reader.error is None
         killed_at = time.monotonic()
@@ -223,7 +183,7 @@ def test_default_cluster_restarts_a_worker_that_exits_and_the_read_goes_on(
     ) as cluster:
         data = (
             ds.Dataset.range(2000)
-            .map(_exit_at(str(tmp_path), 300, 3))
+            .map(exit_at_once(str(tmp_path), 300, 3))
             .apply(ds.distribute("distributed_epoch", cluster.target))  # the worker's protocol
         )
         with caplog.at_level(logging.WARNING, logger="dataservice.client.reader"):
@@ -287,7 +247,7 @@ def test_sigkill_of_one_of_two_cli_workers_ends_a_dynamic_epoch_promptly(
             .apply(ds.distribute("distributed_epoch", target, data_transfer_protocol=protocol))
         )
         with caplog.at_level(logging.WARNING, logger="dataservice.client.reader"):
-            reader = _Reader(iter(data))
+            reader = ThreadReader(iter(data))
             wait_until(lambda: reader.count >= 400, 60, "400 elements")
             victim = workers[0]
             killed_at = victim.kill()
@@ -321,7 +281,7 @@ def test_sigkill_of_the_only_cli_worker_raises_after_the_worker_loss_timeout(
             .map(_block_at(10))
             .apply(ds.distribute("off", target, worker_loss_timeout_ms=2000))
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         wait_until(lambda: reader.count >= 10, 30, "10 elements")
         killed_at = worker.kill()
         reader.join(30)
@@ -357,7 +317,7 @@ def test_coordinated_reads_raise_after_the_worker_loss_timeout(servers: Servers)
                 )
             )
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         wait_until(lambda: reader.count >= 10, 30, "10 rounds")
         killed_at = worker.kill()
         reader.join(30)
@@ -391,7 +351,7 @@ def test_a_sigstopped_worker_raises_after_the_worker_loss_timeout(
                 )
             )
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         wait_until(lambda: reader.count >= 50, 30, "50 elements")
         stopped_at = time.monotonic()
         worker.send(signal.SIGSTOP)
@@ -421,7 +381,7 @@ def test_a_sigstopped_worker_past_the_worker_timeout_raises(servers: Servers) ->
             .map(_slow(0.001))
             .apply(ds.distribute("off", target, worker_loss_timeout_ms=5000))
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         wait_until(lambda: reader.count >= 50, 30, "50 elements")
         stopped_at = time.monotonic()
         worker.send(signal.SIGSTOP)
@@ -467,7 +427,7 @@ def test_an_in_process_worker_that_stops_mid_epoch_is_found_and_reported(
                 )
             )
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         wait_until(lambda: reader.count >= 300, 60, "300 elements")
         stopped_at = time.monotonic()
         workers[0].stop()  # its port closes, its heartbeats stop

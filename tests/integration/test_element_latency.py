@@ -23,9 +23,6 @@ from tests.conftest import to_py
 from tests.integration.modes_common import (
     DYNAMIC,
     OFF,
-    InProcessHarness,
-    ProcessClusters,
-    ProcessHarness,
     cached,
     dist,
 )
@@ -34,20 +31,6 @@ from tests.integration.modes_common import (
 # element before it (the issue: they came only after the stuck one).
 PROMPT_S = 1.0
 STARTUP_S = 30.0  # job creation, task assignment, connection (a loaded machine)
-
-
-@pytest.fixture(scope="module")
-def process_clusters():
-    clusters = ProcessClusters()
-    yield clusters
-    clusters.close()
-
-
-@pytest.fixture(params=["inprocess", "processes"])
-def harness(request, make_cluster, process_clusters):
-    if request.param == "inprocess":
-        return InProcessHarness(make_cluster)
-    return ProcessHarness(process_clusters, request)
 
 
 class Gate:

@@ -29,9 +29,6 @@ from tests.integration.modes_common import (
     NUM_FILES,
     OFF,
     Consumers,
-    InProcessHarness,
-    ProcessClusters,
-    ProcessHarness,
     big_elements,
     cached,
     dist,
@@ -45,20 +42,6 @@ from tests.integration.modes_common import (
 @pytest.fixture(scope="module")
 def tfrecords(tmp_path_factory) -> list[str]:
     return write_tfrecords(tmp_path_factory.mktemp("modes-tfrecords"))
-
-
-@pytest.fixture(scope="module")
-def process_clusters():
-    clusters = ProcessClusters()
-    yield clusters
-    clusters.close()
-
-
-@pytest.fixture(params=["inprocess", "processes"])
-def harness(request, make_cluster, process_clusters):
-    if request.param == "inprocess":
-        return InProcessHarness(make_cluster)
-    return ProcessHarness(process_clusters, request)
 
 
 STATIC = 4  # workers of a static-sharding cluster

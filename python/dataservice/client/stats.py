@@ -147,14 +147,16 @@ class WorkerLossTracking:
         else:
             what = "an upper bound: another consumer of the job may have read some"
         log.warning(
-            "iteration %d ended after %d elements read here; %d DYNAMIC splits (%s) were "
-            "lost with %d worker processes that died: DYNAMIC sharding reads each split at "
+            "iteration %d ended after %d elements read here; %d DYNAMIC %s (%s) lost "
+            "with %d worker %s that died: DYNAMIC sharding reads each split at "
             "most once, as tf.data service's (stats()['lost_workers'] lists each)",
             self.iteration_id,
             read,
             splits_lost,
+            "split was" if splits_lost == 1 else "splits were",
             what,
             len(dynamic),
+            "process" if len(dynamic) == 1 else "processes",
         )
 
     def stats_locked(self) -> dict[str, Any]:

@@ -270,7 +270,8 @@ def _batch(pa: Any, col: _Column, arr: Any, where: str) -> Any:
             raise InvalidArgumentError(
                 f"{_OP}: cannot batch column {col.name!r} ({arr.type}) in {where}: its lists "
                 f"have different lengths ({a} and {b}) within batch_rows rows; read rows "
-                "(batch_rows=None) and use padded_batch, or write it as a fixed_size_list"
+                "(batch_rows=None) and pad them before batching, or write the column as a "
+                "fixed_size_list"
             )
         length = int(lengths[0]) if lengths.size else 0
         return values.reshape(len(arr), length, *col.dims[1:])

@@ -5,9 +5,10 @@ into samples by key, as the `webdataset` package does (`tariterators.group_by_ke
 a file's key is its path up to the first dot of its base name, its extension the rest
 (`train/0001.seg.png` -> key `train/0001`, extension `seg.png`, lower-cased). Adjacent
 files with the same key make one sample, a dict {"__key__": key, "__url__": shard,
-extension: bytes, ...}; files without a dot, non-regular members and metadata files
-(`__name__...`) are skipped. A key whose files are not adjacent gives several samples,
-and two files of one sample with the same extension are an error, as in webdataset.
+extension: bytes, ...}; files without a dot in their base name, non-regular members and
+metadata (a member `__name__` or anything under a `__name__/` directory) are skipped.
+A key whose files are not adjacent gives several samples, and two files of one sample
+with the same extension are an error, as in webdataset.
 
 Shards are the splits: under DYNAMIC sharding the dispatcher hands out shard names
 (`FileSplitProvider`), so each sample is produced once per epoch across the workers;

@@ -103,6 +103,7 @@ class _Column:
             return TensorSpec((), str)
         if self.kind == "bytes":
             return TensorSpec((), bytes)
+        assert self.dtype is not None  # "number" and "list" columns have one
         return TensorSpec(self.dims, self.dtype)
 
 
@@ -230,7 +231,7 @@ def _list_values(pa: Any, col: _Column, arr: Any, where: str) -> tuple[np.ndarra
     return offsets, values.reshape(-1, *inner) if inner else values
 
 
-def _rows(pa: Any, col: _Column, arr: Any, where: str) -> Sequence[Any]:
+def _rows(pa: Any, col: _Column, arr: Any, where: str) -> Sequence[Any] | np.ndarray:
     """The value of each row of column `col` (Arrow array `arr`), indexable by row."""
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()

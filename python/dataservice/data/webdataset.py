@@ -21,6 +21,7 @@ default decoders below).
 from __future__ import annotations
 
 import bz2
+import collections
 import copy
 import gzip
 import io
@@ -48,7 +49,7 @@ _OP = "WebDataset"
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
 _BLOCK = 512  # tar block size: the archive ends with a block of zeros
-_TAIL_BYTES = 1 << 16  # kept of the stream, to look at the end-of-archive block
+_READ_BYTES = 1 << 18  # bytes tarfile reads from a shard at a time (streaming mode)
 
 
 def _text(data: bytes) -> str:
@@ -81,25 +82,25 @@ dict of arrays. Other extensions (images: jpg, png, ...) stay `bytes`."""
 
 
 class _TailReader(io.RawIOBase):
-    """A file object reading `stream`, keeping the last `_TAIL_BYTES` bytes read and
-    their position, so that the bytes where tarfile stopped can be looked at."""
+    """A file object reading `stream`, keeping the last chunks read and where they start,
+    so that the bytes where tarfile stopped can be looked at (tarfile reads `_READ_BYTES`
+    at a time in streaming mode, so the header it stopped at is in the last chunks)."""
 
     def __init__(self, stream: Any) -> None:
         super().__init__()
         self._stream = stream
         self.pos = 0
-        self.tail = bytearray()
+        self._chunks: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=3)
 
     def readable(self) -> bool:
         return True
 
     def read(self, size: int | None = -1) -> bytes:
-        data = self._stream.read(size if size is not None else -1)
-        self.pos += len(data)
-        self.tail += data
-        if len(self.tail) > _TAIL_BYTES:
-            del self.tail[: len(self.tail) - _TAIL_BYTES]
-        return bytes(data)
+        data = bytes(self._stream.read(size if size is not None else -1))
+        if data:
+            self._chunks.append((self.pos, data))
+            self.pos += len(data)
+        return data
 
     def readinto(self, buffer: Any) -> int:
         data = self.read(len(buffer))
@@ -109,13 +110,15 @@ class _TailReader(io.RawIOBase):
     def block_at(self, offset: int) -> bytes | None:
         """The `_BLOCK` bytes of the stream at `offset` (fewer at its end), reading on
         as needed; None if they are no longer kept."""
-        start = self.pos - len(self.tail)
-        if offset < start:
-            return None
         while self.pos < offset + _BLOCK and self.read(offset + _BLOCK - self.pos):
             pass
-        start = self.pos - len(self.tail)
-        return bytes(self.tail[offset - start : offset - start + _BLOCK])
+        if not self._chunks:
+            return b""
+        start = self._chunks[0][0]
+        if offset < start:
+            return None
+        kept = b"".join(chunk for _, chunk in self._chunks)
+        return kept[offset - start : offset - start + _BLOCK]
 
 
 def _decompressed(raw: Any) -> Any:
@@ -154,7 +157,7 @@ def _tar_files(shard: str) -> Iterator[tuple[str, bytes]]:
     try:
         stream = _TailReader(_decompressed(raw))
         try:
-            archive = tarfile.open(fileobj=stream, mode="r|")
+            archive = tarfile.open(fileobj=stream, mode="r|", bufsize=_READ_BYTES)
             for member in archive:
                 if not member.isreg():
                     continue

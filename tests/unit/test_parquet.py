@@ -292,3 +292,12 @@ def test_import_dataservice_does_not_import_pyarrow():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    from dataservice.data import parquet
+
+    result = doctest.testmod(parquet, raise_on_error=False, verbose=False)
+    assert result.attempted >= 4 and result.failed == 0

@@ -222,3 +222,12 @@ def test_bad_arguments(shards):
     with pytest.raises(TypeError, match="interleave"):
         ds.WebDataset(ds.Dataset.list_files(shards[0]))
     assert next(iter(ds.WebDataset("file://" + shards[0])))["__key__"] == "train/s0000"
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    from dataservice.data import webdataset
+
+    result = doctest.testmod(webdataset, raise_on_error=False, verbose=False)
+    assert result.attempted >= 4 and result.failed == 0

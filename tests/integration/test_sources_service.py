@@ -144,3 +144,22 @@ def test_parquet_dynamic_on_worker_processes(parquet_files):
         got = list(dist(d, cluster.target, DYNAMIC))
     assert xs(got) == ALL_ROWS
     assert all(e["vec"].tolist() == [e["x"], -e["x"]] for e in got)
+
+
+@pytest.mark.timeout(90)
+def test_list_files_interleave_readers_under_dynamic(make_cluster, tar_shards, parquet_files):
+    """The README's pattern for a shuffled, parallel file order: `list_files(seed=...)`
+    is the splittable source and each worker interleaves a reader over its files."""
+    c = registered(make_cluster(2))
+    root = tar_shards[0].rsplit("/", 1)[0]
+    shards = ds.Dataset.list_files(f"{root}/*.tar", seed=3).interleave(
+        lambda s: ds.WebDataset(s), cycle_length=2
+    )
+    keys = sorted(s["__key__"] for s in dist(shards, c, DYNAMIC))
+    assert keys == [f"s{i:04d}" for i in range(NUM_FILES * 5)]
+    pytest.importorskip("pyarrow")
+    root = parquet_files[0].rsplit("/", 1)[0]
+    rows = ds.Dataset.list_files(f"{root}/*.parquet", seed=3).interleave(
+        lambda f: ds.ParquetDataset(f, columns=["x"]), cycle_length=2, num_parallel_calls=2
+    )
+    assert xs(dist(rows, c, DYNAMIC)) == ALL_ROWS

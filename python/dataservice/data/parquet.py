@@ -306,7 +306,8 @@ def _names(filenames: Any) -> tuple[str, ...]:
         raise TypeError(
             f"{_OP} reads a list of file names, not a Dataset of them (it reads each file's "
             "row groups when it is built); use ParquetDataset(names), or "
-            "ds.interleave(lambda f: ParquetDataset(f)) for names only known at run time"
+            "Dataset.list_files(pattern).interleave(lambda f: ParquetDataset(f)) for names "
+            "only known at run time"
         )
     raise TypeError(
         f"{_OP}: `filenames` must be a str or a list of str, got {type(filenames).__name__}"
@@ -426,7 +427,11 @@ class ParquetDataset(Dataset):
                 )
             types = []
             for c in columns:
-                index = schema.get_field_index(c)
+                index = schema.get_field_index(c)  # -1 for a name used twice too
+                if len(schema.get_all_field_indices(c)) > 1:
+                    raise InvalidArgumentError(
+                        f"{_OP}: {name} has two columns named {c!r}: cannot tell which to read"
+                    )
                 if index < 0:
                     raise InvalidArgumentError(
                         f"{_OP}: column {c!r} is not in {name} (its columns: {schema.names})"

@@ -230,7 +230,8 @@ def _shard_names(urls_or_paths: Any) -> tuple[str, ...]:
         raise TypeError(
             f"{_OP} reads a list of shard names, not a Dataset of them; use "
             "WebDataset(names) (e.g. sorted(glob.glob('shards/*.tar'))), or "
-            "ds.interleave(lambda s: WebDataset(s)) for names only known at run time"
+            "Dataset.list_files(pattern).interleave(lambda s: WebDataset(s)) for names only "
+            "known at run time"
         )
     raise TypeError(
         f"{_OP}: `urls_or_paths` must be a str or a list of str, got {type(urls_or_paths).__name__}"

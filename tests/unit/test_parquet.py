@@ -301,3 +301,30 @@ def test_docstring_example_runs():
 
     result = doctest.testmod(parquet, raise_on_error=False, verbose=False)
     assert result.attempted >= 4 and result.failed == 0
+
+
+def _interleaved(groups: list[list[int]], cycle: int) -> list[int]:
+    """tf.data's interleave order with block_length 1 over `groups`."""
+    pending, slots, out = list(groups), [], []
+    while pending or slots:
+        while len(slots) < cycle and pending:
+            slots.append(list(pending.pop(0)))
+        for slot in list(slots):
+            out.append(slot.pop(0))
+        for slot in [s for s in slots if not s]:
+            slots.remove(slot)
+    return out
+
+
+def test_num_parallel_reads_interleaves_row_groups(files):
+    d = ds.ParquetDataset(files[:2], columns=["x"], num_parallel_reads=2)
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15, 16, 17], [18, 19]]
+    assert [int(r["x"]) for r in d] == _interleaved(groups, 2)
+    (provider,) = graph.split_providers(d, seed=0)
+    got = [int(r["x"]) for r in graph.make_iterator(d, (_Worker(provider),))]
+    assert got == _interleaved(groups, 2)
+    auto = ds.ParquetDataset(files, columns=["x"], num_parallel_reads=ds.AUTOTUNE)
+    assert sorted(int(r["x"]) for r in auto) == list(range(30))
+    assert fingerprint(auto) == fingerprint(ds.ParquetDataset(files, ["x"], None, ds.AUTOTUNE))
+    with pytest.raises(errors.InvalidArgumentError, match="positive or AUTOTUNE"):
+        ds.ParquetDataset(files, num_parallel_reads=0)

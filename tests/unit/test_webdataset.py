@@ -188,6 +188,17 @@ def test_ignore_errors_skips_the_rest_of_a_bad_shard_and_warns(tmp_path, shards,
     assert [s["cls"] for s in d] == [0, 1, 3, 4]
 
 
+def test_num_parallel_reads_interleaves_shards(shards):
+    d = ds.WebDataset(shards[:3], num_parallel_reads=2)
+    # shards 0 and 1 alternate; shard 2 takes the slot of the first to end (shard 0)
+    want = [0, 5, 1, 6, 2, 7, 3, 8, 4, 9, *range(10, 15)]
+    assert [s["__key__"] for s in d] == [f"train/s{i:04d}" for i in want]
+    (provider,) = graph.split_providers(d, seed=0)
+    assert len(list(graph.make_iterator(d, (provider,)))) == 15
+    with pytest.raises(errors.InvalidArgumentError, match="positive or AUTOTUNE"):
+        ds.WebDataset(shards, num_parallel_reads=-3)
+
+
 def test_shards_are_splits_and_file_shardable(shards):
     d = ds.WebDataset(shards)
     assert graph.source_files(d) == tuple(shards)

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from dataservice.data.dataset import UNKNOWN_CARDINALITY, Dataset, Element, IterContext
-from dataservice.data.runtime import close_iterator
+from dataservice.data.ops import parallelism
+from dataservice.data.runtime import close_iterator, interleave
 from dataservice.data.splits import FileSplitProvider, SplitProvider
 from dataservice.errors import DataLossError, InvalidArgumentError, NotFoundError
 
@@ -275,6 +276,9 @@ class WebDataset(Dataset):
             `warn_and_continue`: a missing, truncated or damaged shard logs a warning
             and its remaining samples are skipped (the samples read before the damage
             are kept); a sample a decoder fails on is skipped with a warning.
+        num_parallel_reads: None or 1: shards one after another. >1 or AUTOTUNE: that
+            many shards (the CPU count) are read at once on daemon threads and their
+            samples interleaved one at a time (as `TFRecordDataset`).
 
     Each element is {"__key__": str, "__url__": str (the shard as given), ext: bytes or
     decoded value, ...}. The element spec is that of the first sample (samples may
@@ -282,7 +286,8 @@ class WebDataset(Dataset):
 
     Raises:
         TypeError: `urls_or_paths` or `decoders` has the wrong type.
-        InvalidArgumentError: No shards, or a remote URL.
+        InvalidArgumentError: No shards, a remote URL, or `num_parallel_reads` neither
+            None, AUTOTUNE nor positive.
         (when iterated) NotFoundError: A shard does not exist.
         (when iterated) DataLossError: A shard is not a tar file or is truncated or
             damaged; the message names the shard and the last member read.
@@ -299,6 +304,7 @@ class WebDataset(Dataset):
         decode: bool = False,
         decoders: Mapping[str, Callable[[bytes], Any]] | None = None,
         ignore_errors: bool = False,
+        num_parallel_reads: int | None = None,
     ) -> None:
         names = _shard_names(urls_or_paths)
         for name in names:
@@ -315,6 +321,8 @@ class WebDataset(Dataset):
         self._decode = bool(decode)
         self._decoders = dict(decoders) if decoders else None
         self._ignore_errors = bool(ignore_errors)
+        parallelism(num_parallel_reads, _OP)  # checks it; resolved where it is read
+        self._num_parallel_reads = num_parallel_reads
 
     def _user_functions(self) -> list[tuple[str, Callable[..., Any]]]:
         return [(f"decoder for {ext!r}", fn) for ext, fn in (self._decoders or {}).items()]
@@ -341,31 +349,43 @@ class WebDataset(Dataset):
 
         source = _split_source(ctx, self._op_name)
         names: Iterator[Any] = iter(self._shards) if source is None else _splits(source)
-        return self._samples(names)
+        reads = parallelism(self._num_parallel_reads, _OP)
+        if reads > 1:
+            return interleave(names, self._shard_samples, reads, 1, parallel=True)
+        return self._sequential(names)
 
-    def _samples(self, names: Iterator[Any]) -> Iterator[Element]:
+    def _sequential(self, names: Iterator[Any]) -> Iterator[Element]:
         try:
             for name in names:
-                shard = os.fsdecode(name)
-                samples = _group(shard, _tar_files(_for_url(shard)))
+                samples = self._shard_samples(name)
                 try:
-                    while True:
-                        try:
-                            sample = next(samples, None)
-                        except (NotFoundError, DataLossError, InvalidArgumentError) as e:
-                            if not self._ignore_errors:
-                                raise
-                            log.warning("%s (ignore_errors: skipping the rest of it)", e)
-                            break
-                        if sample is None:
-                            break
-                        decoded = self._decoded(sample)
-                        if decoded is not None:
-                            yield decoded
+                    yield from samples
                 finally:
                     close_iterator(samples)
         finally:
             close_iterator(names)
+
+    def _shard_samples(self, name: Any) -> Iterator[Element]:
+        """The (decoded) samples of shard `name`; under `ignore_errors`, those read
+        before a damage, with a warning."""
+        shard = os.fsdecode(name)
+        samples = _group(shard, _tar_files(_for_url(shard)))
+        try:
+            while True:
+                try:
+                    sample = next(samples, None)
+                except (NotFoundError, DataLossError, InvalidArgumentError) as e:
+                    if not self._ignore_errors:
+                        raise
+                    log.warning("%s (ignore_errors: skipping the rest of it)", e)
+                    return
+                if sample is None:
+                    return
+                decoded = self._decoded(sample)
+                if decoded is not None:
+                    yield decoded
+        finally:
+            close_iterator(samples)
 
     def _decoded(self, sample: dict[str, Any]) -> dict[str, Any] | None:
         """`sample` with its decoders applied; None if one failed under ignore_errors."""

@@ -354,8 +354,9 @@ class ParquetDataset(Dataset):
     Args:
         filenames: A file name or a list of them, read in this order (file after file,
             each file's row groups in order).
-        columns: The column names to read, in this order (the element's dict keys), or
-            None for all columns. Top-level names (a struct column comes whole).
+        columns: The column names to read (the element's dict keys, in this order
+            in-process; through the service dicts arrive with their keys sorted, as every
+            nest), or None for all columns. Top-level names (a struct comes whole).
         batch_rows: None: one element per row, e.g. {"x": int64[], "name": str}. An
             int: elements are record batches of up to `batch_rows` rows as a dict of
             batched columns ({"x": int64[n], "name": str_[n]}, bytes as object[n]), as

@@ -25,8 +25,10 @@ from dataservice.data.dataset import (
     UNKNOWN_CARDINALITY,
     Dataset,
 )
+from dataservice.data.parquet import ParquetDataset
 from dataservice.data.sources import TFRecordDataset
 from dataservice.data.structure import TensorSpec
+from dataservice.data.webdataset import WebDataset
 from dataservice.dispatcher.server import DispatchServer
 from dataservice.sharding import SHARD_HINT, ShardingPolicy
 from dataservice.worker.server import WorkerServer
@@ -42,12 +44,14 @@ __all__ = [
     "DistributedDataset",
     "INFINITE_CARDINALITY",
     "LocalCluster",
+    "ParquetDataset",
     "SHARD_HINT",
     "ShardingPolicy",
     "TFRecordDataset",
     "TensorSpec",
     "UNKNOWN_CARDINALITY",
     "WorkerConfig",
+    "WebDataset",
     "WorkerServer",
     "distribute",
     "errors",

@@ -28,7 +28,8 @@ class ShardingPolicy(enum.IntEnum):
     * OFF: no sharding; every worker produces the whole dataset.
     * DYNAMIC: the dispatcher hands out splits of the source on demand; each
       element is produced once per epoch across all workers.
-    * FILE: each file source (`list_files`, `TFRecordDataset` of file names)
+    * FILE: each file source (`list_files`, `TFRecordDataset` of file names,
+      `ParquetDataset`, `WebDataset`)
       of worker `i` of `n` reads files `i, i + n, ...`. Needs at least one
       file per worker: fewer files than workers is an error naming both
       counts, and a pipeline without a file source is an error too.

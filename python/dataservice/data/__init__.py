@@ -12,10 +12,12 @@ from dataservice.data.dataset import (
     Dataset,
     IterContext,
 )
+from dataservice.data.parquet import ParquetDataset
 from dataservice.data.serialize import deserialize, fingerprint, serialize
 from dataservice.data.sources import TFRecordDataset
 from dataservice.data.splits import SplitProvider
 from dataservice.data.structure import TensorSpec
+from dataservice.data.webdataset import WebDataset
 
 __all__ = [
     "AUTOTUNE",
@@ -23,9 +25,11 @@ __all__ = [
     "UNKNOWN_CARDINALITY",
     "Dataset",
     "IterContext",
+    "ParquetDataset",
     "SplitProvider",
     "TFRecordDataset",
     "TensorSpec",
+    "WebDataset",
     "deserialize",
     "fingerprint",
     "serialize",

@@ -9,7 +9,8 @@ Owns:
 
 * walking a graph (`walk`) and rebuilding it bottom-up (`map_graph`);
 * the file sources of a graph (`file_sources`, `source_files`, `with_source_files`):
-  `list_files` and `TFRecordDataset` of file names, the nodes FILE sharding rewrites;
+  `list_files`, `TFRecordDataset` of file names, `ParquetDataset` and `WebDataset`,
+  the nodes FILE sharding rewrites;
 * DYNAMIC sharding's two ends: the dispatcher's split providers (`num_split_sources`,
   `split_providers`) and a worker's iterator reading splits (`make_iterator`);
 * what the client needs before registering a pipeline (`static_element_spec`,
@@ -27,8 +28,10 @@ from typing import Any
 
 from dataservice.data.dataset import Dataset, IterContext
 from dataservice.data.ops import AllowPickledElementsDataset, ShardDataset
+from dataservice.data.parquet import ParquetDataset
 from dataservice.data.sources import ListFilesDataset, TFRecordDataset
 from dataservice.data.splits import SplitProvider, SplitSource
+from dataservice.data.webdataset import WebDataset
 
 __all__ = [
     "allows_pickled_elements",
@@ -68,10 +71,11 @@ def op_name(node: Dataset) -> str:
 
 def source_files(node: Dataset) -> tuple[str, ...] | None:
     """The file names `node` reads if it is a file source (`list_files`, or a
-    `TFRecordDataset` given file names, not a Dataset of them), else None."""
+    `TFRecordDataset` given file names, not a Dataset of them; a `ParquetDataset` or
+    `WebDataset`: its files or shards), else None."""
     if isinstance(node, ListFilesDataset):
         return node.files
-    if isinstance(node, TFRecordDataset):
+    if isinstance(node, TFRecordDataset | ParquetDataset | WebDataset):
         return node.filenames
     return None
 
@@ -88,9 +92,15 @@ def with_source_files(node: Dataset, files: tuple[str, ...]) -> Dataset:
     Raises:
         TypeError: `node` is not a file source (`source_files(node)` is None).
     """
-    if isinstance(node, ListFilesDataset | TFRecordDataset) and source_files(node) is not None:
+    if (
+        isinstance(node, ListFilesDataset | TFRecordDataset | ParquetDataset | WebDataset)
+        and source_files(node) is not None
+    ):
         return node._with_files(tuple(files))
-    raise TypeError(f"`{op_name(node)}` is not a file source (list_files or TFRecordDataset)")
+    raise TypeError(
+        f"`{op_name(node)}` is not a file source (list_files, TFRecordDataset, ParquetDataset "
+        "or WebDataset)"
+    )
 
 
 def num_split_sources(dataset: Dataset) -> int:

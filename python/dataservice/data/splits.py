@@ -14,7 +14,10 @@ Splits are small picklable values:
 
 * `range`, `from_tensor_slices`, `from_tensors`: an `int` index into the source
   (`IndexSplitProvider`); range split i is the element `start + i * step`.
-* `list_files`, `TFRecordDataset(list of names)`: a file name `str` (`FileSplitProvider`).
+* `list_files`, `TFRecordDataset(list of names)`, `WebDataset`: a file (shard) name `str`
+  (`FileSplitProvider`).
+* `ParquetDataset`: an `int` k, the k-th row group counting through its files in order
+  (`IndexSplitProvider`; the row groups of each file are in the dataset).
 
 Providers are deterministic given their seed: after a restart the dispatcher rebuilds a
 provider with the same seed and calls `get_next()` k times to get back to where it was.

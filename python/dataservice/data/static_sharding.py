@@ -124,8 +124,9 @@ def apply_static_sharding(
         if not graph.file_sources(dataset):
             raise errors.InvalidArgumentError(
                 "FILE sharding: the pipeline is unshardable by files: it has no file source "
-                "(`list_files` or `TFRecordDataset` of file names), i.e. 0 files for "
-                f"{num_workers} workers; use ShardingPolicy.DATA or FILE_OR_DATA"
+                "(`list_files`, `TFRecordDataset` of file names, `ParquetDataset` or "
+                f"`WebDataset`), i.e. 0 files for {num_workers} workers; use "
+                "ShardingPolicy.DATA or FILE_OR_DATA"
             )
         return shard_files(dataset, policy, num_workers, worker_index)
     if policy == ShardingPolicy.DATA:

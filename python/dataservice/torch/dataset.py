@@ -58,7 +58,7 @@ def _leaf_to_tensor(leaf: Any, copies: list[int]) -> Any:
         if not leaf.flags.writeable or not leaf.dtype.isnative or any(s < 0 for s in leaf.strides):
             # torch has no read-only tensors, foreign byte order or negative strides.
             copies[0] += 1
-            leaf = np.ascontiguousarray(leaf, dtype=leaf.dtype.newbyteorder("="))
+            leaf = np.array(leaf, dtype=leaf.dtype.newbyteorder("="), order="C", copy=True)
         try:
             return torch.from_numpy(leaf)
         except TypeError:  # a dtype this torch lacks (uint32 before torch 2.3)
@@ -147,7 +147,7 @@ _WORKER_REFUSAL = (
 )
 
 
-class ServiceDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class ServiceDataset(torch.utils.data.IterableDataset):
     """A `torch.utils.data.IterableDataset` over a dataset read from the data service.
 
     Each `iter()` is one epoch of `dataset` (for a named job, the next repetition

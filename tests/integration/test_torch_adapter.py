@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import collections
 import gc
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -270,3 +272,13 @@ def test_distribute_for_rank_refuses_reads_that_would_go_wrong(monkeypatch):
         distribute_for_rank(ds.ShardingPolicy.OFF, TARGET, rank=2, num_replicas=2)
     # One process: an anonymous DYNAMIC job is fine.
     distribute_for_rank(ds.ShardingPolicy.DYNAMIC, TARGET, rank=0, num_replicas=1)
+
+
+def test_readme_with_pytorch_example_runs(capsys):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## With PyTorch\n", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```py\n(.*?)```", section, re.DOTALL)[0]
+    exec(compile(block, "README.md (With PyTorch)", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    # DYNAMIC, one consumer: every image once per epoch, two epochs.
+    assert [line.split()[:2] for line in lines] == [["0", "1000"], ["1", "1000"]]

@@ -99,3 +99,34 @@ def test_off_per_rank_reads_the_whole_dataset_in_its_seeded_order(cluster, tmp_p
             assert got == expected, f"rank {r['rank']}, worker pid {pid}"
         orders.append(expected)
     assert orders[0] != orders[1]  # seed + rank: each rank its own order
+
+
+@pytest.mark.parametrize("given", ["grpc://127.0.0.1:5999", "no-port-here"])
+def test_broadcast_service_hands_rank_0s_dispatcher_and_token_to_rank_1(tmp_path, given):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("DATASERVICE_AUTH_TOKEN", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(RANKS_SCRIPT),
+        "--recipe",
+        "broadcast",
+        "--dispatcher",
+        given,
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    if given == "no-port-here":
+        # Rank 0's bad address is every rank's error, not a hang of rank 1.
+        for r in got:
+            assert "broadcast_service: rank 0:" in r["error"] and "no-port-here" in r["error"]
+    else:
+        assert got[1] == {"target": given, "token": "tok-en"}  # rank 1's clients send it
+        assert got[0]["target"] == given

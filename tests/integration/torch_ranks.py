@@ -20,7 +20,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import dataservice as ds
-from dataservice.torch import ServiceDataset, distribute_for_rank, rank_and_world_size
+from dataservice.torch import (
+    ServiceDataset,
+    broadcast_service,
+    distribute_for_rank,
+    rank_and_world_size,
+)
 
 
 def tag(i):
@@ -30,7 +35,9 @@ def tag(i):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--recipe", choices=["dynamic", "coordinated", "off"], required=True)
+    p.add_argument(
+        "--recipe", choices=["dynamic", "coordinated", "off", "broadcast"], required=True
+    )
     p.add_argument("--dispatcher", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--elements", type=int, default=200)
@@ -43,6 +50,19 @@ def main() -> None:
     rank, world = rank_and_world_size()  # from torchrun's env, before the group exists
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     assert (rank, world) == rank_and_world_size() == (dist.get_rank(), dist.get_world_size())
+
+    if args.recipe == "broadcast":
+        # Rank 0 hands out --dispatcher (and a token); a bad address fails on every rank.
+        given = args.dispatcher if rank == 0 else None
+        try:
+            got = broadcast_service(given, "tok-en" if rank == 0 else None)
+            outcome = {"target": got, "token": ds.auth.client_token(got)}
+        except ValueError as err:
+            outcome = {"error": str(err)}
+        with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+        dist.destroy_process_group()
+        return
 
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 1))

@@ -37,7 +37,7 @@ import torch
 import torch.utils.data
 
 from dataservice.client.api import DistributedDataset
-from dataservice.data import structure
+from dataservice.data import graph, structure
 from dataservice.data.dataset import Dataset
 
 # numpy kinds with no torch dtype: unicode, bytes, object, datetime, timedelta, void.
@@ -87,17 +87,7 @@ def to_torch(element: Any) -> Any:
 
 def _reads_service(dataset: Dataset) -> bool:
     """True if `dataset` is, or reads from, a `DistributedDataset`."""
-    seen: set[int] = set()
-    todo = [dataset]
-    while todo:
-        d = todo.pop()
-        if isinstance(d, DistributedDataset):
-            return True
-        if id(d) in seen:
-            continue
-        seen.add(id(d))
-        todo.extend(d._inputs())
-    return False
+    return any(isinstance(node, DistributedDataset) for node in graph.walk(dataset))
 
 
 class _TensorIterator:

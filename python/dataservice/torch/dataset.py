@@ -152,8 +152,10 @@ class ServiceDataset(torch.utils.data.IterableDataset):
     pipeline's own `batch(...)`, so the DataLoader must not batch again.
     `pin_memory=True` works (the DataLoader pins in a thread of this process).
     `num_workers` must be 0: iterating in a DataLoader worker process raises
-    RuntimeError (the service's workers are the parallelism; see
-    `_WORKER_REFUSAL` for why each DataLoader worker as a consumer would be wrong).
+    RuntimeError naming why: the service's workers are the parallelism, and each
+    DataLoader worker would be one more consumer (an anonymous job read once per
+    worker process, a wrong consumer count for coordinated reads, epochs of a named
+    job drifting apart) whose tensors are copied through a pipe.
 
     Args:
         dataset: A `dataservice.Dataset` that reads from the service: the result

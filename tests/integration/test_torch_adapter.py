@@ -116,6 +116,18 @@ def test_to_torch_views_the_numpy_arrays_it_is_given():
     assert out["s"] == "x" and out["b"] == b"y"
 
 
+def test_to_torch_copies_only_what_torch_cannot_view():
+    big_endian = np.arange(4, dtype=">i4")
+    flipped = np.arange(4, dtype=np.float32)[::-1]
+    dates = np.array(["2020-01-01"], dtype="datetime64[D]")
+    out = to_torch([big_endian, flipped, dates, np.float16(1.5), np.str_("s"), np.bytes_(b"b"), 3])
+    assert out[0].dtype == torch.int32 and out[0].tolist() == [0, 1, 2, 3]
+    assert out[1].tolist() == [3.0, 2.0, 1.0, 0.0]
+    assert out[2] is dates  # no torch dtype: unchanged
+    assert out[3].dtype == torch.float16 and out[3].dim() == 0 and float(out[3]) == 1.5
+    assert out[4:] == ["s", b"b", 3]
+
+
 def leaf_kinds(i):
     return {
         "image": big(i),

@@ -45,20 +45,32 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 """Bind hosts that mean every interface."""
 
 
-def ready_line(kind: str, address: str, bound_host: str | None = None) -> str:
+def ready_line(
+    kind: str, address: str, bound_host: str | None = None, metrics_port: int | None = None
+) -> str:
     """The ready line of a `kind` ("dispatcher" or "worker") server at `address`
     ("host:port"), without its newline; `READY_RE` matches it. With a
-    wildcard `bound_host` the line says so after the address."""
+    wildcard `bound_host` the line says so after the address; with a
+    `metrics_port`, " (metrics on port N)" follows (METRICS_RE)."""
     line = f"dataservice {kind} listening on {address}"
     if bound_host is not None and bound_host in WILDCARD_HOSTS:
         line += f" (on all interfaces, {bound_host or '0.0.0.0'})"
+    if metrics_port is not None:
+        line += f" (metrics on port {metrics_port})"
     return line
 
 
-def announce_ready(kind: str, address: str, bound_host: str | None = None) -> None:
-    """Writes `ready_line(kind, address, bound_host)` to stdout and flushes it."""
+METRICS_RE = re.compile(r"\(metrics on port (\d+)\)")
+"""Finds the metrics port in a ready line (group 1)."""
+
+
+def announce_ready(
+    kind: str, address: str, bound_host: str | None = None, metrics_port: int | None = None
+) -> None:
+    """Writes `ready_line(kind, address, bound_host, metrics_port)` to stdout and
+    flushes it."""
     with _STDOUT_MU:
-        print(ready_line(kind, address, bound_host), flush=True)
+        print(ready_line(kind, address, bound_host, metrics_port), flush=True)
 
 
 def reachable_host() -> str:

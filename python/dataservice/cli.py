@@ -5,6 +5,8 @@ dataservice dispatcher --port 5050 [--work-dir DIR --fault-tolerant] [--auth-tok
 dataservice worker --dispatcher HOST:5050 [--port 0] [--worker-address HOST:PORT]
     [--auth-token-file PATH] [--host HOST [--insecure]] [--shm-allowed-uids UID,...]
 dataservice demo [--workers 2 --epochs 2 --json]
+dataservice status --dispatcher HOST:5050 [--watch] [--json] [--window-s 60]
+dataservice --version
 ```
 
 `python -m dataservice ...` is the same program. Every `DispatcherConfig` /
@@ -193,7 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="A data service for ML training: dispatcher and worker processes "
         "run input pipelines and stream numpy elements to trainers.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{dispatcher,worker,demo}", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{dispatcher,worker,demo,status}", required=True
+    )
 
     p = sub.add_parser(
         "dispatcher",
@@ -227,7 +232,94 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(p)
     p.set_defaults(subparser=p)
+
+    p = sub.add_parser(
+        "status",
+        help="workers, jobs, consumers and what limits each job (input-bound, ...)",
+        description="Show the dispatcher's workers and jobs with their rates over the last "
+        "--window-s seconds, and one verdict per job: input-bound (its trainers wait for "
+        "elements), trainer-bound, or straggler (one consumer waits far more than the "
+        "others). Sends the auth token of --auth-token-file or DATASERVICE_AUTH_TOKEN.",
+    )
+    p.add_argument("--dispatcher", required=True, metavar="HOST:PORT", help="the dispatcher")
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="rates and verdicts cover the last S seconds (default %(default)s; at most 600 "
+        "are kept)",
+    )
+    p.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    p.add_argument(
+        "--interval-s", type=float, default=2.0, metavar="S", help="--watch: refresh every S s"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object: workers, jobs, verdicts"
+    )
+    p.add_argument("--auth-token-file", metavar="PATH", help="a file holding the auth token")
+    p.add_argument(
+        "--timeout-s", type=float, default=10.0, metavar="S", help="RPC timeout (default 10)"
+    )
+    p.set_defaults(subparser=p)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dataservice")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _run_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`dataservice status`: exit 0, or 1 with one line on stderr (refused,
+    unreachable); 2 for bad flags."""
+    import json
+    import time
+
+    from dataservice import auth, errors, status
+
+    if not 0 < args.window_s <= 24 * 3600:
+        parser.error(f"--window-s must be in (0, 86400], got {args.window_s}")
+    if args.watch and args.interval_s <= 0:
+        parser.error(f"--interval-s must be positive, got {args.interval_s}")
+    try:
+        token = auth.resolve_token(None, args.auth_token_file) if args.auth_token_file else None
+    except ValueError as e:
+        parser.error(str(e))
+
+    def fetch() -> dict[str, Any]:
+        return status.fetch_status(args.dispatcher, args.window_s, token, args.timeout_s)
+
+    try:
+        if not args.watch:
+            result = fetch()
+            if args.json:
+                print(json.dumps(result), flush=True)
+            else:
+                print(status.render_text(result), flush=True)
+            return 0
+        try:
+            from rich.live import Live
+        except ImportError:
+            while True:  # plain ANSI: home the cursor, clear the screen, draw
+                text = json.dumps(fetch()) if args.json else status.render_text(fetch())
+                sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
+                sys.stdout.flush()
+                time.sleep(args.interval_s)
+        with Live(status.render_rich(fetch()), auto_refresh=False) as live:
+            while True:
+                time.sleep(args.interval_s)
+                live.update(status.render_rich(fetch()), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+    except (errors.DataServiceError, ValueError) as e:
+        print(f"{PROG} status: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _config_kwargs(args: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -286,7 +378,7 @@ def _serve(
         logger.info("%s: interrupted by signal %d while starting", kind, e.signum)
         watchdog.arm(STOP_TIMEOUT_S, code=128 + e.signum)
         return 128 + e.signum
-    _serverproc.announce_ready(kind, address, bound_host)
+    _serverproc.announce_ready(kind, address, bound_host, getattr(server, "metrics_port", None))
 
     ended_by_itself = threading.Event()
     join_error: list[BaseException] = []
@@ -443,6 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dataservice import demo
 
         return demo.run(args)
+    if args.command == "status":
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        return _run_status(args, sub)
     logging.basicConfig(
         level=args.log_level,
         stream=sys.stderr,

@@ -49,6 +49,15 @@ def _check_port(port: int) -> None:
         raise ValueError(f"`port` must be an int in [0, 65535], got {port!r}")
 
 
+def _check_metrics_port(port: int | None) -> None:
+    if port is None:
+        return
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(
+            f"`metrics_port` must be None (no metrics) or an int in [0, 65535], got {port!r}"
+        )
+
+
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value <= 0):
         raise ValueError(f"`{name}` must be a positive int (milliseconds), got {value!r}")
@@ -106,6 +115,10 @@ class DispatcherConfig:
             surrounding whitespace stripped), read at start.
         insecure: Serve a `host` beyond loopback without a token, which is
             otherwise refused (anyone who can reach the port can run code).
+        metrics_port: Serve Prometheus metrics at http://host:PORT/metrics (and
+            /healthz, /readyz) on `host`; 0 picks a free port (read it back from
+            `.metrics_port`); None (the default): no metrics. Needs
+            prometheus-client. The endpoint has no auth: it tells counts, never data.
 
     Raises:
         ValueError: On a bad field (message names it), or `fault_tolerant_mode`
@@ -125,9 +138,11 @@ class DispatcherConfig:
     auth_token: str | None = None
     auth_token_file: str | None = None
     insecure: bool = False
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_port(self.port)
+        _check_metrics_port(self.metrics_port)
         _check_protocol(self.protocol)
         _check_auth(self.auth_token, self.auth_token_file)
         if self.fault_tolerant_mode and not self.work_dir:
@@ -207,6 +222,10 @@ class WorkerConfig:
             likely a wrong address) before the worker stops with an error
             naming it (ms). Default $DATASERVICE_UNREACHABLE_TIMEOUT_MS, else
             8 s; at most `dispatcher_timeout_ms`.
+        metrics_port: Serve Prometheus metrics at http://host:PORT/metrics (and
+            /healthz, /readyz: ready once registered) on `host`; 0 picks a free
+            port (read it back from `.metrics_port`); None (the default): no
+            metrics. Needs prometheus-client.
 
     Raises:
         ValueError: On a bad field; the message names it.
@@ -227,9 +246,11 @@ class WorkerConfig:
     insecure: bool = False
     shm_allowed_uids: list[int] | None = None
     dispatcher_unreachable_timeout_ms: int | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_auth(self.auth_token, self.auth_token_file)
+        _check_metrics_port(self.metrics_port)
         if self.shm_allowed_uids is not None:
             uids = list(self.shm_allowed_uids)
             if any(not isinstance(u, int) or isinstance(u, bool) or u < 0 for u in uids):

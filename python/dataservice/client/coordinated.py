@@ -110,6 +110,8 @@ class CoordinatedReads:
         """
         self.check_process()  # a forked copy of this read raises, never waits
         start = time.monotonic()
+        if self.stats.first_next_at is None:
+            self.stats.first_next_at = start
         round_index = self._round
         dead = 0
         backoff = rpc_util.Backoff(0.05, 0.5)

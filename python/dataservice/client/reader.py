@@ -196,7 +196,9 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
         try:
             self._stub.ReleaseIterationClient(
                 pb.ReleaseIterationClientRequest(
-                    iteration_client_id=client_id, incarnation_id=self.incarnation
+                    iteration_client_id=client_id,
+                    incarnation_id=self.incarnation,
+                    counters=self.stats.to_proto(self.options.consumer_index),
                 ),
                 timeout=2.0,
                 metadata=self._metadata,
@@ -211,11 +213,13 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
             with self._cv:
                 finished = [t for t, s in self._tasks.items() if s.finished]
                 unreachable, self._unreachable = sorted(self._unreachable), set()
+                counters = self.stats.to_proto(self.options.consumer_index)
             request = pb.ClientHeartbeatRequest(
                 iteration_client_id=self.client_id,
                 incarnation_id=self.incarnation,
                 finished_tasks=finished,
                 unreachable_workers=unreachable,
+                counters=counters,
             )
             try:
                 response = self._stub.ClientHeartbeat(
@@ -476,6 +480,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
     def _next_chunk(self) -> Any:
         self.check_process()  # before any lock: one held at fork is never released here
         start = time.monotonic()
+        if self.stats.first_next_at is None:
+            self.stats.first_next_at = start
         slow = _waits.SlowWait(log, self._describe_wait_locked, start=start)
         # When every task is finished or removed, the dispatcher is asked at once
         # whether the iteration is over, then after 0.05 s, 0.1 s, ... up to the
@@ -632,6 +638,7 @@ class DataServiceIterator:
             return self._reader.next()
         except StopIteration:
             self._done = True
+            self._reader.stats.ended_at = time.monotonic()
             if self._reader.options.job_name and self._reader.consumed_nothing:
                 # Other consumers of the shared job may have taken this repetition:
                 # an empty epoch here says nothing about the dataset (repeat goes on).
@@ -653,7 +660,11 @@ class DataServiceIterator:
 
         Returns:
             {"elements": int, "bytes": int (encoded bytes received),
-             "wait_ms": float (time `__next__` spent blocked),
+             "wait_ms": float (time `__next__` spent blocked, ms),
+             "wait_s": float (the same, seconds),
+             "wall_s": float (seconds since the first `__next__`; 0 before it),
+             "wait_fraction": float (wait_s / wall_s: the share of the time since
+                 the first `__next__` spent waiting for elements; 0 before it),
              "workers": {worker_address: {"transfer_protocol": "grpc" | "shm",
                                           "elements": int, "bytes": int}},
              "lost_workers": [{"address": str, "pid": int | None, "reason": str,

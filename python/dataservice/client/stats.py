@@ -13,6 +13,8 @@ shards are what is left), and builds `stats()`'s value.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 
 # The read logs under one name, the reader's, whichever module does the work.
 log = logging.getLogger("dataservice.client.reader")
+
+_HOST = socket.gethostname()
 
 
 @dataclass
@@ -59,6 +63,31 @@ class ReadStats:
     lost: dict[tuple[str, str, int, int], LostWorker] = field(default_factory=dict)
     # elements a lost worker's fetch brought after the iteration ended here
     not_yielded: int = 0
+    # time.monotonic() of the consumer's first next() (the consumer's thread sets it)
+    first_next_at: float | None = None
+    ended_at: float | None = None  # when next() raised StopIteration
+
+    def wall_s(self, now: float | None = None) -> float:
+        """Seconds from the first next() to now, or to the end of the iteration
+        (0 before the first next())."""
+        if self.first_next_at is None:
+            return 0.0
+        end = self.ended_at if self.ended_at is not None else now
+        return max(0.0, (time.monotonic() if end is None else end) - self.first_next_at)
+
+    def to_proto(self, consumer_index: int) -> Any:
+        """The `ConsumerCounters` of this consumer's heartbeats (metrics.py)."""
+        from dataservice.rpc import service_pb2 as pb
+
+        return pb.ConsumerCounters(
+            elements=self.elements,
+            bytes=self.bytes,
+            wait_s=self.wait_s,
+            active_s=self.wall_s(),
+            host=_HOST,
+            pid=os.getpid(),
+            consumer_index=consumer_index if consumer_index >= 0 else -1,
+        )
 
 
 class WorkerLossTracking:
@@ -163,10 +192,14 @@ class WorkerLossTracking:
         """`DataServiceIterator.stats()`'s value (see there), from `stats`."""
         s = self.stats
         lost = [self._describe_loss_locked(entry) for entry in s.lost.values()]
+        wall_s = s.wall_s()
         return {
             "elements": s.elements,
             "bytes": s.bytes,
             "wait_ms": s.wait_s * 1000,
+            "wait_s": s.wait_s,
+            "wall_s": wall_s,
+            "wait_fraction": min(1.0, s.wait_s / wall_s) if wall_s > 0 else 0.0,
             "workers": {
                 addr: {
                     "transfer_protocol": w.transfer_protocol,

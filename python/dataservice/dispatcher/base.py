@@ -135,6 +135,15 @@ class DispatcherBase:
         self._last_heard = time.monotonic()
         self._silent_since: float | None = None
         self._silence_warned_at = 0.0
+        # Status and metrics (observe.py; runtime only): each registered worker's and
+        # iteration client's heartbeated counters with their recent history, and the
+        # consumers' totals per (job, consumer process) for dataservice_consumer_*.
+        self._worker_seen: dict[str, Any] = {}
+        self._client_seen_counters: dict[st.IterationClientId, Any] = {}
+        self._consumer_totals: dict[tuple[str, str], list[float]] = {}
+        # The Prometheus registry and its endpoint (server.py; None: no metrics_port).
+        self._metrics: Any = None
+        self._metrics_endpoint: Any = None
 
     @property
     def target(self) -> str:
@@ -145,15 +154,24 @@ class DispatcherBase:
         return f"grpc://{host}:{self._port}"
 
     def _apply_locked(self, update: st.Update) -> None:
-        """Journal first (in fault-tolerant mode), then mutate: the only write path."""
+        """Journal first (in fault-tolerant mode), then mutate: the only write path.
+        Changes an operator follows are logged at INFO (observe.py)."""
         if self._journal is not None:
             self._journal.append(update)
+        finished_before = self._finished_before_locked(update)
         self._state.apply(update)
+        self._log_update_locked(update, finished_before)
         if (
             self._journal is not None
             and self._journal.records_since_snapshot >= journal_module.SNAPSHOT_EVERY_RECORDS
         ):
             self._journal.snapshot(self._state)
+
+    def _finished_before_locked(self, update: st.Update) -> bool | None:
+        return None  # observe.py
+
+    def _log_update_locked(self, update: st.Update, finished_before: bool | None) -> None:
+        pass  # observe.py
 
     def _retry_when_loaded(self, handler: Callable[[Any], Any], request: Any) -> Any:
         """`handler(request)`, run again after each `NotLoaded` it raises once its

@@ -54,6 +54,10 @@ class JobsMixin(DispatcherBase):
 
         def _probe_unreachable_locked(self, addresses: Any, now: float) -> None: ...
 
+        def _note_client_counters_locked(
+            self, client_id: st.IterationClientId, job: st.Job, request: Any, now: float
+        ) -> None: ...
+
     def _get_or_create_job(self, request: Any) -> Any:
         # Validated at the edge (rpc/validate.py), so this names a policy.
         mode = sharding_policy_from_proto(request.processing_mode)
@@ -353,6 +357,9 @@ class JobsMixin(DispatcherBase):
             self._client_seen[client_id] = now
             iteration = self._state.iterations[iteration_id]
             self._job_last_used[iteration.job_id] = now
+            self._note_client_counters_locked(
+                client_id, self._state.jobs[iteration.job_id], request, now
+            )
             error = self._iteration_errors.get(iteration_id)
             if error is not None:
                 raise errors.WorkerCrashedError(error)
@@ -386,16 +393,29 @@ class JobsMixin(DispatcherBase):
         with self._mu:
             if request.incarnation_id and request.incarnation_id != self._state.incarnation_id:
                 return pb.ReleaseIterationClientResponse()
-            self._release_client_locked(st.IterationClientId(request.iteration_client_id))
+            client_id = st.IterationClientId(request.iteration_client_id)
+            iteration_id = self._state.clients.get(client_id)
+            if iteration_id is not None:  # its final counters
+                job = self._state.job_of_iteration(iteration_id)
+                self._note_client_counters_locked(client_id, job, request, time.monotonic())
+            self._release_client_locked(client_id)
             return pb.ReleaseIterationClientResponse()
 
     def _release_client_locked(self, client_id: st.IterationClientId) -> None:
         iteration_id = self._state.clients.get(client_id)
         if iteration_id is None:
             return
+        job = self._state.job_of_iteration(iteration_id)
+        log.info(
+            "consumer %d left iteration %d of job %d (%s)",
+            client_id,
+            iteration_id,
+            job.job_id,
+            job.job_name or "anonymous",
+        )
         self._apply_locked(st.ReleaseIterationClient(client_id))
         self._client_seen.pop(client_id, None)
-        job = self._state.job_of_iteration(iteration_id)
+        self._client_seen_counters.pop(client_id, None)
         iteration = self._state.iterations[iteration_id]
         # Nobody else can join an anonymous job: free its tasks at once.
         if not job.job_name and not iteration.clients and not job.garbage_collected:

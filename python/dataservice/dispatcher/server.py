@@ -42,6 +42,7 @@ from dataservice.dispatcher.datasets import DatasetsMixin
 from dataservice.dispatcher.jobs import JobsMixin
 from dataservice.dispatcher.journal import Journal
 from dataservice.dispatcher.liveness import LivenessMixin
+from dataservice.dispatcher.observe import ObserveMixin
 from dataservice.dispatcher.split_handout import SplitHandoutMixin
 from dataservice.dispatcher.tasks import WorkerTasksMixin
 from dataservice.dispatcher.worker_loss import WorkerLossMixin
@@ -58,10 +59,12 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
     def __init__(self, dispatcher: DispatchServer) -> None:
         self._d = dispatcher
 
-    def _call(self, fn: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    def _call(self, method: str, fn: Any, request: Any, context: grpc.ServicerContext) -> Any:
         """Runs one RPC's handler on a request checked at the edge
         (rpc/validate.py); every error becomes the status of its class
-        (rpc/util.py), a bug INTERNAL, never a dead handler thread."""
+        (rpc/util.py), a bug INTERNAL, never a dead handler thread. Its
+        duration goes to `dataservice_rpc_seconds{method}` when metrics are on."""
+        start = time.perf_counter()
         try:
             self._d._heard_rpc()  # before the handler reads any last-seen time
             validate.check_request(request)
@@ -71,42 +74,49 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
         except Exception as err:  # a bug: report it as INTERNAL, with its type
             log.exception("dispatcher RPC failed")
             rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
+        finally:
+            registry = self._d._metrics
+            if registry is not None:
+                registry.rpc_seconds.labels(method).observe(time.perf_counter() - start)
 
     def GetDispatcherInfo(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._get_info, request, context)
+        return self._call("GetDispatcherInfo", self._d._get_info, request, context)
 
     def WorkerHeartbeat(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._worker_heartbeat, request, context)
+        return self._call("WorkerHeartbeat", self._d._worker_heartbeat, request, context)
 
     def RegisterDataset(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._register_dataset, request, context)
+        return self._call("RegisterDataset", self._d._register_dataset, request, context)
 
     def GetDatasetDef(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._get_dataset_def, request, context)
+        return self._call("GetDatasetDef", self._d._get_dataset_def, request, context)
 
     def GetElementSpec(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._get_element_spec, request, context)
+        return self._call("GetElementSpec", self._d._get_element_spec, request, context)
 
     def GetOrCreateJob(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._get_or_create_job, request, context)
+        return self._call("GetOrCreateJob", self._d._get_or_create_job, request, context)
 
     def GetOrCreateIteration(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._get_or_create_iteration, request, context)
+        return self._call("GetOrCreateIteration", self._d._get_or_create_iteration, request, context)
 
     def ClientHeartbeat(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._client_heartbeat, request, context)
+        return self._call("ClientHeartbeat", self._d._client_heartbeat, request, context)
 
     def ReleaseIterationClient(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._release_iteration_client, request, context)
+        return self._call("ReleaseIterationClient", self._d._release_iteration_client, request, context)
 
     def GetSplits(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._get_splits, request, context)
+        return self._call("GetSplits", self._d._get_splits, request, context)
 
     def GetRounds(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._get_rounds, request, context)
+        return self._call("GetRounds", self._d._get_rounds, request, context)
 
     def ReportWorkerFailure(self, request: Any, context: Any) -> Any:
-        return self._call(self._d._report_worker_failure, request, context)
+        return self._call("ReportWorkerFailure", self._d._report_worker_failure, request, context)
+
+    def GetClusterStatus(self, request: Any, context: Any) -> Any:
+        return self._call("GetClusterStatus", self._d._get_cluster_status, request, context)
 
 
 def _parse_journaled(journal: Journal, dataset: st.Dataset) -> Any:
@@ -138,6 +148,7 @@ class DispatchServer(
     SplitHandoutMixin,
     WorkerLossMixin,
     LivenessMixin,
+    ObserveMixin,
 ):
     """A dispatcher, as `tf.data.experimental.service.DispatchServer`.
 
@@ -174,10 +185,15 @@ class DispatchServer(
         token = auth.resolve_token(self._config.auth_token, self._config.auth_token_file)
         auth.check_bind("dispatcher", self._config.host, token, self._config.insecure)
         self._recover()
+        if self._config.metrics_port is not None and self._metrics is None:
+            from dataservice import metrics
+
+            self._metrics = metrics.DispatcherMetrics(self._collect_state_metrics)
+        refused = self._metrics.auth_refusals.inc if self._metrics is not None else None
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="ds-dispatcher"),
             options=rpc_util.SERVER_OPTIONS,
-            interceptors=rpc_util.server_interceptors(token, "dispatcher"),
+            interceptors=rpc_util.server_interceptors(token, "dispatcher", on_refused=refused),
         )
         validate.add_service(server, _Servicer(self), "DispatcherService")
         try:
@@ -191,6 +207,19 @@ class DispatchServer(
                 f"dispatcher cannot bind {self._config.host}:{self._config.port}"
             )
         self._port = port
+        if self._metrics is not None and self._metrics_endpoint is None:
+            from dataservice import metrics
+
+            try:
+                self._metrics_endpoint = metrics.MetricsEndpoint(
+                    self._metrics.registry,
+                    self._config.host,
+                    self._config.metrics_port,
+                    "dispatcher",
+                )
+            except BaseException:
+                server.stop(grace=None)
+                raise
         server.start()
         self._server = server
         t = threading.Thread(target=self._maintenance_loop, name="ds-dispatcher-gc", daemon=True)
@@ -204,6 +233,9 @@ class DispatchServer(
         server, self._server = self._server, None
         if server is not None:
             server.stop(grace=1.0).wait()
+        endpoint, self._metrics_endpoint = self._metrics_endpoint, None
+        if endpoint is not None:
+            endpoint.stop()
         for t in self._threads:
             t.join(timeout=5)
         self._threads = []
@@ -218,6 +250,13 @@ class DispatchServer(
     def join(self) -> None:
         """Blocks until `stop()` is called."""
         self._stopped.wait()
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving /metrics (`DispatcherConfig.metrics_port`; the bound
+        one for 0), or None when metrics are off or the server is stopped."""
+        endpoint = self._metrics_endpoint
+        return endpoint.port if endpoint is not None else None
 
     def num_workers(self) -> int:
         """The number of registered, live workers."""
@@ -252,6 +291,8 @@ class DispatchServer(
             self._dataset_objects = {}
             self._task_splits = {}
             self._worker_losses = {}
+            self._worker_seen = {}
+            self._client_seen_counters = {}
             self._journal = None
             if self._config.fault_tolerant_mode:
                 assert self._config.work_dir

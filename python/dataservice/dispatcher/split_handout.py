@@ -140,6 +140,8 @@ class SplitHandoutMixin(DispatcherBase):
                 batch.end_of_splits = end
             if task is not None:
                 self._task_splits[task_id] = self._task_splits.get(task_id, 0) + handed
+            if self._metrics is not None and handed:
+                self._metrics.splits_handed_out.inc(handed)
             return response
 
     def _build_split_providers(self, iteration_id: st.IterationId) -> None:

@@ -32,6 +32,8 @@ class WorkerTasksMixin(DispatcherBase):
 
         def _forget_losses_of_locked(self, uid: str) -> None: ...
 
+        def _note_worker_counters_locked(self, address: str, request: Any, now: float) -> None: ...
+
     def _worker_serves_locked(self, worker: _Worker, job: st.Job, iteration: st.Iteration) -> bool:
         """Whether `worker` gets a task in `iteration` of `job`.
 
@@ -204,6 +206,7 @@ class WorkerTasksMixin(DispatcherBase):
                 self._workers[address] = worker
                 self._assign_tasks_to_worker_locked(worker)
             worker.last_heartbeat = now
+            self._note_worker_counters_locked(address, request, now)
             for task_id in request.finished_tasks:
                 task = self._state.tasks.get(st.TaskId(task_id))
                 if task is not None and not task.finished and not task.removed:

@@ -94,6 +94,11 @@ class DispatcherServiceStub:
                 request_serializer=dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureRequest.SerializeToString,
                 response_deserializer=dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureResponse.FromString,
                 _registered_method=True)
+        self.GetClusterStatus = channel.unary_unary(
+                '/dataservice.rpc.DispatcherService/GetClusterStatus',
+                request_serializer=dataservice_dot_rpc_dot_service__pb2.GetClusterStatusRequest.SerializeToString,
+                response_deserializer=dataservice_dot_rpc_dot_service__pb2.GetClusterStatusResponse.FromString,
+                _registered_method=True)
 
 
 class DispatcherServiceServicer:
@@ -171,6 +176,12 @@ class DispatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetClusterStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DispatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +244,11 @@ def add_DispatcherServiceServicer_to_server(servicer, server):
                     servicer.ReportWorkerFailure,
                     request_deserializer=dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureRequest.FromString,
                     response_serializer=dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureResponse.SerializeToString,
+            ),
+            'GetClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterStatus,
+                    request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetClusterStatusRequest.FromString,
+                    response_serializer=dataservice_dot_rpc_dot_service__pb2.GetClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +575,33 @@ class DispatcherService:
             '/dataservice.rpc.DispatcherService/ReportWorkerFailure',
             dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureRequest.SerializeToString,
             dataservice_dot_rpc_dot_service__pb2.ReportWorkerFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataservice.rpc.DispatcherService/GetClusterStatus',
+            dataservice_dot_rpc_dot_service__pb2.GetClusterStatusRequest.SerializeToString,
+            dataservice_dot_rpc_dot_service__pb2.GetClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -139,12 +139,16 @@ class AuthInterceptor(grpc.ServerInterceptor):
         kind: "dispatcher" or "worker", for the log line.
     """
 
-    def __init__(self, token: str, kind: str = "server") -> None:
+    def __init__(
+        self, token: str, kind: str = "server", on_refused: Callable[[], None] | None = None
+    ) -> None:
         self._token = token
         self._refusals = auth.RefusalLog(kind)
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
             peer = context.peer() or "unknown peer"
+            if on_refused is not None:
+                on_refused()
             self._refusals.refused(peer, "missing or wrong auth token", auth.grpc_peer_host(peer))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
 
@@ -157,9 +161,12 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return self._deny
 
 
-def server_interceptors(token: str | None, kind: str) -> list[grpc.ServerInterceptor]:
-    """The interceptors of a server that requires `token` (none without one)."""
-    return [AuthInterceptor(token, kind)] if token else []
+def server_interceptors(
+    token: str | None, kind: str, on_refused: Callable[[], None] | None = None
+) -> list[grpc.ServerInterceptor]:
+    """The interceptors of a server that requires `token` (none without one);
+    `on_refused` is called at each refused RPC (the auth refusals metric)."""
+    return [AuthInterceptor(token, kind, on_refused)] if token else []
 
 
 def make_channel(address: str) -> grpc.Channel:

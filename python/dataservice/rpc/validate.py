@@ -59,6 +59,9 @@ MIN_MESSAGE_BYTES = 1 << 10  # GetElementsRequest.max_message_bytes, when set
 MAX_PID = 2**22  # Linux's pid_max limit (PID_MAX_LIMIT on 64-bit)
 # data/dataset.py: INFINITE_CARDINALITY = -1, UNKNOWN_CARDINALITY = -2.
 MIN_CARDINALITY = -2
+MAX_COUNT = 2**63 - 1  # cumulative counters (elements, bytes)
+MAX_SECONDS = 1e12  # cumulative seconds (CPU, waits): ~31,700 years
+MAX_STATUS_WINDOW_MS = 24 * 3600 * 1000
 
 TARGET_WORKERS = ("AUTO", "ANY", "LOCAL")  # client/api.py sends them upper-cased
 REGISTER_COMPRESSIONS = ("AUTO", "NONE", "ZSTD")  # distribute's `compression`, any case
@@ -211,6 +214,30 @@ def nonempty_bytes(name: str, value: Any) -> str | None:
     return None if value else "must not be empty"
 
 
+def message_fields(rules: dict[str, Check]) -> Check:
+    """A nested message: each of its fields (all named in `rules`) passes its check."""
+
+    def check(name: str, value: Any) -> str | None:
+        for field in value.DESCRIPTOR.fields:
+            rule = rules.get(field.name)
+            if rule is None:  # a field added without a rule: refused, as a new message
+                return f"has field {field.name} without a validation rule"
+            sub = getattr(value, field.name)
+            why = rule(f"{name}.{field.name}", sub)
+            if why is not None:
+                return f"field {field.name}={_show(sub)} {why}"
+        return None
+
+    return check
+
+
+def non_negative_seconds(name: str, value: Any) -> str | None:
+    """A duration in seconds: finite and in [0, MAX_SECONDS]."""
+    if 0.0 <= value <= MAX_SECONDS:  # NaN fails both comparisons
+        return None
+    return f"must be seconds in [0, {MAX_SECONDS:g}]"
+
+
 def _reason(name: str, value: Any) -> str | None:
     """Free text for an error message: bounded, newlines and tabs allowed."""
     if len(value) > MAX_REASON_CHARS:
@@ -259,6 +286,28 @@ def _acknowledged_read_fields(request: Any) -> str | None:
 
 
 _INCARNATION = Field("incarnation_id", text(MAX_TOKEN_CHARS))
+_COUNT = int_range(0, MAX_COUNT)
+# metrics.py: a worker's and a consumer's cumulative counters, in heartbeats.
+_WORKER_COUNTERS = message_fields(
+    {
+        "elements_produced": _COUNT,
+        "bytes_sent": _COUNT,
+        "pipeline_s": non_negative_seconds,
+        "idle_s": non_negative_seconds,
+        "buffered_elements": _COUNT,
+    }
+)
+_CONSUMER_COUNTERS = message_fields(
+    {
+        "elements": _COUNT,
+        "bytes": _COUNT,
+        "wait_s": non_negative_seconds,
+        "active_s": non_negative_seconds,
+        "host": text(MAX_NAME_CHARS),
+        "pid": int_range(0, MAX_PID),
+        "consumer_index": index_or_unset(MAX_CONSUMERS - 1),
+    }
+)
 _DATASET_ID = Field("dataset_id", text(MAX_NAME_CHARS, required=True))
 _HOST_ID = text(MAX_NAME_CHARS)
 
@@ -274,6 +323,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("transfer_protocols", repeated(text(MAX_PROTOCOL_CHARS), MAX_PROTOCOLS)),
         Field("heartbeat_interval_ms", int_range(0, MAX_HEARTBEAT_INTERVAL_MS)),
         Field("pid", int_range(0, MAX_PID)),  # 0: an older worker that does not send it
+        Field("counters", _WORKER_COUNTERS),
     ),
     "dataservice.rpc.RegisterDatasetRequest": (
         Field("dataset", nonempty_bytes),
@@ -306,10 +356,12 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _INCARNATION,
         Field("finished_tasks", repeated(an_id, MAX_REPEATED_IDS)),
         Field("unreachable_workers", repeated(host_port(required=True), MAX_REPEATED_IDS)),
+        Field("counters", _CONSUMER_COUNTERS),
     ),
     "dataservice.rpc.ReleaseIterationClientRequest": (
         Field("iteration_client_id", an_id),
         _INCARNATION,
+        Field("counters", _CONSUMER_COUNTERS),
     ),
     "dataservice.rpc.GetSplitsRequest": (
         Field("iteration_id", an_id),
@@ -334,6 +386,9 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("reason", _reason),
         Field("pid", int_range(0, MAX_PID)),  # 0: unknown
         Field("restarting", boolean),
+    ),
+    "dataservice.rpc.GetClusterStatusRequest": (
+        Field("window_ms", int_range(0, MAX_STATUS_WINDOW_MS)),
     ),
     "dataservice.rpc.GetElementsRequest": (
         Field("task_id", an_id),

@@ -176,6 +176,8 @@ class TransferHost:
             protocol's default); rounded down to a power of two by the server.
         shm_allowed_uids: User ids let into shared memory besides the worker's own
             and root.
+        on_sent: `on_sent(protocol, elements, nbytes)` after a server wrote
+            elements for a consumer (the worker's metrics); None: not counted.
     """
 
     address: str
@@ -184,6 +186,7 @@ class TransferHost:
     element_source: Callable[[ReadRequest, float], ElementSource | None]
     shm_ring_bytes: int | None = None
     shm_allowed_uids: frozenset[int] = frozenset()
+    on_sent: Callable[[str, int, int], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -388,20 +388,27 @@ class _Connection:
         self._reply_elements, self._reply_first = elements, self._written
         self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
         self._sock.send(RESPONSE.pack(b"R", len(elements), flags))
+        on_sent = self._server.host.on_sent
+        ring = self.ring
+        bytes_before = ring.stats()["bytes"] if on_sent is not None and elements else 0
         put = 0
-        while put < len(elements):
-            try:
-                n = self.ring.put_many(elements[put:], _PUT_SLICE_MS)
-            except errors.UnavailableError:
-                return False  # the consumer is gone (what it did not take goes back)
-            except Exception as err:  # e.g. an unpicklable leaf: a worker error
-                self._reply_elements = []
-                self.ring.put_error(*errors.capture(err).to_frame(), None)
-                return False
-            put += n
-            self._written += n
-            if self._server.stopping:
-                return False
+        try:
+            while put < len(elements):
+                try:
+                    n = self.ring.put_many(elements[put:], _PUT_SLICE_MS)
+                except errors.UnavailableError:
+                    return False  # the consumer is gone (what it did not take goes back)
+                except Exception as err:  # e.g. an unpicklable leaf: a worker error
+                    self._reply_elements = []
+                    self.ring.put_error(*errors.capture(err).to_frame(), None)
+                    return False
+                put += n
+                self._written += n
+                if self._server.stopping:
+                    return False
+        finally:
+            if on_sent is not None and put:
+                on_sent("shm", put, ring.stats()["bytes"] - bytes_before)
         if error is not None or end:
             # The stream's last reply: its elements are the consumer's once it took
             # them (or given back, should it go away first).

@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import _proc, _waits, auth, errors
+from dataservice import _proc, _waits, auth, errors, metrics
 from dataservice.config import WorkerConfig
 from dataservice.data import graph
 from dataservice.data.static_sharding import apply_static_sharding
@@ -67,6 +67,7 @@ class _WorkerTaskRunner(TaskRunner):
         on_handout: Callable[[], None],
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         initial_buffer_bytes: int | None = None,
+        counters: metrics.WorkerCounters | None = None,
     ) -> None:
         self._go = threading.Event()
         self._cancelled = False
@@ -91,6 +92,7 @@ class _WorkerTaskRunner(TaskRunner):
             worker_address,
             buffer_bytes=buffer_bytes,
             initial_buffer_bytes=initial_buffer_bytes,
+            counters=counters,
         )
 
     def start_producing(self) -> None:
@@ -185,6 +187,10 @@ class WorkerServer(ElementServing):
         self._deleted: OrderedDict[int, None] = OrderedDict()
         self._reported_finished: set[int] = set()
         self._datasets: dict[str, Any] = {}
+        # Counters since this process started (metrics.py): in heartbeats and, with
+        # `metrics_port`, at /metrics.
+        self._counters = metrics.WorkerCounters()
+        self._metrics_endpoint: metrics.MetricsEndpoint | None = None
         if start:
             self.start()
 
@@ -192,6 +198,26 @@ class WorkerServer(ElementServing):
     def address(self) -> str:
         """The "host:port" advertised to the dispatcher and clients, exactly as configured."""
         return self._address
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving /metrics (`WorkerConfig.metrics_port`; the bound one
+        for 0), or None when metrics are off or the worker is stopped."""
+        endpoint = self._metrics_endpoint
+        return endpoint.port if endpoint is not None else None
+
+    def _buffered_elements(self) -> int:
+        with self._mu:
+            runners = list(self._tasks.values())
+        return sum(r.buffered_elements for r in runners)
+
+    def _not_ready(self) -> str | None:
+        """Why /readyz says not ready (None: ready)."""
+        if self._stop_event.is_set():
+            return "stopping"
+        if not self._registered.is_set():
+            return f"not registered with the dispatcher at {self._dispatcher_address} yet"
+        return None
 
     def num_tasks(self) -> int:
         """The number of tasks this worker runs now."""
@@ -257,7 +283,9 @@ class WorkerServer(ElementServing):
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ds-worker"),
             options=rpc_util.SERVER_OPTIONS,
-            interceptors=rpc_util.server_interceptors(self._token, "worker"),
+            interceptors=rpc_util.server_interceptors(
+                self._token, "worker", on_refused=self._counters.refused
+            ),
         )
         validate.add_service(server, WorkerServicer(self), "WorkerService")
         bind = f"{self._config.host}:{self._config.port}"
@@ -279,6 +307,21 @@ class WorkerServer(ElementServing):
                 host = "localhost"
             self._address = f"{host}:{port}"
         self._uid = uuid.uuid4().hex
+        if self._config.metrics_port is not None and self._metrics_endpoint is None:
+            registry = metrics.WorkerMetrics(
+                self._counters, self._buffered_elements, self.num_tasks
+            ).registry
+            try:
+                self._metrics_endpoint = metrics.MetricsEndpoint(
+                    registry,
+                    self._config.host,
+                    self._config.metrics_port,
+                    "worker",
+                    not_ready=self._not_ready,
+                )
+            except BaseException:
+                server.stop(grace=None)
+                raise
         server.start()
         self._server = server
         self._channel = rpc_util.make_channel(self._dispatcher_address)
@@ -290,6 +333,7 @@ class WorkerServer(ElementServing):
             element_source=self.element_source,
             shm_ring_bytes=self._config.shm_ring_bytes,
             shm_allowed_uids=frozenset(self._config.shm_allowed_uids or ()),
+            on_sent=self._counters.sent,
         )
         for name, factory in transfer.server_factories().items():
             try:
@@ -331,6 +375,9 @@ class WorkerServer(ElementServing):
             stopped_serving.wait()
         for transfer_server in servers:
             transfer_server.stop()
+        endpoint, self._metrics_endpoint = self._metrics_endpoint, None
+        if endpoint is not None:
+            endpoint.stop()
         deadline = time.monotonic() + _STOP_JOIN_S
         for runner in runners:
             if not runner.join(max(0.0, deadline - time.monotonic())):
@@ -506,6 +553,7 @@ class WorkerServer(ElementServing):
             transfer_protocols=["grpc", *transfer.server_factories()],
             heartbeat_interval_ms=self._config.heartbeat_interval_ms_or_default,
             pid=os.getpid(),
+            counters=self._counters.to_proto(self._buffered_elements()),
         )
         stub = self._stub
         if stub is None:
@@ -622,6 +670,7 @@ class WorkerServer(ElementServing):
             on_handout=self._note_handout,
             buffer_bytes=buffer_bytes,
             initial_buffer_bytes=initial_buffer_bytes,
+            counters=self._counters,
         )
         runner.num_consumers = task.num_consumers
         if task.use_cross_trainer_cache:

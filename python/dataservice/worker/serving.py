@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from dataservice import errors
+from dataservice.metrics import WorkerCounters
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
@@ -81,6 +82,7 @@ class ElementServing:
     _uid: str
     _tasks: dict[int, TaskRunner]  # guarded by _mu
     _deleted: OrderedDict[int, None]  # guarded by _mu
+    _counters: WorkerCounters  # elements and bytes sent (metrics.py)
 
     def _runner_now(self, task_id: int) -> tuple[TaskRunner | None, bool]:
         """(The runner of `task_id` or None, whether the dispatcher deleted the task).
@@ -159,6 +161,8 @@ class ElementServing:
         response = pb.GetElementsResponse(worker_uid=self._uid, sequence=request.sequence)
         if reply is None:
             return response
+        if reply.elements:  # sent now (again, for a retry's replay)
+            self._counters.sent("grpc", len(reply.elements), sum(map(len, reply.elements)))
         if with_elements:
             response.elements.extend(reply.elements)
         response.end_of_sequence = reply.end_of_sequence

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from dataservice import errors
+from dataservice.metrics import WorkerCounters
 from dataservice.transfer import codec
 from dataservice.transfer.base import TaskRead
 from dataservice.worker.unacked_replies import REQUEUE_AFTER_S, UNACKED_TTL_S, UnackedReplies
@@ -148,12 +149,17 @@ class TaskRunner:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         allow_pickled_elements: bool = False,
         initial_buffer_bytes: int | None = None,
+        counters: WorkerCounters | None = None,
     ) -> None:
         """`buffer_bytes` is the largest bytes bound; `initial_buffer_bytes` (None:
         `INITIAL_BUFFER_BYTES`, or `INITIAL_BUFFER_ELEMENTS` elements if larger) is
         where it starts, growing with what consumers take (pass `buffer_bytes` for a
-        fixed bound). One element always fits, whatever its size."""
+        fixed bound). One element always fits, whatever its size. `counters` (the
+        worker's, metrics.py) get the elements produced, the producer thread's CPU
+        seconds and when it is busy (a fresh, unshared one when None)."""
         self.task_id = task_id
+        self._counters = counters if counters is not None else WorkerCounters()
+        self._cpu_mark = 0.0  # the producer thread's time.thread_time() last counted
         self.allow_pickled_elements = allow_pickled_elements
         self.num_consumers = 0  # > 0: a coordinated read (rounds)
         self.cross_trainer_cache: Any = None  # set for jobs with a cross-trainer cache
@@ -224,8 +230,13 @@ class TaskRunner:
         # next element: an element made is never held back behind a slow one.
         pending = self._pending
         batch_bytes = 0  # since the last hand-off (a consumer may have taken some)
+        self._cpu_mark = time.thread_time()
+        activity = self._counters.activity
+        busy = False
         try:
             iterator = self._make_iterator()
+            activity.busy()
+            busy = True
             # After make_iterator: it may set allow_pickled_elements from the pipeline.
             check = _StructureCheck(self.task_id, self.allow_pickled_elements)
             clock = time.perf_counter
@@ -259,11 +270,21 @@ class TaskRunner:
             with self._cv:
                 self._error = errors.capture(err)
         finally:
+            self._count_cpu()
+            if busy:
+                activity.idle()
             with self._cv:
                 if self._stopped:
                     pending.clear()
                 self._end = True
                 self._cv.notify_all()
+
+    def _count_cpu(self) -> None:
+        """Adds the producer thread's CPU seconds since the last call to the
+        worker's pipeline CPU (the producer thread only)."""
+        now = time.thread_time()
+        self._counters.pipeline_cpu.add(now - self._cpu_mark)
+        self._cpu_mark = now
 
     def _take_pending_locked(self) -> bool:
         """Moves `_pending` elements, oldest first, to the buffer while they fit its
@@ -291,21 +312,33 @@ class TaskRunner:
             moved += 1
         self._buffered_bytes = total
         self._produced += moved
+        if moved:
+            self._counters.produced(moved)
         return moved > 0
 
     def _publish(self) -> bool:
         """Hands `_pending` to the shared buffer, waiting while the buffer is full
-        (so its bounds hold to one element). Returns False if the runner was stopped."""
-        with self._cv:
-            while True:
-                if self._take_pending_locked() and self._waiting:
+        (so its bounds hold to one element). Returns False if the runner was stopped.
+        While it waits the producer counts as idle (`metrics.ActivityClock`)."""
+        self._count_cpu()
+        idle = False
+        try:
+            with self._cv:
+                while True:
+                    if self._take_pending_locked() and self._waiting:
+                        self._cv.notify_all()
+                    if self._stopped:
+                        return False
+                    if not self._pending:
+                        return True
                     self._cv.notify_all()
-                if self._stopped:
-                    return False
-                if not self._pending:
-                    return True
-                self._cv.notify_all()
-                self._cv.wait(0.5)
+                    if not idle:
+                        idle = True
+                        self._counters.activity.idle()
+                    self._cv.wait(0.5)
+        finally:
+            if idle:
+                self._counters.activity.busy()
 
     def start_producing(self) -> None:
         """A consumer asks for the task: a runner that waits for one before it runs
@@ -401,6 +434,11 @@ class TaskRunner:
         """The buffer's bytes bound now (it grows with demand, see the module)."""
         with self._cv:
             return self._buffer_bytes
+
+    @property
+    def buffered_elements(self) -> int:
+        """Elements waiting in the buffer now (read without the lock: a gauge)."""
+        return len(self._buffer)
 
     @property
     def buffered_bytes(self) -> int:

@@ -239,7 +239,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             log.exception("metrics endpoint: %s failed", path)
             self._send(500, f"{type(err).__name__}: {err}\n".encode())
 
-    def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+    def _send(
+        self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8"
+    ) -> None:
         self.send_response(code)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))

@@ -144,6 +144,10 @@ def to_dict(response: Any) -> dict[str, Any]:
             }
             for c in j.consumers
         ]
+        names = [c["consumer"] for c in consumers]
+        for c in consumers:  # two iterators of one process: tell them apart
+            if names.count(c["consumer"]) > 1:
+                c["consumer"] += f"#{c['iteration_client_id']}"
         jobs.append(
             {
                 "job": name,
@@ -266,7 +270,7 @@ def _worker_rows(status: dict[str, Any]) -> list[list[str]]:
     ]
 
 
-WORKER_COLUMNS = ["worker", "host", "state", "tasks", "elements", "bytes", "idle", "heartbeat"]
+WORKER_COLUMNS = ["worker", "host", "state", "tasks", "produced", "sent", "idle", "heartbeat"]
 JOB_COLUMNS = ["job", "mode", "consumers", "elements", "wait per consumer"]
 
 
@@ -281,7 +285,9 @@ def _job_rows(status: dict[str, Any]) -> list[list[str]]:
 
 
 def _table(columns: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    widths = [
+        max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)
+    ]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     for r in rows:
         lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())

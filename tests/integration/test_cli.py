@@ -97,7 +97,7 @@ def test_worker_registers_and_both_stop_on_sigterm() -> None:
         (["worker"], "required: --dispatcher-address/--dispatcher"),
         (["worker", "--dispatcher", "x:1", "--data-transfer-protocol", "tcp"], "data_transfer"),
         (["nonsense"], "invalid choice: 'nonsense'"),
-        ([], "required: {dispatcher,worker,demo}"),
+        ([], "required: {dispatcher,worker,demo,status}"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(args: list[str], message: str) -> None:

@@ -98,13 +98,17 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
         return self._call("GetOrCreateJob", self._d._get_or_create_job, request, context)
 
     def GetOrCreateIteration(self, request: Any, context: Any) -> Any:
-        return self._call("GetOrCreateIteration", self._d._get_or_create_iteration, request, context)
+        return self._call(
+            "GetOrCreateIteration", self._d._get_or_create_iteration, request, context
+        )
 
     def ClientHeartbeat(self, request: Any, context: Any) -> Any:
         return self._call("ClientHeartbeat", self._d._client_heartbeat, request, context)
 
     def ReleaseIterationClient(self, request: Any, context: Any) -> Any:
-        return self._call("ReleaseIterationClient", self._d._release_iteration_client, request, context)
+        return self._call(
+            "ReleaseIterationClient", self._d._release_iteration_client, request, context
+        )
 
     def GetSplits(self, request: Any, context: Any) -> Any:
         return self._call("GetSplits", self._d._get_splits, request, context)

@@ -403,3 +403,53 @@ def test_version_flag() -> None:
     )
     assert proc.returncode == 0
     assert proc.stdout.strip() == f"dataservice {metadata.version('dataservice')}"
+
+
+@pytest.mark.timeout(90)
+def test_cli_servers_serve_metrics_on_metrics_port() -> None:
+    import re
+    import signal
+
+    from dataservice import _serverproc
+
+    def spawn(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dataservice", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def ready(proc: subprocess.Popen[str]) -> tuple[str, int]:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().rstrip("\n")  # bounded by the test's timeout
+        m = _serverproc.READY_RE.match(line)
+        metrics_port = _serverproc.METRICS_RE.search(line)
+        assert m and metrics_port, f"ready line without a metrics port: {line!r}"
+        assert re.fullmatch(r"\S+:\d+", m.group(2))
+        return m.group(2), int(metrics_port.group(1))
+
+    dispatcher = spawn("dispatcher", "--port", "0", "--metrics-port", "0")
+    procs = [dispatcher]
+    try:
+        address, d_port = ready(dispatcher)
+        worker = spawn("worker", "--dispatcher", address, "--metrics-port", "0")
+        procs.append(worker)
+        _, w_port = ready(worker)
+        _wait_until(
+            "the worker at the dispatcher's /metrics",
+            lambda: _value(_samples(d_port), "dataservice_workers", state="alive") == 1,
+        )
+        assert _scrape(w_port, "/readyz") == "ready\n"
+        assert _value(_samples(w_port), "dataservice_elements_produced_total") == 0
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in reversed(procs):
+            try:
+                assert p.wait(timeout=30) == 0
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate()

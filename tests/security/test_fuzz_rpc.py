@@ -194,6 +194,13 @@ def _scalar(field: FieldDescriptor, live: Live) -> st.SearchStrategy:
         return st.binary(max_size=64)
     if field.type == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
+    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        known = [0.0, 1.5, -1.0, float("nan"), float("inf"), -float("inf"), 1e300]
+        return st.one_of(st.sampled_from(known), st.floats())
+    if field.type == FieldDescriptor.TYPE_MESSAGE:  # a nested message: its own fields
+        from google.protobuf import message_factory
+
+        return request_strategy(message_factory.GetMessageClass(field.message_type), live)
     raise AssertionError(f"no strategy for {field.full_name} (type {field.type})")
 
 

@@ -211,15 +211,13 @@ class DispatchServer(
                 f"dispatcher cannot bind {self._config.host}:{self._config.port}"
             )
         self._port = port
-        if self._metrics is not None and self._metrics_endpoint is None:
+        metrics_port = self._config.metrics_port
+        if self._metrics is not None and metrics_port is not None and not self._metrics_endpoint:
             from dataservice import metrics
 
             try:
                 self._metrics_endpoint = metrics.MetricsEndpoint(
-                    self._metrics.registry,
-                    self._config.host,
-                    self._config.metrics_port,
-                    "dispatcher",
+                    self._metrics.registry, self._config.host, metrics_port, "dispatcher"
                 )
             except BaseException:
                 server.stop(grace=None)

@@ -413,8 +413,13 @@ RULES: dict[str, tuple[Rule, ...]] = {
 
 def _show(value: Any, limit: int = 80) -> str:
     """`value` for an error message, cut to about `limit` characters."""
-    text_ = repr(value)
+    if hasattr(value, "DESCRIPTOR"):  # a nested message: its fields on one line
+        text_ = "{" + str(value).strip().replace("\n", ", ") + "}"
+    else:
+        text_ = repr(value)
     if len(text_) > limit:
+        if not isinstance(value, (bytes, str, list)):
+            return f"{text_[:limit]}..."
         size = f"{len(value)} {'bytes' if isinstance(value, bytes) else 'characters'}"
         return f"{text_[:limit]}... ({size})"
     return text_

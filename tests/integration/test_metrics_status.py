@@ -286,15 +286,20 @@ def test_status_names_a_straggler(observed: Any) -> None:
     _wait_until("the second iterator", lambda: len(iterators) == 2)
     eager_client = iterators[1]._reader.client_id
     try:
-
-        def straggler() -> dict | None:
+        # Until the eager consumer drained what the workers made ahead for the
+        # first one, it waits little; then it waits for every element.
+        def straggler() -> tuple[dict, dict] | None:
             s = _status_of(d.target, 2.0)
             v = _verdict(s, "shared")
-            return v if v["verdict"] == "straggler" else None
+            if v["verdict"] == "straggler" and v["consumer"].endswith(f"#{eager_client}"):
+                return v, s
+            return None
 
-        v = _wait_until("a straggler verdict", straggler, timeout_s=40)
-        assert v["consumer"].endswith(f"#{eager_client}"), v
+        v, s = _wait_until("the eager consumer named a straggler", straggler, timeout_s=40)
         assert f"consumer {v['consumer']} waited" in v["message"]
+        (job,) = [j for j in s["jobs"] if j["job"] == "shared"]
+        waits = {c["iteration_client_id"]: c["wait_fraction"] for c in job["consumers"]}
+        assert waits[eager_client] >= 0.25 + max(w for c, w in waits.items() if c != eager_client)
     finally:
         stop.set()
         slow_reader.join(timeout=30)
@@ -392,6 +397,22 @@ def test_dispatcher_logs_jobs_and_consumers(cluster: Any, caplog) -> None:
     assert "(logged) created: dataset" in text
     assert "joined iteration" in text and "of job" in text
     assert "(logged) finished" in text
+
+    extra = cluster.add_worker()
+    _wait_until(
+        "the new worker's registration",
+        lambda: any(f"worker {extra.address} registered (pid" in r.message for r in caplog.records),
+    )
+    extra.stop()
+    lost = _wait_until(
+        "the stopped worker's loss",
+        lambda: [
+            r
+            for r in caplog.records
+            if r.levelno == logging.WARNING and f"worker lost: worker {extra.address}" in r.message
+        ],
+    )
+    assert "heartbeat" in lost[0].message or "connection" in lost[0].message, lost[0].message
 
 
 @pytest.mark.timeout(60)

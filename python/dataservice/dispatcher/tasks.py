@@ -189,9 +189,14 @@ class WorkerTasksMixin(DispatcherBase):
                 log.info("worker %s is back (it was only slow)", address)
             if worker is None or worker.uid != request.worker_uid:
                 if worker is None:
-                    log.info("worker %s registered", address)
+                    log.info(
+                        "worker %s registered (pid %s, host %s)",
+                        address,
+                        request.pid or "unknown",
+                        request.host_id or "unknown",
+                    )
                 else:
-                    log.info("worker %s restarted", address)
+                    log.info("worker %s restarted (pid %s)", address, request.pid or "unknown")
                 self._failed_workers.pop(address, None)  # back after all
                 worker = _Worker(
                     address,

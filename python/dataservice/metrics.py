@@ -107,6 +107,8 @@ class ActivityClock:
 
     def idle(self) -> None:
         with self._mu:
+            if self._busy == 0:
+                return  # unbalanced: already idle
             self._busy -= 1
             if self._busy == 0:
                 self._idle_since = time.monotonic()

@@ -326,7 +326,7 @@ def test_verdict_rules() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_status_without_the_token_is_refused(make_cluster, monkeypatch) -> None:
+def test_status_without_the_token_is_refused(make_cluster, monkeypatch, tmp_path) -> None:
     cluster = make_cluster(0, auth_token="s3cret-token-for-status")
     monkeypatch.delenv("DATASERVICE_AUTH_TOKEN", raising=False)
     env = {k: v for k, v in os.environ.items() if k != "DATASERVICE_AUTH_TOKEN"}
@@ -351,6 +351,28 @@ def test_status_without_the_token_is_refused(make_cluster, monkeypatch) -> None:
     )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["workers"] == []
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token-for-status\n")
+    token_file.chmod(0o600)
+    from_file = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dataservice",
+            "status",
+            "--dispatcher",
+            cluster.target,
+            "--json",
+            "--auth-token-file",
+            str(token_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert from_file.returncode == 0, from_file.stderr
+    assert json.loads(from_file.stdout)["jobs"] == []
 
 
 @pytest.mark.timeout(60)

@@ -37,7 +37,14 @@ from dataservice.data.dataset import (
     Element,
     IterContext,
 )
-from dataservice.data.runtime import BackgroundIterator, close_iterator, interleave, parallel_map
+from dataservice.data.runtime import (
+    SKIPPED,
+    BackgroundIterator,
+    close_iterator,
+    guard,
+    interleave,
+    parallel_map,
+)
 from dataservice.data.splits import RepeatSplitProvider, SplitProvider, epoch_rng
 from dataservice.data.structure import TensorSpec, normalize_element
 from dataservice.errors import InvalidArgumentError
@@ -209,18 +216,23 @@ class MapDataset(_UnaryDataset):
         def apply(element: Element) -> Element:
             return normalize_element(_call(fn, element))
 
+        apply = guard(apply, ctx.error_sink, "map")
         source = self._input._make_iterator(ctx)
         if n > 1:
-            return parallel_map(source, apply, n, self._deterministic)
+            out = parallel_map(source, apply, n, self._deterministic)
+            return out if ctx.error_sink is None else self._sequential(out, None)
         return self._sequential(source, apply)
 
     @staticmethod
     def _sequential(
-        source: Iterator[Element], apply: Callable[[Element], Element]
+        source: Iterator[Element], apply: Callable[[Element], Element] | None
     ) -> Iterator[Element]:
+        """`apply` over `source` (None: as they are), less `SKIPPED` results."""
         try:
             for element in source:
-                yield apply(element)
+                out = element if apply is None else apply(element)
+                if out is not SKIPPED:
+                    yield out
         finally:
             close_iterator(source)
 
@@ -240,9 +252,10 @@ class FilterDataset(_UnaryDataset):
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
         source = self._input._make_iterator(ctx)
         predicate = self._predicate
+        keep = guard(lambda e: _as_bool(_call(predicate, e), "filter"), ctx.error_sink, "filter")
         try:
             for element in source:
-                if _as_bool(_call(predicate, element), "filter"):
+                if keep(element) is True:
                     yield element
         finally:
             close_iterator(source)
@@ -267,11 +280,25 @@ class FlatMapDataset(_UnaryDataset):
         source = self._input._make_iterator(ctx)
         fn = self._fn
         user_ctx = ctx.for_user_dataset()
+        open_fn = guard(
+            lambda e: _as_dataset(_call(fn, e), "flat_map")._make_iterator(user_ctx),
+            ctx.error_sink,
+            "flat_map",
+        )
         try:
             for element in source:
-                inner = _as_dataset(_call(fn, element), "flat_map")._make_iterator(user_ctx)
+                inner = open_fn(element)
+                if inner is SKIPPED:
+                    continue
                 try:
-                    yield from inner
+                    if ctx.error_sink is None:
+                        yield from inner
+                        continue
+                    try:  # ignore_errors: a failing body ends that body only
+                        for value in inner:
+                            yield value
+                    except Exception as err:
+                        ctx.error_sink("flat_map", err)
                 finally:
                     close_iterator(inner)
         finally:
@@ -320,8 +347,14 @@ class InterleaveDataset(_UnaryDataset):
         fn = self._fn
         user_ctx = ctx.for_user_dataset()
 
-        def open_fn(element: Element) -> Iterator[Element]:
+        def open_dataset(element: Element) -> Iterator[Element]:
             return _as_dataset(_call(fn, element), "interleave")._make_iterator(user_ctx)
+
+        guarded = guard(open_dataset, ctx.error_sink, "interleave")
+
+        def open_fn(element: Element) -> Iterator[Element]:
+            inner = guarded(element)
+            return iter(()) if inner is SKIPPED else inner
 
         parallel = parallelism(self._num_parallel_calls, "interleave") > 1
         return interleave(

@@ -20,9 +20,11 @@ from typing import Any
 
 __all__ = [
     "POLL_S",
+    "SKIPPED",
     "BackgroundIterator",
     "ThreadPool",
     "close_iterator",
+    "guard",
     "interleave",
     "parallel_map",
 ]
@@ -41,6 +43,27 @@ def close_iterator(it: object) -> None:
 
 
 _END = object()
+
+SKIPPED = object()
+"""What a `guard`ed function returns for an element whose computation raised."""
+
+
+def guard(
+    fn: Callable[[Any], Any], sink: Callable[[str, BaseException], None] | None, op: str
+) -> Callable[[Any], Any]:
+    """`fn` as it is when `sink` is None; otherwise `fn` whose `Exception` is reported
+    to `sink(op, error)` and turned into `SKIPPED` (`ignore_errors`, error_ops.py)."""
+    if sink is None:
+        return fn
+
+    def guarded(element: Any) -> Any:
+        try:
+            return fn(element)
+        except Exception as err:
+            sink(op, err)
+            return SKIPPED
+
+    return guarded
 
 
 class _Raised:

@@ -368,7 +368,7 @@ class _Connection:
             read = source.read_holding_end(max(1, want), max_bytes, timeout_ms / 1000)
             go_on = False
             try:
-                go_on = self._send_reply(read)
+                go_on = self._send_reply(read, source.errors_ignored)
             finally:
                 if read.end_held:
                     # What the consumer did not take goes back before the others' end.
@@ -378,7 +378,7 @@ class _Connection:
             if not go_on:
                 return
 
-    def _send_reply(self, read: base.TaskRead) -> bool:
+    def _send_reply(self, read: base.TaskRead, errors_ignored: int = 0) -> bool:
         """Announces `read` on the socket and writes its elements (then END or ERROR)
         into the ring; after the stream's last reply, waits for the consumer to take
         it (`_await_final_take`). Returns whether the connection serves on (False:
@@ -387,7 +387,7 @@ class _Connection:
         flags = (END_FLAG if end and error is None else 0) | (ERROR_FLAG if error else 0)
         self._reply_elements, self._reply_first = elements, self._written
         self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        self._sock.send(RESPONSE.pack(b"R", len(elements), flags))
+        self._sock.send(RESPONSE.pack(b"R", len(elements), flags, errors_ignored))
         put = 0
         while put < len(elements):
             try:

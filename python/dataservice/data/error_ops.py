@@ -107,14 +107,11 @@ class StatsIterator:
         close_iterator(self._it)
 
     def stats(self) -> dict[str, Any]:
-        """This iterator's counters: `errors_ignored` (elements `ignore_errors`
-        skipped in this process), plus what the wrapped iterator reports (a data
-        service iterator's `stats()`; its `errors_ignored`, counted by the workers,
-        is added)."""
-        inner = getattr(self._it, "stats", None)
-        out: dict[str, Any] = dict(inner()) if callable(inner) else {}
-        out["errors_ignored"] = out.get("errors_ignored", 0) + self._stats.errors_ignored
-        return out
+        """This iterator's counters: `errors_ignored`, the elements `ignore_errors`
+        skipped in this process plus those the workers of any data service read in
+        the pipeline skipped; and that read's own `stats()` keys (`elements`,
+        `workers`, ...; the latest epoch's under a `repeat`)."""
+        return self._stats.as_dict()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._it, name)

@@ -187,8 +187,15 @@ def test_window_flat_map_batch_and_tuple_windows():
 
 @pytest.mark.parametrize(
     "n,size,shift,stride,drop",
-    [(7, 3, None, 1, False), (7, 3, 2, 1, True), (7, 3, 1, 2, True), (7, 3, 1, 2, False),
-     (10, 4, 3, 2, False), (2, 3, 1, 1, True), (0, 2, 1, 1, False)],
+    [
+        (7, 3, None, 1, False),
+        (7, 3, 2, 1, True),
+        (7, 3, 1, 2, True),
+        (7, 3, 1, 2, False),
+        (10, 4, 3, 2, False),
+        (2, 3, 1, 1, True),
+        (0, 2, 1, 1, False),
+    ],
 )
 def test_window_cardinality_matches_count(n, size, shift, stride, drop):
     ds = Dataset.range(n).window(size, shift, stride, drop)
@@ -204,8 +211,11 @@ def test_window_spec_and_errors():
     }
     assert ds.map(lambda e: e).window(2).element_spec == ds.window(2).element_spec
     assert Dataset.range(3).repeat().window(2).cardinality() == INFINITE_CARDINALITY
-    for kw, name in [({"size": 0}, "size"), ({"size": 2, "shift": 0}, "shift"),
-                     ({"size": 2, "stride": -1}, "stride")]:
+    for kw, name in [
+        ({"size": 0}, "size"),
+        ({"size": 2, "shift": 0}, "shift"),
+        ({"size": 2, "stride": -1}, "stride"),
+    ]:
         with pytest.raises(InvalidArgumentError, match=f"{name} must be greater than zero"):
             Dataset.range(3).window(**kw)
 
@@ -224,7 +234,8 @@ def tf_elements() -> Dataset:
 
 def test_bucket_by_sequence_length_tf_examples():
     ds = tf_elements().bucket_by_sequence_length(
-        element_length_func=lambda e: e.shape[0], bucket_boundaries=[3, 5],
+        element_length_func=lambda e: e.shape[0],
+        bucket_boundaries=[3, 5],
         bucket_batch_sizes=[2, 2, 2],
     )
     assert values(ds) == [
@@ -233,8 +244,11 @@ def test_bucket_by_sequence_length_tf_examples():
         [[0, 0], [21, 22]],
     ]
     ds = tf_elements().bucket_by_sequence_length(
-        element_length_func=lambda e: e.shape[0], bucket_boundaries=[4, 7],
-        bucket_batch_sizes=[2, 2, 2], pad_to_bucket_boundary=True, padding_values=-1,
+        element_length_func=lambda e: e.shape[0],
+        bucket_boundaries=[4, 7],
+        bucket_batch_sizes=[2, 2, 2],
+        pad_to_bucket_boundary=True,
+        padding_values=-1,
     )
     assert values(ds) == [
         [[0, -1, -1], [5, 6, 7]],

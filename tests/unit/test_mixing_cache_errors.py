@@ -60,7 +60,9 @@ def test_sample_follows_the_weights():
 def test_sample_stop_on_empty_dataset_and_weights_dataset():
     short = Dataset.range(3)
     endless = Dataset.from_tensors(np.int64(9)).repeat()
-    stopped = values(Dataset.sample_from_datasets([short, endless], seed=5, stop_on_empty_dataset=True))
+    stopped = values(
+        Dataset.sample_from_datasets([short, endless], seed=5, stop_on_empty_dataset=True)
+    )
     assert [x for x in stopped if x != 9] == [0, 1, 2] and stopped[-1] == 2
     w = Dataset.from_tensor_slices(np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]))
     assert values(Dataset.sample_from_datasets([A, B], w, seed=0)) == [0, 100, 1, 101]
@@ -70,9 +72,9 @@ def test_sample_stop_on_empty_dataset_and_weights_dataset():
 
 def test_sample_cardinality_and_spec():
     assert Dataset.sample_from_datasets([A, B], seed=1).cardinality() == 100
-    assert Dataset.sample_from_datasets([A, B], seed=1, stop_on_empty_dataset=True).cardinality() == (
-        UNKNOWN_CARDINALITY
-    )
+    assert Dataset.sample_from_datasets(
+        [A, B], seed=1, stop_on_empty_dataset=True
+    ).cardinality() == (UNKNOWN_CARDINALITY)
     assert Dataset.sample_from_datasets([A, B.repeat()]).cardinality() == INFINITE_CARDINALITY
     mixed = Dataset.sample_from_datasets(
         [Dataset.from_tensor_slices(np.zeros((2, 3))), Dataset.from_tensor_slices(np.ones((2, 4)))]

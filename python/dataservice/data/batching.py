@@ -180,6 +180,7 @@ def pad_stack(
                     f"Cannot batch component {j}: element 0 has dtype {dtype} and element "
                     f"{k} has dtype {a.dtype}"
                 )
-            batch[(k, *(slice(0, s) for s in a.shape))] = a
+            region: tuple[Any, ...] = (k, *(slice(0, s) for s in a.shape))
+            batch[region] = a
         out.append(batch)
     return structure.pack_sequence_as(first, out)

@@ -181,9 +181,7 @@ def _resolved_shapes(spec: Any, padded_shapes: Any) -> list[Shape | None]:
     return shapes
 
 
-def _padded_spec(
-    spec: Any, shapes: list[Shape | None], batch_dim: int | None, static: bool
-) -> Any:
+def _padded_spec(spec: Any, shapes: list[Shape | None], batch_dim: int | None, static: bool) -> Any:
     """The spec of padded batches of `spec`: a fixed padded size stays, a size the batch
     decides is None (kept from `spec` when it is static and no padded shape is given)."""
     batched = structure.flatten(batched_spec(spec, batch_dim))
@@ -210,8 +208,7 @@ def _first_dim(flat: list[Any], op: str) -> int:
         sizes.add(leaf.shape[0])
     if len(sizes) > 1:
         raise InvalidArgumentError(
-            f"`{op}`: the components of an element have different sizes in axis 0: "
-            f"{sorted(sizes)}"
+            f"`{op}`: the components of an element have different sizes in axis 0: {sorted(sizes)}"
         )
     return sizes.pop()
 

@@ -77,7 +77,7 @@ class CacheDataset(_UnaryDataset):
         super().__init__(input_dataset)
         if not isinstance(filename, str | os.PathLike):
             raise TypeError(
-                f"`cache`: filename must be a str path (\"\" for memory), got "
+                f'`cache`: filename must be a str path ("" for memory), got '
                 f"{type(filename).__name__}"
             )
         self._filename = os.fspath(filename)

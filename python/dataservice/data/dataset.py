@@ -72,14 +72,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dataservice.data import structure
 from dataservice.data.ops_api import MoreOpsMixin
-from dataservice.data.runtime import close_iterator
+from dataservice.data.runtime import IterStats, close_iterator
 from dataservice.data.splits import SplitProvider, SplitSource
 from dataservice.errors import InvalidArgumentError
 
@@ -173,46 +172,6 @@ class IterContext:
         """This context whose element-wise user functions report a raised exception
         to `sink(op_name, error)` and skip that element (`ignore_errors`)."""
         return dataclasses.replace(self, error_sink=sink)
-
-
-class IterStats:
-    """Counters of one iterator tree (`IterContext.stats`), which `iter(ds)`'s
-    iterator reports in `stats()`. Thread-safe.
-
-    Attributes:
-        errors_ignored: Elements skipped by `ignore_errors` because computing them
-            raised.
-    """
-
-    def __init__(self) -> None:
-        self._mu = threading.Lock()
-        self.errors_ignored = 0  # guarded by self._mu
-        # stats() of data service reads in the tree, oldest first; guarded by self._mu
-        self._sources: list[Callable[[], dict[str, Any]]] = []
-
-    def add_error_ignored(self) -> None:
-        with self._mu:
-            self.errors_ignored += 1
-
-    def add_source(self, stats: Callable[[], dict[str, Any]]) -> None:
-        """Adds the `stats()` of an iterator in the tree that reads from elsewhere (a
-        data service read: one per epoch under a `repeat`)."""
-        with self._mu:
-            self._sources.append(stats)
-
-    def as_dict(self) -> dict[str, Any]:
-        """`errors_ignored` here plus every source's; the other keys are the latest
-        source's (a data service read's `elements`, `workers`, ...)."""
-        with self._mu:
-            sources = list(self._sources)
-            out: dict[str, Any] = {}
-            total = self.errors_ignored
-        for stats in sources:
-            d = dict(stats())
-            total += int(d.pop("errors_ignored", 0))
-            out.update(d)
-        out["errors_ignored"] = total
-        return out
 
 
 class Dataset(MoreOpsMixin):

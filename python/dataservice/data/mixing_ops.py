@@ -54,8 +54,7 @@ __all__ = ["ChooseFromDatasetsDataset", "SampleFromDatasetsDataset"]
 def _data_inputs(datasets: Any, op: str) -> list[Dataset]:
     if isinstance(datasets, Dataset) or not isinstance(datasets, list | tuple):
         raise TypeError(
-            f"`{op}`: datasets must be a non-empty list of Datasets, got "
-            f"{type(datasets).__name__}"
+            f"`{op}`: datasets must be a non-empty list of Datasets, got {type(datasets).__name__}"
         )
     out = list(datasets)
     if not out:
@@ -281,11 +280,7 @@ class SampleFromDatasetsDataset(_DirectedInterleave):
             return self._mixed_cardinality(self._selector.cardinality())
         assert self._weights is not None
         ns = [d.cardinality() for d in self._datasets]
-        if (
-            not self._stop_on_empty
-            and bool(np.all(self._weights > 0))
-            and all(c >= 0 for c in ns)
-        ):
+        if not self._stop_on_empty and bool(np.all(self._weights > 0)) and all(c >= 0 for c in ns):
             return sum(ns)
         return self._mixed_cardinality(INFINITE_CARDINALITY)
 

@@ -213,10 +213,10 @@ class MapDataset(_UnaryDataset):
         n = parallelism(self._num_parallel_calls, "map")
         fn = self._fn
 
-        def apply(element: Element) -> Element:
+        def call(element: Element) -> Element:
             return normalize_element(_call(fn, element))
 
-        apply = guard(apply, ctx.error_sink, "map")
+        apply = guard(call, ctx.error_sink, "map")
         source = self._input._make_iterator(ctx)
         if n > 1:
             out = parallel_map(source, apply, n, self._deterministic)
@@ -291,14 +291,11 @@ class FlatMapDataset(_UnaryDataset):
                 if inner is SKIPPED:
                     continue
                 try:
+                    yield from inner
+                except Exception as err:
                     if ctx.error_sink is None:
-                        yield from inner
-                        continue
-                    try:  # ignore_errors: a failing body ends that body only
-                        for value in inner:
-                            yield value
-                    except Exception as err:
-                        ctx.error_sink("flat_map", err)
+                        raise
+                    ctx.error_sink("flat_map", err)  # ignore_errors: that body ends
                 finally:
                     close_iterator(inner)
         finally:

@@ -22,6 +22,7 @@ __all__ = [
     "POLL_S",
     "SKIPPED",
     "BackgroundIterator",
+    "IterStats",
     "ThreadPool",
     "close_iterator",
     "guard",
@@ -46,6 +47,46 @@ _END = object()
 
 SKIPPED = object()
 """What a `guard`ed function returns for an element whose computation raised."""
+
+
+class IterStats:
+    """Counters of one iterator tree (`IterContext.stats`), which `iter(ds)`'s
+    iterator reports in `stats()`. Thread-safe.
+
+    Attributes:
+        errors_ignored: Elements skipped by `ignore_errors` because computing them
+            raised.
+    """
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self.errors_ignored = 0  # guarded by self._mu
+        # stats() of data service reads in the tree, oldest first; guarded by self._mu
+        self._sources: list[Callable[[], dict[str, Any]]] = []
+
+    def add_error_ignored(self) -> None:
+        with self._mu:
+            self.errors_ignored += 1
+
+    def add_source(self, stats: Callable[[], dict[str, Any]]) -> None:
+        """Adds the `stats()` of an iterator in the tree that reads from elsewhere (a
+        data service read: one per epoch under a `repeat`)."""
+        with self._mu:
+            self._sources.append(stats)
+
+    def as_dict(self) -> dict[str, Any]:
+        """`errors_ignored` here plus every source's; the other keys are the latest
+        source's (a data service read's `elements`, `workers`, ...)."""
+        with self._mu:
+            sources = list(self._sources)
+            out: dict[str, Any] = {}
+            total = self.errors_ignored
+        for stats in sources:
+            d = dict(stats())
+            total += int(d.pop("errors_ignored", 0))
+            out.update(d)
+        out["errors_ignored"] = total
+        return out
 
 
 def guard(

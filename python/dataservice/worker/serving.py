@@ -194,8 +194,8 @@ class ElementServing:
             return pb.GetElementsResponse()
         if not request.consumer_key:
             read = self._read(source, request, deadline)
-            reply = self._encoded(read, request)
-            return self._response(reply, request, True, source.errors_ignored)
+            encoded = self._encoded(read, request)
+            return self._response(encoded, request, True, source.errors_ignored)
         turn = source.runner.unacked.begin(
             request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
         )

@@ -287,3 +287,22 @@ def test_ignore_errors_cardinality_and_no_stats_without_it():
         values(Dataset.range(3).map(flaky))  # no ignore_errors: raised as before
     with pytest.raises(TypeError, match="log_warning must be a bool"):
         Dataset.range(3).ignore_errors("yes")
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_ignore_errors_in_interleave_functions_and_bodies(parallel):
+    def body(x):
+        if int(x) == 2:
+            raise KeyError("no body for 2")
+
+        # from_generator: its failure ends that body (a source's error)
+        def gen():
+            yield int(x) * 10
+            raise OSError("body broke")
+
+        return Dataset.from_generator(gen)
+
+    ds = Dataset.range(4).interleave(body, cycle_length=2, num_parallel_calls=parallel)
+    it = iter(ds.ignore_errors())
+    assert sorted(values(it)) == [0, 10, 30]
+    assert it.stats()["errors_ignored"] == 1 + 3

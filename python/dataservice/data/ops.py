@@ -354,8 +354,14 @@ class InterleaveDataset(_UnaryDataset):
             return iter(()) if inner is SKIPPED else inner
 
         parallel = parallelism(self._num_parallel_calls, "interleave") > 1
+        sink = ctx.error_sink
         return interleave(
-            self._input._make_iterator(ctx), open_fn, cycle_length, self._block_length, parallel
+            self._input._make_iterator(ctx),
+            open_fn,
+            cycle_length,
+            self._block_length,
+            parallel,
+            None if sink is None else (lambda err: sink("interleave", err)),
         )
 
 

@@ -300,12 +300,14 @@ def interleave(
     cycle_length: int,
     block_length: int,
     parallel: bool,
+    on_error: Callable[[BaseException], None] | None = None,
 ) -> Iterator[Element]:
     """tf.data's interleave order: `block_length` elements from each of `cycle_length`
     open iterators in turn; an exhausted one is replaced by the next input's in its slot.
 
     With `parallel`, each open slot's iterator runs ahead in its own daemon thread; the
-    output order is the same.
+    output order is the same. With `on_error` (`ignore_errors`), an open iterator that
+    raises an `Exception` is reported to it and ends there, as if exhausted.
 
     Source: tensorflow/core/kernels/data/interleave_dataset_op.cc (GetNextInternal).
     """
@@ -320,7 +322,15 @@ def interleave(
             if current is not None:
                 try:
                     element = next(current)
+                    ended = False
                 except StopIteration:
+                    ended = True
+                except Exception as err:
+                    if on_error is None:
+                        raise
+                    on_error(err)
+                    ended = True
+                if ended:
                     close_iterator(current)
                     slots[cycle_index] = None
                     num_open -= 1

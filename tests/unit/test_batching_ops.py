@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from dataservice import Dataset, TensorSpec
-from dataservice.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, fingerprint
-from dataservice.data.batching_ops import DatasetSpec
+from dataservice.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, DatasetSpec, fingerprint
 from dataservice.errors import InvalidArgumentError
 from tests.conftest import values
 

@@ -55,8 +55,14 @@ def read(dataset, cluster, mode, **kw) -> tuple[list, dict]:
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_unbatch_rebatch_window_through_the_service(cluster2, mode):
     n = copies(mode)
-    got, _ = read(D.range(40).batch(3).unbatch(), cluster2, mode)
+    unbatched = D.range(40).batch(3).unbatch()
+    got, _ = read(unbatched, cluster2, mode)
     assert Counter(got) == Counter(list(range(40)) * n)
+    assert dist(unbatched, cluster2, mode).element_spec == ds.TensorSpec((), np.int64)
+    rebatched = D.range(40).batch(4, drop_remainder=True).rebatch(2, drop_remainder=True)
+    assert dist(rebatched, cluster2, mode).element_spec == ds.TensorSpec((2,), np.int64)
+    assert dist(rebatched, cluster2, mode).cardinality() == ds.UNKNOWN_CARDINALITY
+    assert rebatched.cardinality() == 20
     got, _ = read(D.range(40).batch(3).rebatch(4), cluster2, mode)
     assert Counter(flat(got)) == Counter(list(range(40)) * n)
     # Only a worker's last batch may be short (none under OFF: 40 rows each).

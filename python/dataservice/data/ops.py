@@ -7,7 +7,10 @@ marker), each implementing the op surface described in dataset.py's docstring
 (`_make_iterator`, `_compute_cardinality`, `_static_element_spec`, split hooks), and the
 argument checks and calling conventions they share with the sources (`sources.py`):
 `as_index`, `parallelism`, `node_epoch_rng`. Threads are `runtime.py`'s. Walks and
-rewrites of a whole graph are in `graph.py` and `static_sharding.py`.
+rewrites of a whole graph are in `graph.py` and `static_sharding.py`. The other ops
+have modules by concern: `batching_ops.py` (unbatch, padded_batch, rebatch, window,
+bucket_by_sequence_length), `mixing_ops.py` (sample/choose_from_datasets),
+`cache_ops.py`, `error_ops.py` (ignore_errors).
 
 Op classes are pickled by reference (module path `dataservice.data.ops`) with the
 pipeline, so a worker needs this same module layout, i.e. the same version; pipelines

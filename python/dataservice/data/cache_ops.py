@@ -17,7 +17,9 @@ The rules that keep a cache whole (tf.data's):
   (its host and pid) says so. tf.data raises `AlreadyExistsError` for a second
   writer; here the second iterator reads its input without caching (logging a
   WARNING once), so several workers of one host can share a path. A lockfile whose
-  process is gone (it crashed) is removed by the next writer.
+  process is gone (it crashed) is removed by the next writer on its host, with that
+  process's temporary file; one written on another host is never taken for stale
+  (delete it by hand if its writer is gone).
 * A complete `<filename>.data` is used as it is, whatever the input is now: delete it
   to rebuild the cache. A damaged one (truncated, not a cache) raises `DataLossError`.
 * Elements are written with pickle (protocol 5): read only caches you wrote.
@@ -35,6 +37,7 @@ put the cache in the OFF-sharded pipeline, or below the service, to have one.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import logging
 import os
@@ -189,10 +192,11 @@ class CacheDataset(_UnaryDataset):
                         self._filename,
                         owner[1],
                     )
-                    try:
-                        os.unlink(self.lock_path)
-                    except FileNotFoundError:
-                        pass
+                    for path in [self.lock_path, *glob.glob(f"{self.data_path}.tmp-{owner[1]}-*")]:
+                        try:
+                            os.unlink(path)
+                        except FileNotFoundError:
+                            pass
                     continue
                 self._warn_once(
                     "locked",

@@ -114,6 +114,8 @@ class IterContext:
             `split_sources=(split_source,)`.
         peek: See the attribute.
         split_sources: See the attribute. Give either this or `split_source`.
+        stats: See the attribute.
+        error_sink: See the attribute.
 
     Attributes:
         split_sources: None to enumerate sources normally. Otherwise one object per
@@ -126,6 +128,12 @@ class IterContext:
             compute `element_spec`): seeded shuffles then do not use up an epoch, so
             asking for the spec does not change later orders. A dataset reading from
             elsewhere (e.g. a data service) may refuse to be peeked.
+        stats: The counters of the whole iterator tree (`IterStats`), or None:
+            `ignore_errors` counts what it skipped there, and a data service read
+            adds its `stats()`. Kept for user datasets and every input.
+        error_sink: Set by `ignore_errors` for its input subtree (error_ops.py):
+            `error_sink(op_name, error)` takes an exception an element-wise user
+            function raised, and that element is skipped. None: exceptions propagate.
 
     Raises:
         ValueError: Both `split_source` and a different `split_sources` were given.

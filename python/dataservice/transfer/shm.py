@@ -464,13 +464,14 @@ class ShmTransferClient(base.TransferClient):
                 except OSError:
                     pass
         error = reply.get("error")
+        ignored = int(reply.get("errors_ignored") or 0)
         if error:
             self._error = errors.RemoteErrorInfo.from_frame(*error).to_exception(address)
             if not out:
                 raise self._error
-            return base.ElementsResult(out, nbytes, False, self.worker_uid)
+            return base.ElementsResult(out, nbytes, False, self.worker_uid, ignored)
         self._end = bool(reply.get("end")) and not out
-        return base.ElementsResult(out, nbytes, self._end, self.worker_uid)
+        return base.ElementsResult(out, nbytes, self._end, self.worker_uid, ignored)
 
     def _after_death(self, out: list[Any], nbytes: int) -> base.ElementsResult:
         """The worker side is gone: hand out what it published, then UnavailableError."""

@@ -164,7 +164,7 @@ class _Connection:
             slot = window.attach()
             if slot is not None:
                 try:
-                    self._serve_window(window, trainer_id, slot)
+                    self._serve_window(window, trainer_id, slot, source)
                 finally:
                     window.detach(slot)
                 return
@@ -187,7 +187,9 @@ class _Connection:
         self.ring.set_peer(self._sock.fileno(), peer_pid)
         self._produce(source)
 
-    def _serve_window(self, window: TrainerWindow, trainer_id: str, slot: int) -> None:
+    def _serve_window(
+        self, window: TrainerWindow, trainer_id: str, slot: int, source: base.ElementSource
+    ) -> None:
         """Serves a same-host trainer from the cache's shared window: the handshake
         hands over the segment's memfd and hold slot `slot`; each request is answered
         with the frames to read (position, count, first element's index, the specs and
@@ -225,7 +227,9 @@ class _Connection:
                     return
                 if window.closed:  # the task stopped: the trainer learns it reconnecting
                     return
-                generation = self._serve_window_request(window, slot, generation, known_specs, data)
+                generation = self._serve_window_request(
+                    window, slot, generation, known_specs, data, source
+                )
         finally:
             # Gone before acknowledging its last read: its trainer reads them again.
             if self._unacked_read is not None and not self._server.stopping:
@@ -239,9 +243,11 @@ class _Connection:
         generation: int,
         known_specs: set[int],
         data: bytes,
+        source: base.ElementSource,
     ) -> int:
         """Answers one window request (the read stays `_unacked_read` until the
-        trainer acknowledges it); returns the segment generation the trainer knows."""
+        trainer acknowledges it, the reply carries the task's `errors_ignored` after
+        the read); returns the segment generation the trainer knows."""
         _, want, max_bytes, timeout_ms = REQUEST.unpack(data)
         window.ungrant(slot)  # a new request: the last reply is done with too
         got = window.read(
@@ -252,6 +258,7 @@ class _Connection:
             "n": 0,
             "end": got.end_of_sequence,
             "error": list(error.to_frame()) if error else None,
+            "errors_ignored": source.errors_ignored,
         }
         fds = []
         read = got.frames

@@ -35,6 +35,16 @@ def test_unbatch_inverts_batch_of_nested_elements():
     assert all(type(e["s"]) is str and type(e["b"]) is bytes for e in got)
 
 
+def test_unbatch_tf_example_of_ragged_batches():
+    # tf.data's docs: [[1, 2, 3], [1, 2], [1, 2, 3, 4]] unbatched.
+    rows = [np.array(r, np.int64) for r in ([1, 2, 3], [1, 2], [1, 2, 3, 4])]
+    ds = Dataset.from_generator(
+        lambda: iter(rows), output_signature=TensorSpec((None,), np.int64)
+    ).unbatch()
+    assert values(ds) == [1, 2, 3, 1, 2, 1, 2, 3, 4]
+    assert ds.element_spec == TensorSpec((), np.int64)
+
+
 def test_unbatch_rows_are_copies_not_views():
     batch = np.arange(6).reshape(2, 3)
     rows = list(Dataset.from_tensors(batch).unbatch())

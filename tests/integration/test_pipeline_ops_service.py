@@ -8,7 +8,9 @@ and `ignore_errors`'s skipped elements reach the consumer's `stats()`."""
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from tests.conftest import to_py, values
 from tests.integration.modes_common import DYNAMIC, OFF, cached, dist
 
 D = ds.Dataset
+README = Path(__file__).resolve().parents[2] / "README.md"
 MODES = [OFF, DYNAMIC]
 pytestmark = pytest.mark.timeout(120)
 
@@ -227,3 +230,12 @@ def test_ignore_errors_counted_through_the_cross_trainer_cache(cluster, protocol
     # Errors at 3, 8, ..., 28 come before these elements; the worker may have run ahead.
     assert it.stats()["errors_ignored"] >= 6
     it.close()
+
+
+def test_readme_pipeline_ops_example_runs():
+    """README.md's "Pipeline ops" example (a `py` block) runs as written."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Pipeline ops") :]
+    section = section[: section.index("\n## ", 1)]
+    (block,) = re.findall(r"```py\n(.*?)```", section, re.DOTALL)
+    exec(compile(block, "README.md Pipeline ops block", "exec"), {})

@@ -265,7 +265,7 @@ def test_shm_consumer_gone_mid_read_leaves_what_it_never_took_to_the_others(make
         gone = shm.ShmTransferClient(endpoint)
         # One request for 5 elements; the consumer takes 2 of them, then goes away.
         gone._sock.send(shm.REQUEST.pack(b"G", 5, 1 << 20, 5000))
-        count, _ = shm.RESPONSE.unpack(gone._sock.recv(64))[1:]
+        count, _, _ = shm.RESPONSE.unpack(gone._sock.recv(64))[1:]
         assert count == 5
         taken: list[int] = []
         deadline = time.monotonic() + 10

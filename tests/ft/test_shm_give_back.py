@@ -52,7 +52,7 @@ def request(client: shm.ShmTransferClient, max_elements: int, timeout_ms: int = 
     """Sends one request; returns the reply header: (elements that follow, flags)."""
     client._sock.send(shm.REQUEST.pack(b"G", max_elements, 1 << 20, timeout_ms))
     client._sock.settimeout(timeout_ms / 1000 + 10)
-    _, count, flags = shm.RESPONSE.unpack(client._sock.recv(64))
+    _, count, flags, _ = shm.RESPONSE.unpack(client._sock.recv(64))
     return count, flags
 
 
@@ -149,7 +149,7 @@ from dataservice.transfer import base, shm
 task_id, address, want_taken = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 client = shm.ShmTransferClient(base.TaskEndpoint(task_id, address, address, ""))
 client._sock.send(shm.REQUEST.pack(b"G", 1000, 1 << 20, 5000))
-_, count, flags = shm.RESPONSE.unpack(client._sock.recv(64))
+_, count, flags, _ = shm.RESPONSE.unpack(client._sock.recv(64))
 taken = []
 while len(taken) < want_taken:
     got, _, _, _ = client._ring.get_many(want_taken - len(taken), 1000)

@@ -55,7 +55,8 @@ def _private_names_of_data_classes() -> set[str]:
     """The `_`-methods and `_`-class attributes of the pipeline node classes (the op
     surface of dataset.py's docstring, and each op's own helpers)."""
     names: set[str] = set()
-    for module in ("dataset.py", "ops.py", "sources.py"):
+    modules = ("dataset.py", "ops.py", "sources.py", "batching_ops.py", "mixing_ops.py")
+    for module in (*modules, "cache_ops.py", "error_ops.py"):
         tree = ast.parse((DATA / module).read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if not isinstance(node, ast.ClassDef):

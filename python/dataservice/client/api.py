@@ -400,7 +400,13 @@ class DistributedDataset(Dataset):
             if peek or self._cross_trainer_cache is None
             else self._cross_trainer_cache.trainer_id,
         )
-        return DataServiceIterator(options, dataset_id, repetition)
+        iterator = DataServiceIterator(options, dataset_id, repetition)
+        stats = getattr(ctx, "stats", None)
+        if stats is not None:
+            # An in-process iterator above this one (`ignore_errors` after the
+            # service) reports this read's stats() with its own.
+            stats.add_source(iterator.stats)
+        return iterator
 
 
 def _register(

@@ -195,6 +195,11 @@ class CoordinatedReads:
                 backoff.sleep(time.monotonic() + 0.5, self._stop)
                 continue
             unreachable_since = None
+            if result.errors_ignored:
+                with self._cv:
+                    key = (task_id, result.worker_uid)
+                    ignored = self.stats.errors_ignored
+                    ignored[key] = max(ignored.get(key, 0), result.errors_ignored)
             if result.elements:
                 slow.done(f"round {round_index} of {self._what_iteration()} arrived")
                 self._round += 1

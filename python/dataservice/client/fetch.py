@@ -292,6 +292,10 @@ class TaskFetching:
                         if state.worker_uid and starts_over:
                             self._drop_unconsumed_locked(state)
                         state.worker_uid = result.worker_uid
+                    if result.errors_ignored:
+                        key = (endpoint.task_id, result.worker_uid)
+                        ignored = self.stats.errors_ignored
+                        ignored[key] = max(ignored.get(key, 0), result.errors_ignored)
                     if result.elements:
                         count = len(result.elements)
                         key = (endpoint.task_id, result.worker_uid)

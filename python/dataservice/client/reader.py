@@ -673,7 +673,7 @@ class DataServiceIterator:
                                "elements_received": int,
                                "elements_lost": int | None}, ...],
              "splits_lost": int, "elements_lost": int | None,
-             "elements_not_yielded": int}
+             "elements_not_yielded": int, "errors_ignored": int}
 
             `lost_workers` lists each worker process the iteration lost,
             oldest first (the client also logs one WARNING for each). Under
@@ -688,7 +688,9 @@ class DataServiceIterator:
             the share of the epoch lost. `elements_not_yielded` counts elements
             a lost worker's fetch brought after the iteration had ended here
             (each batch also logs a WARNING); every other element received is
-            yielded.
+            yielded. `errors_ignored` sums the elements the pipeline's
+            `ignore_errors` skipped in the tasks this consumer read, as each
+            worker's last reply said (exact once the iteration ended here).
         """
         with self._reader._cv:
             return self._reader.stats_locked()

@@ -63,6 +63,9 @@ class ReadStats:
     lost: dict[tuple[str, str, int, int], LostWorker] = field(default_factory=dict)
     # elements a lost worker's fetch brought after the iteration ended here
     not_yielded: int = 0
+    # (task_id, worker_uid) -> elements `ignore_errors` skipped in that worker
+    # process's task, as its last reply here said (a running count)
+    errors_ignored: dict[tuple[int, str], int] = field(default_factory=dict)
     # time.monotonic() of the consumer's first next() (the consumer's thread sets it)
     first_next_at: float | None = None
     ended_at: float | None = None  # when next() raised StopIteration
@@ -216,6 +219,7 @@ class WorkerLossTracking:
                 else None
             ),
             "elements_not_yielded": s.not_yielded,
+            "errors_ignored": sum(s.errors_ignored.values()),
         }
 
     def _lost_lines_locked(self) -> list[str]:

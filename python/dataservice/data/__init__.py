@@ -5,6 +5,7 @@ docstring. The service (dispatcher, worker, client) walks and rewrites a pipelin
 through `graph.py` and `static_sharding.py`.
 """
 
+from dataservice.data.batching_ops import DatasetSpec
 from dataservice.data.dataset import (
     AUTOTUNE,
     INFINITE_CARDINALITY,
@@ -24,6 +25,7 @@ __all__ = [
     "INFINITE_CARDINALITY",
     "UNKNOWN_CARDINALITY",
     "Dataset",
+    "DatasetSpec",
     "IterContext",
     "ParquetDataset",
     "SplitProvider",

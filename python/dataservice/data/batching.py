@@ -15,7 +15,7 @@ from dataservice.data import structure
 from dataservice.data.structure import TensorSpec
 from dataservice.errors import InvalidArgumentError
 
-__all__ = ["batched_spec", "stack"]
+__all__ = ["batched_spec", "pad_stack", "stack"]
 
 
 def _stack_leaves(values: list[Any], component: int) -> Any:
@@ -91,3 +91,96 @@ def batched_spec(spec: Any, batch_dim: int | None) -> Any:
         return TensorSpec((batch_dim, *s.shape), dtype)
 
     return structure.map_structure(leaf, spec)
+
+
+def _default_padding(dtype: np.dtype[Any]) -> Any:
+    """tf.data's default padding value: 0 for numbers, "" for strings, b"" for bytes."""
+    if dtype.kind == "U":
+        return ""
+    if dtype.kind == "S":
+        return b""
+    if dtype.kind == "O":
+        return b""
+    return 0
+
+
+def pad_stack(
+    elements: list[Any],
+    padded_shapes: list[tuple[int | None, ...] | None],
+    padding_values: list[Any],
+) -> Any:
+    """Stacks a batch of elements leaf by leaf, padding each leaf to one shape
+    (`Dataset.padded_batch`).
+
+    Args:
+        elements: The batch, all with the first element's structure.
+        padded_shapes: Per leaf (flatten order): the shape to pad to, a None entry
+            meaning the largest size in this batch; None for the whole leaf: every
+            dimension to the batch's largest.
+        padding_values: Per leaf: the scalar to pad with, None for the default (0,
+            "" or b"").
+    Returns:
+        The batch: each leaf `dtype[len(elements), *padded shape]`.
+    Raises:
+        InvalidArgumentError: The structures differ, a leaf's ranks differ (or differ
+            from its padded shape's), a leaf is larger than its padded shape, or a
+            padding value does not fit the leaf's dtype.
+    """
+    first = elements[0]
+    flats = []
+    for e in elements:
+        structure.assert_same_structure(first, e)
+        flats.append(structure.flatten(e))
+    out = []
+    for j in range(len(flats[0])):
+        values = [f[j] for f in flats]
+        if not isinstance(values[0], np.ndarray) or values[0].ndim == 0:
+            out.append(_stack_leaves(values, j))  # scalars: nothing to pad
+            continue
+        arrays = [np.asarray(v) for v in values]
+        rank = arrays[0].ndim
+        for k, a in enumerate(arrays):
+            if a.ndim != rank:
+                raise InvalidArgumentError(
+                    f"Cannot pad component {j}: element 0 has rank {rank} and element {k} "
+                    f"has rank {a.ndim} (shapes {arrays[0].shape} and {a.shape})"
+                )
+        wanted = padded_shapes[j] or (None,) * rank
+        if len(wanted) != rank:
+            raise InvalidArgumentError(
+                f"padded_shapes: component {j} has rank {rank} (shape {arrays[0].shape}) "
+                f"but its padded shape {tuple(wanted)} has rank {len(wanted)}"
+            )
+        largest = [max(a.shape[d] for a in arrays) for d in range(rank)]
+        target = []
+        for d, (w, size) in enumerate(zip(wanted, largest, strict=True)):
+            if w is None:
+                target.append(size)
+            elif size > w:
+                raise InvalidArgumentError(
+                    f"Attempted to pad to a smaller size than the input element: component "
+                    f"{j} has size {size} in dimension {d}, its padded shape "
+                    f"{tuple(wanted)} says {w}"
+                )
+            else:
+                target.append(w)
+        dtype = np.result_type(*arrays) if arrays[0].dtype.kind in "US" else arrays[0].dtype
+        value = padding_values[j]
+        if value is None:
+            value = _default_padding(dtype)
+        try:
+            batch = np.full((len(arrays), *target), value, dtype=dtype)
+        except (TypeError, ValueError) as err:
+            raise InvalidArgumentError(
+                f"padding_values: {value!r} cannot pad component {j} of dtype {dtype}: {err}"
+            ) from None
+        for k, a in enumerate(arrays):
+            if a.dtype != dtype and a.dtype.kind not in "US":
+                raise InvalidArgumentError(
+                    f"Cannot batch component {j}: element 0 has dtype {dtype} and element "
+                    f"{k} has dtype {a.dtype}"
+                )
+            region: tuple[Any, ...] = (k, *(slice(0, s) for s in a.shape))
+            batch[region] = a
+        out.append(batch)
+    return structure.pack_sequence_as(first, out)

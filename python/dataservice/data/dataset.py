@@ -57,7 +57,9 @@ independent epochs). Iterators are for one consumer thread.
 
 Modules. The package `data/` is layered: `structure.py`, `arena.py`, `splits.py`,
 `runtime.py` (threads) and `batching.py` know nothing of `Dataset`; this module
-defines it; `ops.py` (transformations) and `sources.py` subclass it; `graph.py` (the
+defines it; `ops.py` (transformations) and `sources.py` subclass it, as do
+`batching_ops.py`, `mixing_ops.py`, `cache_ops.py` and `error_ops.py`, whose
+methods `Dataset` inherits from `ops_api.MoreOpsMixin`; `graph.py` (the
 walks and rewrites the service uses) and `static_sharding.py` sit on top. Because the
 op classes subclass `Dataset`, `ops.py` and `sources.py` import this module, so the
 constructors and transformation methods below import their op class when called
@@ -69,12 +71,14 @@ through `graph.py`, never through the `_`-names of this surface.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dataservice.data import structure
-from dataservice.data.runtime import close_iterator
+from dataservice.data.ops_api import MoreOpsMixin
+from dataservice.data.runtime import IterStats, close_iterator
 from dataservice.data.splits import SplitProvider, SplitSource
 from dataservice.errors import InvalidArgumentError
 
@@ -87,6 +91,7 @@ __all__ = [
     "UNKNOWN_CARDINALITY",
     "Dataset",
     "IterContext",
+    "IterStats",
 ]
 
 AUTOTUNE = -1
@@ -109,6 +114,8 @@ class IterContext:
             `split_sources=(split_source,)`.
         peek: See the attribute.
         split_sources: See the attribute. Give either this or `split_source`.
+        stats: See the attribute.
+        error_sink: See the attribute.
 
     Attributes:
         split_sources: None to enumerate sources normally. Otherwise one object per
@@ -121,6 +128,12 @@ class IterContext:
             compute `element_spec`): seeded shuffles then do not use up an epoch, so
             asking for the spec does not change later orders. A dataset reading from
             elsewhere (e.g. a data service) may refuse to be peeked.
+        stats: The counters of the whole iterator tree (`IterStats`), or None:
+            `ignore_errors` counts what it skipped there, and a data service read
+            adds its `stats()`. Kept for user datasets and every input.
+        error_sink: Set by `ignore_errors` for its input subtree (error_ops.py):
+            `error_sink(op_name, error)` takes an exception an element-wise user
+            function raised, and that element is skipped. None: exceptions propagate.
 
     Raises:
         ValueError: Both `split_source` and a different `split_sources` were given.
@@ -128,12 +141,16 @@ class IterContext:
 
     split_sources: tuple[SplitSource, ...] | None
     peek: bool
+    stats: IterStats | None
+    error_sink: Callable[[str, BaseException], None] | None
 
     def __init__(
         self,
         split_source: SplitSource | None = None,
         peek: bool = False,
         split_sources: tuple[SplitSource, ...] | None = None,
+        stats: IterStats | None = None,
+        error_sink: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         sources = None if split_sources is None else tuple(split_sources)
         if split_source is not None:
@@ -142,6 +159,8 @@ class IterContext:
             sources = (split_source,)
         object.__setattr__(self, "split_sources", sources or None)
         object.__setattr__(self, "peek", bool(peek))
+        object.__setattr__(self, "stats", stats)
+        object.__setattr__(self, "error_sink", error_sink)
 
     @property
     def split_source(self) -> SplitSource | None:
@@ -150,15 +169,20 @@ class IterContext:
 
     def with_split_sources(self, split_sources: tuple[SplitSource, ...] | None) -> IterContext:
         """This context with `split_sources` instead (None: enumerate normally)."""
-        return IterContext(peek=self.peek, split_sources=split_sources)
+        return dataclasses.replace(self, split_sources=split_sources)
 
     def for_user_dataset(self) -> IterContext:
         """The context for a dataset built by a user function (flat_map/interleave
-        bodies): never any split source."""
-        return IterContext(peek=self.peek)
+        bodies): never any split source (stats and error sink are kept)."""
+        return dataclasses.replace(self, split_sources=None)
+
+    def with_error_sink(self, sink: Callable[[str, BaseException], None] | None) -> IterContext:
+        """This context whose element-wise user functions report a raised exception
+        to `sink(op_name, error)` and skip that element (`ignore_errors`)."""
+        return dataclasses.replace(self, error_sink=sink)
 
 
-class Dataset:
+class Dataset(MoreOpsMixin):
     """A lazy, serialisable input pipeline whose elements are numpy values.
 
     Build one with the static constructors (`range`, `from_tensor_slices`,
@@ -386,8 +410,25 @@ class Dataset:
     # ------------------------------------------------------------ public surface
 
     def __iter__(self) -> Iterator[Element]:
-        """A fresh epoch. The iterator has `close()`; dropping it stops its threads."""
-        return self._make_iterator(IterContext())
+        """A fresh epoch. The iterator has `close()`; dropping it stops its threads.
+        For a pipeline with `ignore_errors` it also has `stats()`: a dict whose
+        `errors_ignored` counts the elements skipped so far (added to the service's
+        count when the pipeline reads from a data service)."""
+        stats = IterStats()
+        it = self._make_iterator(IterContext(stats=stats))
+        if not self._counts_errors():
+            return it
+        from dataservice.data.error_ops import StatsIterator  # see "Modules" above
+
+        return StatsIterator(it, stats)
+
+    def _counts_errors(self) -> bool:
+        """Whether this graph has an `ignore_errors` (cached: graphs are immutable)."""
+        cached = self.__dict__.get("_t_counts_errors")
+        if cached is None:
+            cached = any(d._op_name == "ignore_errors" for d in self._walk())
+            self.__dict__["_t_counts_errors"] = cached
+        return bool(cached)
 
     def as_numpy_iterator(self) -> Iterator[Element]:
         """Same as `iter(self)` (elements are numpy values already); for tf.data users."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dataservice.data.dataset import Dataset, IterContext
+from dataservice.data.dataset import Dataset, IterContext, IterStats
 from dataservice.data.ops import AllowPickledElementsDataset, ShardDataset
 from dataservice.data.parquet import ParquetDataset
 from dataservice.data.sources import ListFilesDataset, TFRecordDataset
@@ -39,6 +39,7 @@ __all__ = [
     "file_sources",
     "make_iterator",
     "map_graph",
+    "new_iter_stats",
     "num_split_sources",
     "op_name",
     "source_files",
@@ -139,13 +140,22 @@ def split_providers(dataset: Dataset, seed: int | None) -> list[SplitProvider]:
     return dataset._split_providers(seed)
 
 
+def new_iter_stats() -> IterStats:
+    """Counters for `make_iterator(..., stats=...)`: `errors_ignored` (elements
+    `ignore_errors` skipped), thread-safe to read while the pipeline runs."""
+    return IterStats()
+
+
 def make_iterator(
-    dataset: Dataset, split_sources: tuple[SplitSource, ...] | None = None
+    dataset: Dataset,
+    split_sources: tuple[SplitSource, ...] | None = None,
+    stats: IterStats | None = None,
 ) -> Iterator[Any]:
     """A fresh iterator over one epoch of `dataset`. With `split_sources` (one per
     splittable source, in split-source order, each with `get_next() -> split | None`)
     the k-th source reads the splits `split_sources[k]` hands out instead of
-    enumerating itself: a worker's side of DYNAMIC sharding.
+    enumerating itself: a worker's side of DYNAMIC sharding. `stats` (from
+    `new_iter_stats`) counts what the pipeline skipped (`ignore_errors`).
 
     The iterator has `close()`; closing or dropping it stops the threads it started.
 
@@ -153,7 +163,7 @@ def make_iterator(
         InvalidArgumentError: (when iterated) `split_sources` does not have one entry
             per splittable source.
     """
-    return dataset._make_iterator(IterContext(split_sources=split_sources))
+    return dataset._make_iterator(IterContext(split_sources=split_sources, stats=stats))
 
 
 def static_element_spec(dataset: Dataset) -> Any:

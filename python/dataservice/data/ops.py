@@ -7,7 +7,10 @@ marker), each implementing the op surface described in dataset.py's docstring
 (`_make_iterator`, `_compute_cardinality`, `_static_element_spec`, split hooks), and the
 argument checks and calling conventions they share with the sources (`sources.py`):
 `as_index`, `parallelism`, `node_epoch_rng`. Threads are `runtime.py`'s. Walks and
-rewrites of a whole graph are in `graph.py` and `static_sharding.py`.
+rewrites of a whole graph are in `graph.py` and `static_sharding.py`. The other ops
+have modules by concern: `batching_ops.py` (unbatch, padded_batch, rebatch, window,
+bucket_by_sequence_length), `mixing_ops.py` (sample/choose_from_datasets),
+`cache_ops.py`, `error_ops.py` (ignore_errors).
 
 Op classes are pickled by reference (module path `dataservice.data.ops`) with the
 pipeline, so a worker needs this same module layout, i.e. the same version; pipelines
@@ -37,7 +40,14 @@ from dataservice.data.dataset import (
     Element,
     IterContext,
 )
-from dataservice.data.runtime import BackgroundIterator, close_iterator, interleave, parallel_map
+from dataservice.data.runtime import (
+    SKIPPED,
+    BackgroundIterator,
+    close_iterator,
+    guard,
+    interleave,
+    parallel_map,
+)
 from dataservice.data.splits import RepeatSplitProvider, SplitProvider, epoch_rng
 from dataservice.data.structure import TensorSpec, normalize_element
 from dataservice.errors import InvalidArgumentError
@@ -206,21 +216,26 @@ class MapDataset(_UnaryDataset):
         n = parallelism(self._num_parallel_calls, "map")
         fn = self._fn
 
-        def apply(element: Element) -> Element:
+        def call(element: Element) -> Element:
             return normalize_element(_call(fn, element))
 
+        apply = guard(call, ctx.error_sink, "map")
         source = self._input._make_iterator(ctx)
         if n > 1:
-            return parallel_map(source, apply, n, self._deterministic)
+            out = parallel_map(source, apply, n, self._deterministic)
+            return out if ctx.error_sink is None else self._sequential(out, None)
         return self._sequential(source, apply)
 
     @staticmethod
     def _sequential(
-        source: Iterator[Element], apply: Callable[[Element], Element]
+        source: Iterator[Element], apply: Callable[[Element], Element] | None
     ) -> Iterator[Element]:
+        """`apply` over `source` (None: as they are), less `SKIPPED` results."""
         try:
             for element in source:
-                yield apply(element)
+                out = element if apply is None else apply(element)
+                if out is not SKIPPED:
+                    yield out
         finally:
             close_iterator(source)
 
@@ -240,9 +255,10 @@ class FilterDataset(_UnaryDataset):
     def _make_iterator(self, ctx: IterContext) -> Iterator[Element]:
         source = self._input._make_iterator(ctx)
         predicate = self._predicate
+        keep = guard(lambda e: _as_bool(_call(predicate, e), "filter"), ctx.error_sink, "filter")
         try:
             for element in source:
-                if _as_bool(_call(predicate, element), "filter"):
+                if keep(element) is True:
                     yield element
         finally:
             close_iterator(source)
@@ -267,11 +283,22 @@ class FlatMapDataset(_UnaryDataset):
         source = self._input._make_iterator(ctx)
         fn = self._fn
         user_ctx = ctx.for_user_dataset()
+        open_fn = guard(
+            lambda e: _as_dataset(_call(fn, e), "flat_map")._make_iterator(user_ctx),
+            ctx.error_sink,
+            "flat_map",
+        )
         try:
             for element in source:
-                inner = _as_dataset(_call(fn, element), "flat_map")._make_iterator(user_ctx)
+                inner = open_fn(element)
+                if inner is SKIPPED:
+                    continue
                 try:
                     yield from inner
+                except Exception as err:
+                    if ctx.error_sink is None:
+                        raise
+                    ctx.error_sink("flat_map", err)  # ignore_errors: that body ends
                 finally:
                     close_iterator(inner)
         finally:
@@ -320,12 +347,24 @@ class InterleaveDataset(_UnaryDataset):
         fn = self._fn
         user_ctx = ctx.for_user_dataset()
 
-        def open_fn(element: Element) -> Iterator[Element]:
+        def open_dataset(element: Element) -> Iterator[Element]:
             return _as_dataset(_call(fn, element), "interleave")._make_iterator(user_ctx)
 
+        guarded = guard(open_dataset, ctx.error_sink, "interleave")
+
+        def open_fn(element: Element) -> Iterator[Element]:
+            inner = guarded(element)
+            return iter(()) if inner is SKIPPED else inner
+
         parallel = parallelism(self._num_parallel_calls, "interleave") > 1
+        sink = ctx.error_sink
         return interleave(
-            self._input._make_iterator(ctx), open_fn, cycle_length, self._block_length, parallel
+            self._input._make_iterator(ctx),
+            open_fn,
+            cycle_length,
+            self._block_length,
+            parallel,
+            None if sink is None else (lambda err: sink("interleave", err)),
         )
 
 

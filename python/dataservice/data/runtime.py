@@ -20,9 +20,12 @@ from typing import Any
 
 __all__ = [
     "POLL_S",
+    "SKIPPED",
     "BackgroundIterator",
+    "IterStats",
     "ThreadPool",
     "close_iterator",
+    "guard",
     "interleave",
     "parallel_map",
 ]
@@ -41,6 +44,67 @@ def close_iterator(it: object) -> None:
 
 
 _END = object()
+
+SKIPPED = object()
+"""What a `guard`ed function returns for an element whose computation raised."""
+
+
+class IterStats:
+    """Counters of one iterator tree (`IterContext.stats`), which `iter(ds)`'s
+    iterator reports in `stats()`. Thread-safe.
+
+    Attributes:
+        errors_ignored: Elements skipped by `ignore_errors` because computing them
+            raised.
+    """
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self.errors_ignored = 0  # guarded by self._mu
+        # stats() of data service reads in the tree, oldest first; guarded by self._mu
+        self._sources: list[Callable[[], dict[str, Any]]] = []
+
+    def add_error_ignored(self) -> None:
+        with self._mu:
+            self.errors_ignored += 1
+
+    def add_source(self, stats: Callable[[], dict[str, Any]]) -> None:
+        """Adds the `stats()` of an iterator in the tree that reads from elsewhere (a
+        data service read: one per epoch under a `repeat`)."""
+        with self._mu:
+            self._sources.append(stats)
+
+    def as_dict(self) -> dict[str, Any]:
+        """`errors_ignored` here plus every source's; the other keys are the latest
+        source's (a data service read's `elements`, `workers`, ...)."""
+        with self._mu:
+            sources = list(self._sources)
+            out: dict[str, Any] = {}
+            total = self.errors_ignored
+        for stats in sources:
+            d = dict(stats())
+            total += int(d.pop("errors_ignored", 0))
+            out.update(d)
+        out["errors_ignored"] = total
+        return out
+
+
+def guard(
+    fn: Callable[[Any], Any], sink: Callable[[str, BaseException], None] | None, op: str
+) -> Callable[[Any], Any]:
+    """`fn` as it is when `sink` is None; otherwise `fn` whose `Exception` is reported
+    to `sink(op, error)` and turned into `SKIPPED` (`ignore_errors`, error_ops.py)."""
+    if sink is None:
+        return fn
+
+    def guarded(element: Any) -> Any:
+        try:
+            return fn(element)
+        except Exception as err:
+            sink(op, err)
+            return SKIPPED
+
+    return guarded
 
 
 class _Raised:
@@ -236,12 +300,14 @@ def interleave(
     cycle_length: int,
     block_length: int,
     parallel: bool,
+    on_error: Callable[[BaseException], None] | None = None,
 ) -> Iterator[Element]:
     """tf.data's interleave order: `block_length` elements from each of `cycle_length`
     open iterators in turn; an exhausted one is replaced by the next input's in its slot.
 
     With `parallel`, each open slot's iterator runs ahead in its own daemon thread; the
-    output order is the same.
+    output order is the same. With `on_error` (`ignore_errors`), an open iterator that
+    raises an `Exception` is reported to it and ends there, as if exhausted.
 
     Source: tensorflow/core/kernels/data/interleave_dataset_op.cc (GetNextInternal).
     """
@@ -256,7 +322,15 @@ def interleave(
             if current is not None:
                 try:
                     element = next(current)
+                    ended = False
                 except StopIteration:
+                    ended = True
+                except Exception as err:
+                    if on_error is None:
+                        raise
+                    on_error(err)
+                    ended = True
+                if ended:
                     close_iterator(current)
                     slots[cycle_index] = None
                     num_open -= 1

@@ -42,12 +42,16 @@ class ElementsResult:
         end_of_sequence: The task has no more elements.
         worker_uid: The serving worker process's id ("" if the protocol does not
             say): when it changes, the worker restarted and the task started over.
+        errors_ignored: The task's count of elements `ignore_errors` skipped on that
+            worker process so far (`ElementSource.errors_ignored`; 0 if the
+            protocol does not say).
     """
 
     elements: list[Any]
     nbytes: int
     end_of_sequence: bool
     worker_uid: str = ""
+    errors_ignored: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +129,13 @@ class ElementSource(abc.ABC):
         connection ended before it acknowledged the last `count` elements of this
         source's last `read`; a trainer's cross-trainer cache read then hands them
         to that trainer's next read. Default: nothing (a round's element is kept)."""
+
+    @property
+    def errors_ignored(self) -> int:
+        """Elements the task's pipeline skipped so far (`ignore_errors`): read after
+        a read, the count its reply carries; final once the read ended the stream.
+        Default: 0."""
+        return 0
 
     @property
     def stopped(self) -> bool:

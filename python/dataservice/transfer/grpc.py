@@ -288,8 +288,16 @@ class GrpcTransferClient(base.TransferClient):
             if not elements:
                 raise self._error
             # The elements produced before the failure come first, as over shm.
-            return base.ElementsResult(elements, nbytes, False, response.worker_uid)
-        return base.ElementsResult(elements, nbytes, response.end_of_sequence, response.worker_uid)
+            return base.ElementsResult(
+                elements, nbytes, False, response.worker_uid, response.errors_ignored
+            )
+        return base.ElementsResult(
+            elements,
+            nbytes,
+            response.end_of_sequence,
+            response.worker_uid,
+            response.errors_ignored,
+        )
 
     def _reply_arrived(self, attempt: _Attempt, message_bytes: int | None) -> None:
         """A reply arrived whole: messages grow back (doubling) if they came in under a

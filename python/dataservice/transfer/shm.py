@@ -92,8 +92,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 """Longest wait (s) for the handshake's messages, and for the worker to send a reply."""
 REQUEST = struct.Struct("<cQQI")
 """A client's request: b"G", max elements, max bytes, timeout (ms)."""
-RESPONSE = struct.Struct("<cQB")
-"""The worker's ring reply: b"R", elements that follow in the ring, flags."""
+RESPONSE = struct.Struct("<cQBQ")
+"""The worker's ring reply: b"R", elements that follow in the ring, flags, and the
+task's `ElementSource.errors_ignored` after the read."""
 END_FLAG = 1
 """RESPONSE flag: an END frame follows the elements."""
 ERROR_FLAG = 2
@@ -383,7 +384,7 @@ class ShmTransferClient(base.TransferClient):
             reply = b""
         if len(reply) != RESPONSE.size:
             return self._after_death([], 0)
-        _, count, flags = RESPONSE.unpack(reply)
+        _, count, flags, errors_ignored = RESPONSE.unpack(reply)
         out: list[Any] = []
         nbytes = 0
         while len(out) < count:
@@ -399,7 +400,7 @@ class ShmTransferClient(base.TransferClient):
                 )
                 if not out:
                     raise self._error
-                return base.ElementsResult(out, nbytes, False, self.worker_uid)
+                return base.ElementsResult(out, nbytes, False, self.worker_uid, errors_ignored)
         end = False
         if flags & (END_FLAG | ERROR_FLAG):
             try:
@@ -413,7 +414,7 @@ class ShmTransferClient(base.TransferClient):
                 if not out:
                     raise self._error
             self._end = end
-        return base.ElementsResult(out, nbytes, end, self.worker_uid)
+        return base.ElementsResult(out, nbytes, end, self.worker_uid, errors_ignored)
 
     def _get_window_elements(
         self, max_elements: int, max_bytes: int, timeout_s: float, timeout_ms: int
@@ -463,13 +464,14 @@ class ShmTransferClient(base.TransferClient):
                 except OSError:
                     pass
         error = reply.get("error")
+        ignored = int(reply.get("errors_ignored") or 0)
         if error:
             self._error = errors.RemoteErrorInfo.from_frame(*error).to_exception(address)
             if not out:
                 raise self._error
-            return base.ElementsResult(out, nbytes, False, self.worker_uid)
+            return base.ElementsResult(out, nbytes, False, self.worker_uid, ignored)
         self._end = bool(reply.get("end")) and not out
-        return base.ElementsResult(out, nbytes, self._end, self.worker_uid)
+        return base.ElementsResult(out, nbytes, self._end, self.worker_uid, ignored)
 
     def _after_death(self, out: list[Any], nbytes: int) -> base.ElementsResult:
         """The worker side is gone: hand out what it published, then UnavailableError."""

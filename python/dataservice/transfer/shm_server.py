@@ -164,7 +164,7 @@ class _Connection:
             slot = window.attach()
             if slot is not None:
                 try:
-                    self._serve_window(window, trainer_id, slot)
+                    self._serve_window(window, trainer_id, slot, source)
                 finally:
                     window.detach(slot)
                 return
@@ -187,7 +187,9 @@ class _Connection:
         self.ring.set_peer(self._sock.fileno(), peer_pid)
         self._produce(source)
 
-    def _serve_window(self, window: TrainerWindow, trainer_id: str, slot: int) -> None:
+    def _serve_window(
+        self, window: TrainerWindow, trainer_id: str, slot: int, source: base.ElementSource
+    ) -> None:
         """Serves a same-host trainer from the cache's shared window: the handshake
         hands over the segment's memfd and hold slot `slot`; each request is answered
         with the frames to read (position, count, first element's index, the specs and
@@ -225,7 +227,9 @@ class _Connection:
                     return
                 if window.closed:  # the task stopped: the trainer learns it reconnecting
                     return
-                generation = self._serve_window_request(window, slot, generation, known_specs, data)
+                generation = self._serve_window_request(
+                    window, slot, generation, known_specs, data, source
+                )
         finally:
             # Gone before acknowledging its last read: its trainer reads them again.
             if self._unacked_read is not None and not self._server.stopping:
@@ -239,9 +243,11 @@ class _Connection:
         generation: int,
         known_specs: set[int],
         data: bytes,
+        source: base.ElementSource,
     ) -> int:
         """Answers one window request (the read stays `_unacked_read` until the
-        trainer acknowledges it); returns the segment generation the trainer knows."""
+        trainer acknowledges it, the reply carries the task's `errors_ignored` after
+        the read); returns the segment generation the trainer knows."""
         _, want, max_bytes, timeout_ms = REQUEST.unpack(data)
         window.ungrant(slot)  # a new request: the last reply is done with too
         got = window.read(
@@ -252,6 +258,7 @@ class _Connection:
             "n": 0,
             "end": got.end_of_sequence,
             "error": list(error.to_frame()) if error else None,
+            "errors_ignored": source.errors_ignored,
         }
         fds = []
         read = got.frames
@@ -368,7 +375,7 @@ class _Connection:
             read = source.read_holding_end(max(1, want), max_bytes, timeout_ms / 1000)
             go_on = False
             try:
-                go_on = self._send_reply(read)
+                go_on = self._send_reply(read, source.errors_ignored)
             finally:
                 if read.end_held:
                     # What the consumer did not take goes back before the others' end.
@@ -378,7 +385,7 @@ class _Connection:
             if not go_on:
                 return
 
-    def _send_reply(self, read: base.TaskRead) -> bool:
+    def _send_reply(self, read: base.TaskRead, errors_ignored: int = 0) -> bool:
         """Announces `read` on the socket and writes its elements (then END or ERROR)
         into the ring; after the stream's last reply, waits for the consumer to take
         it (`_await_final_take`). Returns whether the connection serves on (False:
@@ -387,7 +394,7 @@ class _Connection:
         flags = (END_FLAG if end and error is None else 0) | (ERROR_FLAG if error else 0)
         self._reply_elements, self._reply_first = elements, self._written
         self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        self._sock.send(RESPONSE.pack(b"R", len(elements), flags))
+        self._sock.send(RESPONSE.pack(b"R", len(elements), flags, errors_ignored))
         on_sent = self._server.host.on_sent
         ring = self.ring
         bytes_before = ring.stats()["bytes"] if on_sent is not None and elements else 0

@@ -643,10 +643,11 @@ class WorkerServer(ElementServing):
                 dataset = apply_static_sharding(
                     dataset, policy, task.num_workers, task.worker_index
                 )
+            sources = None
             if policy == ShardingPolicy.DYNAMIC:
                 sources = split_sources(self, task, graph.num_split_sources(dataset))
-                return graph.make_iterator(dataset, split_sources=sources)
-            return iter(dataset)
+            runner.iter_stats = graph.new_iter_stats()
+            return graph.make_iterator(dataset, split_sources=sources, stats=runner.iter_stats)
 
         cache_bytes = (
             self._config.cross_trainer_cache_size_bytes or DEFAULT_CROSS_TRAINER_CACHE_BYTES

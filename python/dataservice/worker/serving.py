@@ -156,9 +156,14 @@ class ElementServing:
                 return TaskRead(read.elements)
         return read
 
-    def _response(self, reply: Reply | None, request: Any, with_elements: bool) -> Any:
-        """The GetElementsResponse of `reply` (None: no element ready, nothing to say)."""
-        response = pb.GetElementsResponse(worker_uid=self._uid, sequence=request.sequence)
+    def _response(
+        self, reply: Reply | None, request: Any, with_elements: bool, errors_ignored: int = 0
+    ) -> Any:
+        """The GetElementsResponse of `reply` (None: no element ready, nothing to say),
+        with the task's `errors_ignored` count as read after the reply's elements."""
+        response = pb.GetElementsResponse(
+            worker_uid=self._uid, sequence=request.sequence, errors_ignored=errors_ignored
+        )
         if reply is None:
             return response
         if reply.elements:  # sent now (again, for a retry's replay)
@@ -193,7 +198,8 @@ class ElementServing:
             return pb.GetElementsResponse()
         if not request.consumer_key:
             read = self._read(source, request, deadline)
-            return self._response(self._encoded(read, request), request, True)
+            encoded = self._encoded(read, request)
+            return self._response(encoded, request, True, source.errors_ignored)
         turn = source.runner.unacked.begin(
             request.consumer_key, request.sequence, max(0.0, deadline - time.monotonic())
         )
@@ -205,7 +211,7 @@ class ElementServing:
                 turn.store(reply)
             # A unary reply's delivery is not observable here: it counts as sent and
             # stays until the consumer's next request acknowledges it.
-            return self._response(reply, request, True)
+            return self._response(reply, request, True, source.errors_ignored)
         finally:
             turn.finish(sent=True)
 
@@ -275,7 +281,7 @@ class ElementServing:
                 # next requests. (Not otherwise: a fresh read already fits max_bytes,
                 # counted in raw bytes, and cutting on the encoded ones would churn.)
                 reply = turn.cut(request.max_bytes) or reply
-            yield from self._chunks(reply, request)
+            yield from self._chunks(reply, request, source.errors_ignored)
             sent = True
         finally:
             if turn is not None:
@@ -283,7 +289,7 @@ class ElementServing:
             if raw and fcfs and not sent:
                 source.give_back(raw)  # taken, never stored nor sent completely
 
-    def _chunks(self, reply: Reply, request: Any) -> Iterator[Any]:
+    def _chunks(self, reply: Reply, request: Any, errors_ignored: int = 0) -> Iterator[Any]:
         """`reply` as GetElementsChunk messages of about `request.max_message_bytes`
         each (0: `_CHUNK_BYTES`; never more). A reply that takes more than one message,
         or that was asked for in small messages (a slow link), first sends its size
@@ -315,5 +321,7 @@ class ElementServing:
             batch.append(element)
             batch_bytes += n
         yield pb.GetElementsChunk(
-            elements=batch, last=True, response=self._response(reply, request, False)
+            elements=batch,
+            last=True,
+            response=self._response(reply, request, False, errors_ignored),
         )

@@ -33,6 +33,10 @@ class TaskSource(ElementSource):
     def stopped(self) -> bool:
         return self.runner.stopped
 
+    @property
+    def errors_ignored(self) -> int:
+        return self.runner.errors_ignored
+
 
 class BufferSource(TaskSource):
     """First come, first served: reads take elements out of the task's buffer, which

@@ -163,6 +163,9 @@ class TaskRunner:
         self.allow_pickled_elements = allow_pickled_elements
         self.num_consumers = 0  # > 0: a coordinated read (rounds)
         self.cross_trainer_cache: Any = None  # set for jobs with a cross-trainer cache
+        # The pipeline's counters (`data.IterStats`), set by `make_iterator` when it
+        # passes them to the pipeline; read by `errors_ignored`.
+        self.iter_stats: Any = None
         self._make_iterator = make_iterator
         self._worker_address = worker_address
         self._buffer_elements = buffer_elements
@@ -215,6 +218,12 @@ class TaskRunner:
     def stopped(self) -> bool:
         """`stop()` was called (the worker dropped the task, or is stopping)."""
         return self._stopped
+
+    @property
+    def errors_ignored(self) -> int:
+        """Elements `ignore_errors` skipped in this task's pipeline so far."""
+        stats = self.iter_stats
+        return 0 if stats is None else int(stats.errors_ignored)
 
     @property
     def finished(self) -> bool:

@@ -143,3 +143,29 @@ def test_demo_rejects_bad_flag_values(tmp_path) -> None:
     assert out.returncode == 1
     assert "--epochs must be >= 1, got 0" in out.stderr
     assert os.listdir(tmp_path) == []  # nothing written
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_reads_each_record_once_per_epoch(tmp_path) -> None:
+    pytest.importorskip("torch")
+    from dataservice import demo
+    from dataservice.demo.torch_loader import make_dataloader
+
+    data = demo.write_dataset(str(tmp_path), 40, seed=1)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    loader = make_dataloader(data, batch_size=8, num_workers=2, seed=5)
+    orders = []
+    for _ in range(2):
+        order = []
+        for images, labels, indices in loader:
+            assert tuple(images.shape[1:]) == (224, 224, 3) and str(images.dtype) == "torch.uint8"
+            assert len(images) == len(labels) == len(indices) <= 8
+            order.extend(int(i) for i in indices)
+        assert sorted(order) == list(range(40))
+        orders.append(order)
+    assert orders[0] != orders[1]  # the shards are shuffled anew each epoch
+    workers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert len(workers) == 2  # persistent: the same two for both epochs
+    del loader
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, alive

@@ -252,3 +252,97 @@ def test_progress_without_tqdm_draws_a_bar_on_stderr(monkeypatch, capsys) -> Non
     progress.close()
     err = capsys.readouterr().err
     assert "epoch 1/1" in err and "100/100 img" in err and "loss 2.000" in err
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _TimedBatches:
+    """Batches of 2 images; `iter()` takes 0.05 s and each `next()` 0.03 s of `clock`."""
+
+    def __init__(self, clock: _FakeClock, num_batches: int) -> None:
+        self.clock, self.num_batches = clock, num_batches
+
+    def __iter__(self):
+        self.clock.now += 0.05
+        for b in range(self.num_batches):
+            self.clock.now += 0.03
+            yield (
+                np.zeros((2, 8, 8, 3), np.uint8),
+                np.array([0, 1]),
+                np.array([2 * b, 2 * b + 1]),
+            )
+        self.clock.now += 0.03  # the last next(), which ends the epoch
+
+
+class _TimedModel:
+    def __init__(self, clock: _FakeClock) -> None:
+        self.clock = clock
+
+    def step(self, images: np.ndarray, labels: np.ndarray) -> float:
+        self.clock.now += 0.01
+        return 1.0
+
+
+def test_run_epoch_counts_the_time_in_iter_and_next_as_waiting(monkeypatch) -> None:
+    clock = _FakeClock()
+    monkeypatch.setattr(training.time, "perf_counter", clock)
+    progress = training.Progress(8, "epoch", enabled=False)
+    result = training.run_epoch(_TimedBatches(clock, 4), _TimedModel(clock), 8, progress, None)
+    assert (result.images, result.batches) == (8, 4)
+    assert result.wait_s == pytest.approx(0.05 + 5 * 0.03)
+    assert result.wall_s == pytest.approx(0.05 + 5 * 0.03 + 4 * 0.01)
+    assert result.index_counts.tolist() == [1] * 8
+
+
+def test_summary_reports_rows_and_fails_a_row_that_missed_records(capsys) -> None:
+    import argparse
+
+    from dataservice.demo import report
+
+    def epoch(counts: list[int], wall_s: float, wait_s: float) -> training.EpochResult:
+        c = np.array(counts)
+        return training.EpochResult(int(c.sum()), 1, [2.0], c, None, wall_s, wait_s)
+
+    args = argparse.Namespace(workers=2, epochs=1, batch_size=4)
+    data = demo.DemoData("/data", 4, 16, ("a", "b"), 0)
+    runs = {
+        "in_process": report.RowRun([epoch([1, 1, 1, 1], 2.0, 1.5)]),
+        "service": report.RowRun([epoch([1, 1, 0, 1], 1.0, 0.25)], cluster_start_s=1.0),
+    }
+    s = report.summarize(args, data, runs, "torch does not import")
+    assert s["rows"]["in_process"]["images_per_second"] == pytest.approx(2.0)
+    assert s["rows"]["in_process"]["wait_fraction"] == pytest.approx(0.75)
+    assert s["rows"]["service"]["wait_fraction"] == pytest.approx(0.25)
+    assert s["speedup"]["service"] == pytest.approx(1.5)
+    assert s["exactly_once"] is False
+    failures = report.print_summary(s)
+    out = capsys.readouterr().out
+    assert failures == [
+        "service: records read per epoch [3], expected each of the 4 records once per epoch"
+    ]
+    assert "FAILED: service" in out and "PASSED" not in out
+    assert "75% (1.5 of 2.0 s)" in out and "1.50x" in out
+    assert "left out: torch does not import" in out
+
+
+def test_dataloader_row_is_left_out_without_torch(monkeypatch) -> None:
+    import argparse
+
+    from dataservice.demo import command
+
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # import fails
+    monkeypatch.setitem(__import__("sys").modules, "torch.utils.data", None)
+    assert "torch does not import" in command._dataloader_unavailable(
+        argparse.Namespace(dataloader=None)
+    )
+    assert command._dataloader_unavailable(argparse.Namespace(dataloader=False)) == (
+        "--no-dataloader"
+    )
+    with pytest.raises(demo.DemoError, match="--dataloader needs torch"):
+        command._dataloader_unavailable(argparse.Namespace(dataloader=True))

@@ -70,6 +70,8 @@ def test_demo_json_two_workers_two_epochs(tmp_path) -> None:
     summary = json.loads(lines[-1])
     assert "PASSED" in out and "FAILED" not in out
     assert summary["exactly_once"] is True
+    assert summary["load_average_before"] >= 0  # Linux has getloadavg
+    assert summary["cpus"] >= 1
 
     rows = summary["rows"]
     if _torch_imports():

@@ -315,7 +315,7 @@ def test_summary_reports_rows_and_fails_a_row_that_missed_records(capsys) -> Non
         "in_process": report.RowRun([epoch([1, 1, 1, 1], 2.0, 1.5)]),
         "service": report.RowRun([epoch([1, 1, 0, 1], 1.0, 0.25)], cluster_start_s=1.0),
     }
-    s = report.summarize(args, data, runs, "torch does not import")
+    s = report.summarize(args, data, runs, "torch does not import", 9.5)
     assert s["rows"]["in_process"]["images_per_second"] == pytest.approx(2.0)
     assert s["rows"]["in_process"]["wait_fraction"] == pytest.approx(0.75)
     assert s["rows"]["service"]["wait_fraction"] == pytest.approx(0.25)
@@ -329,6 +329,9 @@ def test_summary_reports_rows_and_fails_a_row_that_missed_records(capsys) -> Non
     assert "FAILED: service" in out and "PASSED" not in out
     assert "75% (1.5 of 2.0 s)" in out and "1.50x" in out
     assert "left out: torch does not import" in out
+    assert s["load_average_before"] == 9.5
+    if s["cpus"] < 19:
+        assert "other work was running (load average 9.5" in out
 
 
 def test_dataloader_row_is_left_out_without_torch(monkeypatch) -> None:

@@ -187,6 +187,14 @@ def _dataloader_unavailable(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (runnable processes), or None where unknown."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def _run(args: argparse.Namespace) -> int:
     for name in ("workers", "batch_size", "epochs", "num_records"):
         if getattr(args, name) < 1:
@@ -198,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     data = ensure_dataset(args.data_dir, args.num_records, seed=args.seed, log=_log)
     pipeline = make_pipeline(data, args.batch_size)
     dataloader_skipped = _dataloader_unavailable(args)
+    load_before = _load_average()
     runs: dict[str, RowRun] = {}
     try:
         with _one_blas_thread():
@@ -241,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"dataservice demo: FAILED: {e}", flush=True)
         return 1
 
-    summary = summarize(args, data, runs, dataloader_skipped)
+    summary = summarize(args, data, runs, dataloader_skipped, load_before)
     failures = print_summary(summary)
     if args.json:
         print(json.dumps(summary, sort_keys=True), flush=True)

@@ -78,6 +78,7 @@ def summarize(
     data: DemoData,
     runs: dict[str, RowRun],
     dataloader_skipped: str | None,
+    load_average_before: float | None = None,
 ) -> dict[str, Any]:
     """The run's figures as a JSON-ready dict (what `--json` prints).
 
@@ -87,7 +88,9 @@ def summarize(
     (`wait_s / wall_s`, in [0, 1]), `records_per_epoch`, `exactly_once`, `loss_per_epoch`;
     the service's also `workers`, `cluster_start_s`, `transport`, `elements_per_worker`
     (batches), `bytes` and `client_wait_ms` (its iterators' own `stats()["wait_ms"]`).
-    `speedup` is each row's images/s over the in-process row's.
+    `speedup` is each row's images/s over the in-process row's. `load_average_before` is
+    the machine's 1-minute load average when the rows started: other work running then
+    takes CPU from the rows.
     """
     rows = {name: _row(name, runs[name], args) for name in ROWS if name in runs}
     base = rows.get("in_process", {}).get("images_per_second", 0.0)
@@ -109,6 +112,7 @@ def summarize(
         "image_size": CROP_SIZE,
         "stored_long_side": STORED_LONG_SIDE,
         "cpus": cpus,
+        "load_average_before": load_average_before,
         "num_records": data.num_records,
         "num_classes": data.num_classes,
         "data_dir": data.data_dir,
@@ -193,6 +197,12 @@ def print_summary(s: dict[str, Any]) -> list[str]:
         if name in s["rows"]
     )
     lines.append(f"  loss/epoch   {losses}")
+    load = s.get("load_average_before")
+    if load is not None and s["cpus"] and load > 0.5 * s["cpus"]:
+        lines.append(
+            f"  note         other work was running (load average {load:.1f} on {s['cpus']} "
+            "CPUs): it takes CPU from the rows, so their images/s are lower and noisier"
+        )
     for line in lines:
         print(line)
     failures = failures_of(s)

@@ -121,18 +121,19 @@ def summarize(
 
 def _describe(name: str, s: dict[str, Any]) -> tuple[str, str]:
     """(label, what the row is) for the table."""
-    row = s["rows"][name]
+    workers = s["workers"]
     if name == "in_process":
-        return "in-process", "pipeline and training step take turns in this process"
+        return "in-process", "the pipeline and the training step take turns in this process"
     if name == "service":
+        transport = s["rows"][name]["transport"]
         return (
-            f"service, {s['workers']} workers",
-            f"{s['workers']} worker processes make the batches while this process trains "
-            f"({row['transport']})",
+            f"service, {workers} workers",
+            f"{workers} worker processes (LocalCluster) make the batches while this process "
+            f"trains ({transport} transport)",
         )
     return (
-        f"DataLoader, {s['workers']} workers",
-        f"torch DataLoader(num_workers={s['workers']}), the same decode code",
+        f"DataLoader, {workers} workers",
+        f"torch.utils.data.DataLoader(num_workers={workers}) runs the same decode code",
     )
 
 
@@ -159,8 +160,9 @@ def print_summary(s: dict[str, Any]) -> list[str]:
         f"  each row     {s['epochs']} epochs of batches of {s['batch_size']}: decode (Pillow), "
         f"RandomResizedCrop {s['image_size']}, flip;",
         f"               an SGD step of a numpy MLP per batch, on one thread; {s['cpus']} CPUs",
-        f"  {'row':<24}{'images/s':>9}  {'trainer waited':<22}{'vs in-process':<15}",
+        f"  {'row':<24}{'images/s':>9}   {'trainer waited':<22}{'speedup':>7}",
     ]
+    legend = []
     for name in ROWS:
         if name not in s["rows"]:
             continue
@@ -169,19 +171,20 @@ def print_summary(s: dict[str, Any]) -> list[str]:
         waited = f"{row['wait_fraction']:4.0%} ({row['wait_s']:.1f} of {row['wall_s']:.1f} s)"
         speedup = s["speedup"].get(name)
         ratio = f"{speedup:.2f}x" if speedup is not None else "-"
-        lines.append(
-            f"  {label:<24}{row['images_per_second']:9.1f}  {waited:<22}{ratio:<7}  {what}"
-        )
+        lines.append(f"  {label:<24}{row['images_per_second']:9.1f}   {waited:<22}{ratio:>7}")
+        legend.append(f"    {label.split(',')[0]}: {what}")
     if s["dataloader_skipped"]:
-        lines.append(f"  {'DataLoader':<24}{'-':>9}  left out: {s['dataloader_skipped']}")
-    lines.append(
-        "  (trainer waited: the share of the row's time spent in iter() and next(), waiting "
-        "for a batch; the rest is the training step)"
-    )
+        lines.append(f"  {'DataLoader':<24}{'-':>9}   left out: {s['dataloader_skipped']}")
+    lines += legend
+    lines += [
+        "    trainer waited: the share of the row's time spent in iter() and next(), waiting",
+        "      for a batch; the rest of the time is the training step",
+        "    speedup: images/s over the in-process row's",
+    ]
     service = s["rows"].get("service")
     if service is not None:
         lines.append(
-            "  service      "
+            "  per worker   "
             + (
                 ", ".join(
                     f"{a}: {n} batches" for a, n in sorted(service["elements_per_worker"].items())
@@ -201,7 +204,8 @@ def print_summary(s: dict[str, Any]) -> list[str]:
     if load is not None and s["cpus"] and load > 0.5 * s["cpus"]:
         lines.append(
             f"  note         other work was running (load average {load:.1f} on {s['cpus']} "
-            "CPUs): it takes CPU from the rows, so their images/s are lower and noisier"
+            "CPUs):\n               it takes CPU from the rows, so their images/s are lower "
+            "and noisier"
         )
     for line in lines:
         print(line)

@@ -5,6 +5,9 @@ training step, run three ways in one process, one after the other:
     dataloader   torch.utils.data.DataLoader(num_workers=--workers), the same decode code
                  (only when torch imports)
     service      LocalCluster(num_workers=--workers), distribute(DYNAMIC)
+    service_torch  the same service read through
+                 DataLoader(dataservice.torch.ServiceDataset(...), batch_size=None), as a
+                 PyTorch trainer would (only when torch imports)
 
 The pipeline reads the demo's TFRecord shards of full-size JPEGs (long side 500 px),
 decodes them with Pillow, applies torchvision's RandomResizedCrop(224) and a random flip
@@ -57,7 +60,7 @@ from dataservice.demo.data import DEFAULT_DATA_DIR, DEFAULT_NUM_RECORDS, ensure_
 from dataservice.demo.pipeline import CROP_SIZE, make_pipeline
 from dataservice.demo.training import POOL, MLPClassifier, Progress, check_epoch, run_epoch
 
-WAYS = ("in_process", "service", "dataloader")
+WAYS = ("in_process", "service", "service_torch", "dataloader")
 
 
 class _NoTraining(MLPClassifier):
@@ -177,7 +180,7 @@ def main() -> int:
 
     def report(way: str, r: dict[str, Any]) -> None:
         print(
-            f"  {way:<11} {r['images_per_second']:7.1f} images/s, trainer waited "
+            f"  {way:<13} {r['images_per_second']:7.1f} images/s, trainer waited "
             f"{r['wait_fraction']:.0%}, CPU {r['cpu_ms_per_image']:.2f} ms/image "
             f"(trainer {r['trainer_cpu_ms_per_image']:.2f}), load {r['loadavg_1min_after']:.1f}",
             file=sys.stderr,
@@ -217,7 +220,7 @@ def main() -> int:
                     report("dataloader", runs[-1])
                 results["dataloader"] = _best(runs)
 
-        if "service" in only:
+        if "service" in only or "service_torch" in only:
             t0 = time.monotonic()
             with ds.LocalCluster(
                 num_workers=args.workers, worker_options={"heartbeat_interval_ms": 100}
@@ -228,7 +231,7 @@ def main() -> int:
                         [cluster.dispatcher_pid, *cluster.worker_pids], autogroup_nice
                     )
                 runs = []
-                for r in range(args.repeat):
+                for r in range(args.repeat if "service" in only else 0):
                     distributed = pipeline.apply(
                         ds.distribute(
                             ds.ShardingPolicy.DYNAMIC,
@@ -246,8 +249,43 @@ def main() -> int:
                         )
                     )
                     report("service", runs[-1])
-            results["service"] = _best(runs)
-            results["service"]["cluster_start_s"] = start_s
+                if "service_torch" in only:
+                    try:
+                        import torch.utils.data
+
+                        from dataservice.torch import ServiceDataset
+                    except ImportError as e:
+                        notes["service_torch"] = (
+                            f"left out: dataservice.torch does not import ({e})"
+                        )
+                    else:
+                        torch_runs = []
+                        for r in range(args.repeat):
+                            distributed = pipeline.apply(
+                                ds.distribute(
+                                    ds.ShardingPolicy.DYNAMIC,
+                                    cluster.target,
+                                    job_name=f"imagenet-bench-torch-{os.getpid()}-{r}",
+                                )
+                            )
+                            loader = torch.utils.data.DataLoader(
+                                ServiceDataset(distributed), batch_size=None
+                            )
+                            torch_runs.append(
+                                _timed_run(
+                                    loader,
+                                    args,
+                                    data.num_classes,
+                                    data.num_records,
+                                    lambda: [cluster.dispatcher_pid, *cluster.worker_pids],
+                                )
+                            )
+                            report("service_torch", torch_runs[-1])
+                        results["service_torch"] = _best(torch_runs)
+                        results["service_torch"]["cluster_start_s"] = start_s
+            if runs:
+                results["service"] = _best(runs)
+                results["service"]["cluster_start_s"] = start_s
 
     base = results.get("in_process", {}).get("images_per_second")
     base_cpu = results.get("in_process", {}).get("cpu_bound_images_per_second")
@@ -280,19 +318,19 @@ def main() -> int:
         f"(load average before {loadavg_before[0]:.1f}, after {os.getloadavg()[0]:.1f})"
     )
     print(
-        f"  {'way':<11} {'images/s':>9} {'speedup':>8} {'waited':>7} {'CPU ms/img':>11} "
+        f"  {'way':<13} {'images/s':>9} {'speedup':>8} {'waited':>7} {'CPU ms/img':>11} "
         f"{'CPU-bound img/s':>16} {'speedup':>8}"
     )
     for way in WAYS:
         if way in results:
             r = results[way]
             print(
-                f"  {way:<11} {r['images_per_second']:9.1f} {r['speedup']:7.2f}x "
+                f"  {way:<13} {r['images_per_second']:9.1f} {r['speedup']:7.2f}x "
                 f"{r['wait_fraction']:7.0%} {r['cpu_ms_per_image']:11.2f} "
                 f"{r['cpu_bound_images_per_second']:16.1f} {r['cpu_bound_speedup']:7.2f}x"
             )
         elif way in notes:
-            print(f"  {way:<11} {notes[way]}")
+            print(f"  {way:<13} {notes[way]}")
     if not all(r["exactly_once"] for r in results.values()):
         print("FAILED: a way did not read every record exactly once per epoch")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

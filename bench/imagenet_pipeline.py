@@ -55,10 +55,16 @@ import numpy as np
 import psutil
 
 import dataservice as ds
-from dataservice.demo.command import _one_blas_thread
 from dataservice.demo.data import DEFAULT_DATA_DIR, DEFAULT_NUM_RECORDS, ensure_dataset
 from dataservice.demo.pipeline import CROP_SIZE, make_pipeline
-from dataservice.demo.training import POOL, MLPClassifier, Progress, check_epoch, run_epoch
+from dataservice.demo.training import (
+    POOL,
+    MLPClassifier,
+    Progress,
+    check_epoch,
+    one_blas_thread,
+    run_epoch,
+)
 
 WAYS = ("in_process", "service", "service_torch", "dataloader")
 
@@ -187,7 +193,7 @@ def main() -> int:
             flush=True,
         )
 
-    with _one_blas_thread():
+    with one_blas_thread():
         if "in_process" in only:
             runs = []
             for _ in range(args.repeat):

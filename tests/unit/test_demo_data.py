@@ -349,3 +349,10 @@ def test_dataloader_row_is_left_out_without_torch(monkeypatch) -> None:
     )
     with pytest.raises(demo.DemoError, match="--dataloader needs torch"):
         command._dataloader_unavailable(argparse.Namespace(dataloader=True))
+
+
+def test_one_blas_thread_holds_numpy_blas_to_one_thread() -> None:
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with training.one_blas_thread():
+        blas = threadpoolctl.threadpool_info()
+        assert blas and all(p["num_threads"] == 1 for p in blas if p["user_api"] == "blas")

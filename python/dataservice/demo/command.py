@@ -6,13 +6,12 @@ through a `LocalCluster`) and report images/s and how long the trainer waited fo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from dataservice.demo.data import (
@@ -31,6 +30,7 @@ from dataservice.demo.training import (
     MLPClassifier,
     Progress,
     StallWatch,
+    one_blas_thread,
     run_epoch,
 )
 
@@ -120,19 +120,6 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-@contextlib.contextmanager
-def _one_blas_thread() -> Iterator[None]:
-    """Holds numpy's BLAS to one thread, so that the trainer uses one core in every row (as
-    a GPU trainer's host thread would) and does not spin on the cores the workers use."""
-    try:
-        from threadpoolctl import threadpool_limits  # scikit-learn's dependency
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
 class _Stalled(Exception):
     pass
 
@@ -209,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
     load_before = _load_average()
     runs: dict[str, RowRun] = {}
     try:
-        with _one_blas_thread():
+        with one_blas_thread():
             _log(f"in-process: {args.epochs} epochs, pipeline and training step in turn")
             results = _train("in-process", pipeline, data, args, show_progress)
             runs["in_process"] = RowRun(results)

@@ -6,12 +6,13 @@ read into a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,20 @@ HIDDEN = 128  # units of the MLP's hidden layer
 # ImageNet's per-channel mean and standard deviation (torchvision's Normalize), in 0-255 units.
 MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255
 STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """Holds numpy's BLAS to one thread (with threadpoolctl, a dependency of scikit-learn;
+    without it, does nothing), so that the trainer uses one core in every row, as a GPU
+    trainer's host thread would, and does not spin on the cores the workers use."""
+    try:
+        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped,unused-ignore]
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 def features(images: np.ndarray) -> np.ndarray:

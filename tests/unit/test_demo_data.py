@@ -230,6 +230,13 @@ def test_features_normalise_then_pool_4x4() -> None:
     assert f[1, :3] == pytest.approx(-mean / std, rel=1e-5)
     with pytest.raises(ValueError, match="multiples of 4"):
         demo.features(np.zeros((1, 30, 32, 3), np.uint8))
+    # A batch of several chunks (training.FEATURE_CHUNK images each) and a partial one.
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, 256, size=(2 * training.FEATURE_CHUNK + 3, 16, 24, 3), dtype=np.uint8)
+    reference = ((batch - mean) / std).reshape(len(batch), 4, 4, 6, 4, 3).mean(axis=(2, 4))
+    np.testing.assert_allclose(
+        demo.features(batch), reference.reshape(len(batch), -1), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_check_epoch_reports_missing_and_duplicates() -> None:

@@ -41,9 +41,15 @@ def one_blas_thread() -> Iterator[None]:
         yield
 
 
+FEATURE_CHUNK = 8  # images normalised at a time: 4.8 MB of float32, not 38 MB per batch
+
+
 def features(images: np.ndarray) -> np.ndarray:
     """uint8[b, h, w, 3] -> float32[b, (h/4) * (w/4) * 3]: normalised with ImageNet's mean
     and std (as torchvision's Normalize), then 4x4 average-pooled.
+
+    Works through the batch `FEATURE_CHUNK` images at a time, so that its float32
+    temporaries stay in cache instead of evicting the workers' (on 2 cores they share it).
 
     Raises:
         ValueError: `h` or `w` is not a multiple of 4.
@@ -51,14 +57,19 @@ def features(images: np.ndarray) -> np.ndarray:
     b, h, w, c = images.shape
     if h % POOL or w % POOL:
         raise ValueError(f"image height and width must be multiples of {POOL}, got {h}x{w}")
-    x = images.astype(np.float32)
-    x -= MEAN
-    x *= np.float32(1) / STD
-    # Two passes over contiguous runs (rows, then columns) instead of one 6-d mean: ~3x faster.
-    rows = x.reshape(b * (h // POOL), POOL, w * c).sum(axis=1)
-    pooled = rows.reshape(b * (h // POOL) * (w // POOL), POOL, c).sum(axis=1)
-    flat: np.ndarray = pooled.reshape(b, -1) * np.float32(1 / (POOL * POOL))
-    return flat
+    out = np.empty((b, (h // POOL) * (w // POOL) * c), np.float32)
+    inverse_std = np.float32(1) / STD
+    for start in range(0, b, FEATURE_CHUNK):
+        x = images[start : start + FEATURE_CHUNK].astype(np.float32)
+        n = len(x)
+        x -= MEAN
+        x *= inverse_std
+        # Two passes over contiguous runs (rows, then columns) instead of one 6-d mean: ~3x
+        # faster.
+        rows = x.reshape(n * (h // POOL), POOL, w * c).sum(axis=1)
+        pooled = rows.reshape(n * (h // POOL) * (w // POOL), POOL, c).sum(axis=1)
+        out[start : start + n] = pooled.reshape(n, -1) * np.float32(1 / (POOL * POOL))
+    return out
 
 
 class MLPClassifier:

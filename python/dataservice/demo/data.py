@@ -169,11 +169,6 @@ def _marker_contents(
     }
 
 
-def stored_size(index: int, photo_hw: tuple[int, int], seed: int) -> tuple[int, int]:
-    """The (width, height) in px of record `index` made from a photo of `photo_hw`."""
-    return _region(index, photo_hw, seed)[1]
-
-
 def _region(
     index: int, photo_hw: tuple[int, int], seed: int
 ) -> tuple[tuple[int, int, int, int], tuple[int, int]]:

@@ -18,12 +18,17 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: full-size photos (long side STORED_LONG_SIDE), not 192 px crops
 NUM_SHARDS = 16
 DEFAULT_NUM_RECORDS = 2048
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "dataservice", "demo-images")
-STORED_SIZE = 192  # px, square, as stored
-MIN_SOURCE_CROP, MAX_SOURCE_CROP = 180, 256  # px, crop side taken from a photo
+# Stored images are full-size photos as ImageNet's are (most of its JPEGs are 500x375 or
+# 500x333): a random region of a source photo covering MIN_REGION_AREA..1 of the largest
+# region of its aspect ratio, aspect ratio (w/h) log-uniform in REGION_RATIO, scaled so that
+# its long side is STORED_LONG_SIDE px.
+STORED_LONG_SIDE = 500  # px
+MIN_REGION_AREA = 0.5
+REGION_RATIO = (2 / 3, 3 / 2)
 MAX_SOURCE_SIDE = 512  # px: photos with a larger short side are scaled down first
 JPEG_QUALITY = 90
 MARKER = "DATASET.json"
@@ -159,9 +164,28 @@ def _marker_contents(
         "num_records": num_records,
         "num_shards": num_shards,
         "seed": seed,
-        "stored_size": STORED_SIZE,
+        "stored_long_side": STORED_LONG_SIDE,
         "class_names": names,
     }
+
+
+def _region(
+    index: int, photo_hw: tuple[int, int], seed: int
+) -> tuple[tuple[int, int, int, int], tuple[int, int]]:
+    """Record `index`'s region of its photo, (x, y, w, h) px, and its stored (width, height)."""
+    rng = np.random.default_rng([seed, index])  # per record: independent of write order
+    h, w = photo_hw
+    ratio = float(np.exp(rng.uniform(np.log(REGION_RATIO[0]), np.log(REGION_RATIO[1]))))
+    # The largest region of aspect `ratio` inside the photo, then a random share of its area.
+    full_w = min(w, h * ratio)
+    full_h = full_w / ratio
+    scale = float(np.sqrt(rng.uniform(MIN_REGION_AREA, 1.0)))
+    rw, rh = max(1, round(full_w * scale)), max(1, round(full_h * scale))
+    x = int(rng.integers(0, w - rw + 1))
+    y = int(rng.integers(0, h - rh + 1))
+    resize = STORED_LONG_SIDE / max(rw, rh)
+    size = (max(1, round(rw * resize)), max(1, round(rh * resize)))
+    return (x, y, rw, rh), size
 
 
 def _encode_record(index: int, label: int, photo: np.ndarray, class_name: str, seed: int) -> bytes:
@@ -169,23 +193,18 @@ def _encode_record(index: int, label: int, photo: np.ndarray, class_name: str, s
 
     from dataservice import io as dsio
 
-    rng = np.random.default_rng([seed, index])  # per record: independent of write order
-    h, w = photo.shape[:2]
-    max_side = min(MAX_SOURCE_CROP, h, w)
-    min_side = min(MIN_SOURCE_CROP, max_side)
-    side = int(rng.integers(min_side, max_side + 1))
-    y = int(rng.integers(0, h - side + 1))
-    x = int(rng.integers(0, w - side + 1))
-    crop = Image.fromarray(photo[y : y + side, x : x + side])
-    crop = crop.resize((STORED_SIZE, STORED_SIZE), Image.Resampling.BILINEAR)
+    (x, y, rw, rh), (width, height) = _region(index, photo.shape[:2], seed)
+    image = Image.fromarray(photo).resize(
+        (width, height), Image.Resampling.BICUBIC, box=(x, y, x + rw, y + rh)
+    )
     buf = io.BytesIO()
-    crop.save(buf, format="JPEG", quality=JPEG_QUALITY)
+    image.save(buf, format="JPEG", quality=JPEG_QUALITY)
     return dsio.serialize_example(
         {
             "image/encoded": buf.getvalue(),
             "image/format": b"jpeg",
-            "image/height": STORED_SIZE,
-            "image/width": STORED_SIZE,
+            "image/height": height,
+            "image/width": width,
             "image/class/label": label,
             "image/class/text": class_name.encode(),
             "index": index,
@@ -204,7 +223,9 @@ def write_dataset(
     """Writes the demo dataset into `data_dir` (replacing our files there).
 
     Record `i` goes to shard `i % num_shards`; labels are balanced over the
-    photos and shuffled. `DATASET.json` is written last, atomically.
+    photos and shuffled. Each record is a full-size JPEG (quality 90, long side
+    `STORED_LONG_SIDE` px, about 55 KB; see `_region`). `DATASET.json` is written
+    last, atomically.
 
     Returns:
         What was written.
@@ -243,8 +264,12 @@ def write_dataset(
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(data_dir, MARKER))
     if log is not None:
+        total_bytes = sum(
+            os.path.getsize(shard_path(data_dir, s, num_shards)) for s in range(num_shards)
+        )
         log(
-            f"  wrote {num_records} records in {num_shards} shards in {time.monotonic() - t0:.1f} s"
+            f"  wrote {num_records} records ({total_bytes / 1e6:.0f} MB) in {num_shards} shards "
+            f"in {time.monotonic() - t0:.1f} s"
         )
     return DemoData(data_dir, num_records, num_shards, tuple(names), seed)
 

@@ -1,16 +1,18 @@
-"""The demo's trainer side: the model (a softmax classifier on pooled pixels, in numpy), one
-epoch of training over an iterator with the exactly-once check of DYNAMIC sharding, the
-progress bar and the stall watch that turns a hung read into a failure.
+"""The demo's trainer side: the model (a small MLP on normalised, pooled pixels, in numpy),
+one epoch of training over an iterable that times the trainer's waits for data, with the
+exactly-once check of each epoch, the progress bar and the stall watch that turns a hung
+read into a failure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,31 +20,95 @@ import numpy as np
 
 from dataservice.demo.data import DemoError
 
-POOL = 8  # average pooling: 160x160x3 -> 20x20x3 features
+POOL = 4  # average pooling: 224x224x3 -> 56x56x3 features
+HIDDEN = 128  # units of the MLP's hidden layer
+# ImageNet's per-channel mean and standard deviation (torchvision's Normalize), in 0-255 units.
+MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255
+STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """Holds numpy's BLAS to one thread (with threadpoolctl, a dependency of scikit-learn;
+    without it, does nothing), so that the trainer uses one core in every row, as a GPU
+    trainer's host thread would, and does not spin on the cores the workers use."""
+    try:
+        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped,unused-ignore]
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
+FEATURE_CHUNK = 8  # images normalised at a time: 4.8 MB of float32, not 38 MB per batch
 
 
 def features(images: np.ndarray) -> np.ndarray:
-    """float32[b, 160, 160, 3] -> float32[b, 1200]: 8x8 average pooling, centred."""
+    """uint8[b, h, w, 3] -> float32[b, (h/4) * (w/4) * 3]: normalised with ImageNet's mean
+    and std (as torchvision's Normalize), then 4x4 average-pooled.
+
+    Works through the batch `FEATURE_CHUNK` images at a time, so that its float32
+    temporaries stay in cache instead of evicting the workers' (on 2 cores they share it).
+
+    Raises:
+        ValueError: `h` or `w` is not a multiple of 4.
+    """
     b, h, w, c = images.shape
-    pooled: np.ndarray = images.reshape(b, h // POOL, POOL, w // POOL, POOL, c).mean(axis=(2, 4))
-    flat: np.ndarray = pooled.reshape(b, -1) - np.float32(0.5)
-    return flat
+    if h % POOL or w % POOL:
+        raise ValueError(f"image height and width must be multiples of {POOL}, got {h}x{w}")
+    out = np.empty((b, (h // POOL) * (w // POOL) * c), np.float32)
+    inverse_std = np.float32(1) / STD
+    for start in range(0, b, FEATURE_CHUNK):
+        x = images[start : start + FEATURE_CHUNK].astype(np.float32)
+        n = len(x)
+        x -= MEAN
+        x *= inverse_std
+        # Two passes over contiguous runs (rows, then columns) instead of one 6-d mean: ~3x
+        # faster.
+        rows = x.reshape(n * (h // POOL), POOL, w * c).sum(axis=1)
+        pooled = rows.reshape(n * (h // POOL) * (w // POOL), POOL, c).sum(axis=1)
+        out[start : start + n] = pooled.reshape(n, -1) * np.float32(1 / (POOL * POOL))
+    return out
 
 
-class SoftmaxClassifier:
-    """Multinomial logistic regression trained by plain SGD, in numpy.
+class MLPClassifier:
+    """A one-hidden-layer perceptron (ReLU, softmax output) trained by SGD with momentum
+    on `features` of uint8 images, in numpy.
 
     Thread-compatible (caller locks).
     """
 
-    def __init__(self, num_features: int, num_classes: int, learning_rate: float = 0.3) -> None:
-        self.weights = np.zeros((num_features, num_classes), np.float32)
-        self.bias = np.zeros(num_classes, np.float32)
+    def __init__(
+        self,
+        num_features: int,
+        num_classes: int,
+        learning_rate: float = 0.01,
+        *,
+        hidden: int = HIDDEN,
+        momentum: float = 0.9,
+        seed: int = 0,
+    ) -> None:
+        rng = np.random.default_rng(seed)
+        # He initialisation for the ReLU layer; the output layer starts at zero, so the first
+        # loss is ln(num_classes) and the hidden layer learns from the second step on.
+        self.w1 = (rng.standard_normal((num_features, hidden)) * np.sqrt(2 / num_features)).astype(
+            np.float32
+        )
+        self.b1 = np.zeros(hidden, np.float32)
+        self.w2 = np.zeros((hidden, num_classes), np.float32)
+        self.b2 = np.zeros(num_classes, np.float32)
         self.learning_rate = np.float32(learning_rate)
+        self.momentum = np.float32(momentum)
+        self._velocity = [np.zeros_like(p) for p in (self.w1, self.b1, self.w2, self.b2)]
 
-    def step(self, x: np.ndarray, labels: np.ndarray) -> float:
-        """One SGD step on a batch; returns its mean cross-entropy loss (nats)."""
-        logits = x @ self.weights + self.bias
+    def step(self, images: np.ndarray, labels: np.ndarray) -> float:
+        """One SGD step on a batch of uint8[b, h, w, 3] images and int64[b] labels; returns
+        the batch's mean cross-entropy loss before the step (nats)."""
+        x = features(images)
+        hidden = x @ self.w1 + self.b1
+        active = np.maximum(hidden, 0)
+        logits = active @ self.w2 + self.b2
         logits -= logits.max(axis=1, keepdims=True)
         exp = np.exp(logits)
         probs = exp / exp.sum(axis=1, keepdims=True)
@@ -51,8 +117,15 @@ class SoftmaxClassifier:
         grad = probs
         grad[np.arange(n), labels] -= 1
         grad /= n
-        self.weights -= self.learning_rate * (x.T @ grad)
-        self.bias -= self.learning_rate * grad.sum(axis=0)
+        grad_active = grad @ self.w2.T
+        grad_active[hidden <= 0] = 0
+        grads = (x.T @ grad_active, grad_active.sum(axis=0), active.T @ grad, grad.sum(axis=0))
+        for param, velocity, g in zip(
+            (self.w1, self.b1, self.w2, self.b2), self._velocity, grads, strict=True
+        ):
+            velocity *= self.momentum
+            velocity += g
+            param -= self.learning_rate * velocity
         return loss
 
 
@@ -132,42 +205,69 @@ class StallWatch:
 
 @dataclass
 class EpochResult:
+    """One epoch of training.
+
+    `wait_s` is the time the trainer spent waiting for data: in `iter()` (starting the
+    epoch's readers) and in each `next()`; `wall_s` is the epoch's time from `iter()` to the
+    end of the data, training included.
+    """
+
     images: int
     batches: int
     losses: list[float]
     index_counts: np.ndarray
     stats: dict[str, Any] | None
+    wall_s: float
+    wait_s: float
 
 
 def run_epoch(
-    iterator: Iterator[Any],
-    model: SoftmaxClassifier,
+    iterable: Iterable[Any],
+    model: MLPClassifier,
     num_records: int,
     progress: Progress,
     stall: StallWatch | None,
-    max_batches: int | None = None,
 ) -> EpochResult:
+    """Trains `model` on one epoch of `iterable`'s (images, labels, indices) batches.
+
+    Raises:
+        DemoError: a record index outside [0, `num_records`).
+    """
     counts = np.zeros(num_records, np.int64)
     images_seen = batches = 0
     losses = []
-    for images, labels, indices in iterator:
-        if stall is not None:
-            stall.poke()
-        labels = np.asarray(labels, np.int64)
-        indices = np.asarray(indices, np.int64)
-        if indices.size and (indices.min() < 0 or indices.max() >= num_records):
-            raise DemoError(f"a record index is out of range [0, {num_records}): {indices}")
-        np.add.at(counts, indices, 1)
-        loss = model.step(features(np.asarray(images, np.float32)), labels)
-        losses.append(loss)
-        images_seen += len(labels)
-        batches += 1
-        progress.update(len(labels), loss)
-        if max_batches is not None and batches >= max_batches:
-            break
-    stats_fn = getattr(iterator, "stats", None)
-    stats = stats_fn() if callable(stats_fn) else None
-    return EpochResult(images_seen, batches, losses, counts, stats)
+    t0 = time.perf_counter()
+    iterator = iter(iterable)
+    wait_s = time.perf_counter() - t0
+    try:
+        while True:
+            t = time.perf_counter()
+            try:
+                images, labels, indices = next(iterator)
+            except StopIteration:
+                wait_s += time.perf_counter() - t
+                break
+            wait_s += time.perf_counter() - t
+            if stall is not None:
+                stall.poke()
+            labels = np.asarray(labels, np.int64)
+            indices = np.asarray(indices, np.int64)
+            if indices.size and (indices.min() < 0 or indices.max() >= num_records):
+                raise DemoError(f"a record index is out of range [0, {num_records}): {indices}")
+            np.add.at(counts, indices, 1)
+            loss = model.step(np.asarray(images), labels)
+            losses.append(loss)
+            images_seen += len(labels)
+            batches += 1
+            progress.update(len(labels), loss)
+        wall_s = time.perf_counter() - t0
+        stats_fn = getattr(iterator, "stats", None)
+        stats = stats_fn() if callable(stats_fn) else None
+    finally:
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()
+    return EpochResult(images_seen, batches, losses, counts, stats, wall_s, wait_s)
 
 
 def check_epoch(epoch: int, counts: np.ndarray) -> str | None:

@@ -19,8 +19,8 @@ import pytest
 import dataservice as ds
 from dataservice import errors
 
-from .conftest import memfds, our_shm_names, report
-from .test_crash_loop import _exit_at_every_time, _Reader, _run_cluster
+from .conftest import ThreadReader, memfds, our_shm_names, report
+from .test_crash_loop import _exit_at_every_time, _run_cluster
 
 
 def _element_of(nbytes: int):
@@ -47,7 +47,7 @@ def test_crash_loop_leaves_no_ring_behind_once_the_iterator_is_dropped(nbytes: i
             .map(_element_of(nbytes))
             .apply(ds.distribute("off", cluster.target, worker_loss_timeout_ms=5000))
         )
-        reader = _Reader(iter(data))
+        reader = ThreadReader(iter(data))
         reader.join(90)
         error = reader.error
         assert isinstance(error, errors.WorkerCrashedError), error

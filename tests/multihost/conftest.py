@@ -15,206 +15,17 @@ netns support): `harness.unavailable_reason()`.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 
-from tests.ft.conftest import Server, our_shm_names, server_env
+from tests.ft.conftest import our_shm_names
 
 from . import harness
-
-HOSTS = ("disp", "w0", "w1", "t0", "t1")
-DISPATCHER_PORT = 5050  # each host has its own ports: fixed ports never collide
-WORKER_PORT = 5051
-TOKEN = "multihost-test-token"
-TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer.py")
-
-
-class Trainer:
-    """One `trainer.py` process on a host; its stdout JSON lines are parsed as
-    they come (`progress`, `result`), its stderr kept for failure messages."""
-
-    def __init__(self, net: harness.Net, host: str, spec: dict[str, Any]) -> None:
-        self.host = host
-        self.spec = spec
-        env = server_env()
-        env["DATASERVICE_AUTH_TOKEN"] = TOKEN
-        self.popen = subprocess.Popen(
-            net.exec_argv(host, [sys.executable, TRAINER, json.dumps(spec)]),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        self.progress = 0
-        self.ready = threading.Event()
-        self.result: dict[str, Any] | None = None
-        self.ended_at = 0.0
-        self._stderr: list[str] = []
-        self._pumps = [
-            threading.Thread(target=self._read_stdout, daemon=True),
-            threading.Thread(target=self._read_stderr, daemon=True),
-        ]
-        for t in self._pumps:
-            t.start()
-
-    def _read_stdout(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                self._stderr.append("stdout: " + line.rstrip())
-                continue
-            if "progress" in msg:
-                self.progress = int(msg["progress"])
-            elif "ready" in msg:
-                self.ready.set()
-            elif "result" in msg:
-                self.result = msg["result"]
-                self.ended_at = time.monotonic()
-
-    def _read_stderr(self) -> None:
-        assert self.popen.stderr is not None
-        for line in self.popen.stderr:
-            self._stderr.append(line.rstrip())
-
-    def stderr(self) -> str:
-        return "\n".join(self._stderr[-60:])
-
-    def wait_progress(self, count: int, timeout_s: float) -> float:
-        """Waits until the trainer has read `count` elements; returns the seconds it took.
-
-        Raises:
-            AssertionError: Not within `timeout_s`, or the trainer ended before.
-        """
-        t0 = time.monotonic()
-        while self.progress < count:
-            if self.result is not None or self.popen.poll() is not None:
-                raise AssertionError(
-                    f"trainer on {self.host} ended at {self.progress} < {count} elements: "
-                    f"{self.result and self.result['error']}\n{self.stderr()}"
-                )
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(
-                    f"trainer on {self.host}: {self.progress} < {count} elements after "
-                    f"{timeout_s} s\n{self.stderr()}"
-                )
-            time.sleep(0.02)
-        return time.monotonic() - t0
-
-    def wait_result(self, timeout_s: float) -> dict[str, Any]:
-        """Waits for the trainer's result line and its exit; returns the result.
-
-        Raises:
-            AssertionError: No result within `timeout_s` (the trainer is then
-                killed: a hang fails the test in bounded time), or it exited
-                without one.
-        """
-        try:
-            self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(
-                f"trainer on {self.host} hung: no result within {timeout_s} s "
-                f"({self.progress} elements read)\n{self.stderr()}"
-            ) from None
-        for t in self._pumps:
-            t.join(10)
-        if self.result is None:
-            raise AssertionError(
-                f"trainer on {self.host} exited {self.popen.returncode} without a result:\n"
-                f"{self.stderr()}"
-            )
-        return self.result
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait(10)
-
-
-class Cluster:
-    """Servers and trainers started on `net`'s hosts; `close()` kills them all."""
-
-    def __init__(self, net: harness.Net, token_file: str) -> None:
-        self.net = net
-        self.token_file = token_file
-        self.servers: list[Server] = []
-        self.trainers: list[Trainer] = []
-
-    def address(self, host: str, port: int) -> str:
-        return f"{self.net.ip[host]}:{port}"
-
-    def dispatcher(
-        self, host: str = "disp", extra: Sequence[str] = (), port: int = DISPATCHER_PORT
-    ) -> Server:
-        """Starts a dispatcher on `host` bound to its address and waits for its ready line."""
-        flags = [
-            "--host",
-            self.net.ip[host],
-            "--port",
-            str(port),
-            "--auth-token-file",
-            self.token_file,
-            *extra,
-        ]
-        server = Server("dispatcher", flags, prefix=tuple(self.net.exec_argv(host, [])))
-        self.servers.append(server)
-        server.wait_ready()
-        return server
-
-    def worker(
-        self,
-        host: str,
-        dispatcher: str,
-        extra: Sequence[str] = (),
-        port: int = WORKER_PORT,
-        wait: bool = True,
-    ) -> Server:
-        """Starts a worker on `host` (HOST_IP:`port`) for `dispatcher` ("IP:PORT")."""
-        address = self.address(host, port)
-        flags = [
-            "--dispatcher",
-            dispatcher,
-            "--host",
-            self.net.ip[host],
-            "--port",
-            str(port),
-            "--worker-address",
-            address,
-            "--heartbeat-interval-ms",
-            "200",
-            "--auth-token-file",
-            self.token_file,
-            *extra,
-        ]
-        server = Server("worker", flags, prefix=tuple(self.net.exec_argv(host, [])))
-        self.servers.append(server)
-        if wait:
-            server.wait_ready()
-        return server
-
-    def trainer(self, host: str, **spec: Any) -> Trainer:
-        """Starts `trainer.py` on `host` with `spec` (see trainer.py)."""
-        t = Trainer(self.net, host, spec)
-        self.trainers.append(t)
-        return t
-
-    def close(self) -> None:
-        for t in self.trainers:
-            t.kill()
-        for s in self.servers:
-            s.cleanup()
+from .cluster import HOSTS, write_token_file
 
 
 @pytest.fixture(scope="module")
@@ -238,18 +49,12 @@ def net() -> Iterator[harness.Net]:
 
 @pytest.fixture(scope="module")
 def token_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("multihost") / "token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(TOKEN)
-    return str(path)
+    return write_token_file(str(tmp_path_factory.mktemp("multihost") / "token"))
 
 
 def exactly(got: Sequence[int], expected: dict[int, int] | Sequence[int], what: str) -> None:
     """Asserts the multiset `got` equals `expected` (a sequence or value -> count)."""
-    from collections import Counter
-
-    want = Counter(expected) if not isinstance(expected, dict) else Counter(expected)
+    want = Counter(expected)
     have = Counter(got)
     missing = sorted((want - have).elements())
     extra = sorted((have - want).elements())

@@ -17,7 +17,8 @@ import pytest
 from tests.ft.conftest import report
 
 from . import harness
-from .conftest import DISPATCHER_PORT, WORKER_PORT, Cluster, exactly, transports
+from .cluster import DISPATCHER_PORT, WORKER_PORT, Cluster
+from .conftest import exactly, transports
 
 pytestmark = pytest.mark.netns
 

@@ -6,7 +6,8 @@ SPEC_JSON keys (all but `target` optional):
     target: the dispatcher, "grpc://HOST:PORT".
     mode: processing mode ("off", "dynamic", "data", ...; default "off").
     n: elements of `Dataset.range(n)` (default 1000); `repeat`: repeat it forever.
-    payload_bytes: > 0 makes each element {"i": int64[], "x": uint8[payload_bytes],
+    payload_bytes: > 0 makes each element {"i": int64[], "x": uint8[payload_bytes]
+        (random bytes, the same in every element of a worker),
         "pid": the producing worker's pid, "nonce": a random int64 drawn when
         it was produced} (a cross-trainer cache shares one production).
     map_delay_ms: time each element takes on the worker.
@@ -18,10 +19,14 @@ SPEC_JSON keys (all but `target` optional):
     record: "ids" (default: every element's id, in order), "count" (only
         the number and bytes; for throughput), "cache" ([pid, id, nonce] per element).
     progress_every: print {"progress": count} every this many elements.
+    warmup: the first this many elements are not timed (`timed_s`,
+        `timed_bytes`, `timed_count` cover the rest).
+    compression: `distribute`'s compression ("AUTO", "NONE" for None, "ZSTD").
 
 Output: {"ready": true} once the iterator exists, {"progress": n} lines, then
 one {"result": {...}} line: `elements` (as `record` says), `count`, `bytes`,
-`elapsed_s` (first element to last), `stats` (`it.stats()`), `error`
+`elapsed_s` (first element to last), `timed_s`, `timed_bytes`,
+`timed_count` (after `warmup`), `stats` (`it.stats()`), `error`
 ({"type", "message"} or null). Exit code 0 also when the read raised (the
 error is in the result); 2 on a bad spec.
 """
@@ -39,10 +44,16 @@ import dataservice as ds
 
 
 def _payload(size: int):
+    # Random bytes (compression gains nothing, as on real images), drawn once
+    # per worker process: producing an element costs no more than a lookup.
+    buffers: dict[int, np.ndarray] = {}
+
     def fn(i):
+        if size not in buffers:
+            buffers[size] = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
         return {
             "i": np.int64(i),
-            "x": np.zeros(size, np.uint8),
+            "x": buffers[size],
             "pid": np.int64(os.getpid()),
             "nonce": np.int64(np.random.randint(0, 2**62)),
         }
@@ -84,6 +95,8 @@ def main(spec: dict) -> None:
         )
         if spec.get(k) is not None
     }
+    if spec.get("compression") is not None:
+        kw["compression"] = None if spec["compression"] == "NONE" else spec["compression"]
     if spec.get("trainer_id") is not None:
         kw["cross_trainer_cache"] = ds.CrossTrainerCache(spec["trainer_id"])
     dataset = dataset.apply(ds.distribute(spec.get("mode", "off"), spec["target"], **kw))
@@ -91,6 +104,9 @@ def main(spec: dict) -> None:
     limit = spec.get("limit")
     every = int(spec.get("progress_every", 0))
     read_delay_s = float(spec.get("read_delay_ms", 0)) / 1000
+    warmup = int(spec.get("warmup", 0))
+    timed_from = None
+    timed_bytes = 0
     elements: list = []
     count = nbytes = 0
     error = None
@@ -117,8 +133,12 @@ def main(spec: dict) -> None:
             if count == 0:
                 first = time.monotonic()
             count += 1
+            if count == warmup + 1:
+                timed_from = time.monotonic()
             if isinstance(x, dict):
                 nbytes += int(x["x"].nbytes)
+                if count > warmup:
+                    timed_bytes += int(x["x"].nbytes)
                 if record == "ids":
                     elements.append(int(x["i"]))
                 elif record == "cache":
@@ -146,6 +166,9 @@ def main(spec: dict) -> None:
                 "count": count,
                 "bytes": nbytes,
                 "elapsed_s": last - first,
+                "timed_s": last - timed_from if timed_from is not None else 0.0,
+                "timed_bytes": timed_bytes,
+                "timed_count": max(0, count - warmup),
                 "stats": stats,
                 "error": error,
             }

@@ -59,13 +59,9 @@ def test_a_fault_tolerant_dispatcher_restarted_on_its_host_mid_epoch(
     dispatcher = cluster.dispatcher(extra=flags)
     _workers(cluster)
     n_dynamic, n_off = 3000, 1500
-    dynamic = cluster.trainer(
-        "t0", target=_target(cluster), mode="dynamic", n=n_dynamic, read_delay_ms=2,
-        progress_every=50,
-    )  # fmt: skip
-    off = cluster.trainer(
-        "t1", target=_target(cluster), mode="off", n=n_off, read_delay_ms=2, progress_every=50
-    )
+    paced = {"read_delay_ms": 2, "progress_every": 50}
+    dynamic = cluster.trainer("t0", target=_target(cluster), mode="dynamic", n=n_dynamic, **paced)
+    off = cluster.trainer("t1", target=_target(cluster), mode="off", n=n_off, **paced)
     dynamic.wait_progress(300, 60)
     off.wait_progress(300, 60)
     killed_at = dispatcher.kill()

@@ -34,8 +34,8 @@ def cluster(net: harness.Net, token_file: str) -> Iterator[Cluster]:
         listed = [c.address(h, WORKER_PORT) for h in ("w0", "w1", "t0")]
         c.dispatcher(extra=("--worker-addresses", ",".join(listed)))
         target = c.address("disp", DISPATCHER_PORT)
-        c.workers = [c.worker(h, target, wait=False) for h in ("w0", "w1", "t0")]  # type: ignore[attr-defined]
-        for w in c.workers:  # type: ignore[attr-defined]
+        workers = [c.worker(h, target, wait=False) for h in ("w0", "w1", "t0")]
+        for w in workers:
             w.wait_ready()
         yield c
     finally:

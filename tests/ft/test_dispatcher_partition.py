@@ -15,8 +15,9 @@ The dispatcher and two workers are real processes (`python -m dataservice
   retransmissions after the link returns). The data path (consumer to worker)
   and the dispatcher's liveness probes of the workers do not go through it:
   the probe of a killed worker is refused even while cut off.
-- The dispatcher in a network namespace of the test's own, joined by a veth
-  pair (root and iproute2 needed, else skipped), whose link is set down:
+- The dispatcher on a host of its own, a network namespace of the
+  multi-host harness (tests/multihost/harness.py) bridged to the test's
+  namespace (root and iproute2 needed, else skipped), whose link is set down:
   every packet to and from the dispatcher is dropped, its probes included
   (they time out), while the workers and the consumer, outside, still reach
   each other.
@@ -29,8 +30,6 @@ import dataclasses
 import logging
 import os
 import pickle
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from dataservice import errors
 from dataservice.data.serialize import serialize
 from dataservice.rpc import service_pb2 as pb
 
+from ..multihost import harness
 from .conftest import Server, Servers, report, wait_until
 from .tcp_proxy import TcpProxy
 
@@ -422,60 +422,38 @@ def test_every_worker_killed_while_the_dispatcher_is_cut_off_fails_the_consumer(
 # ------------------------------------------------------------ a real link down
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
-
-
-@dataclasses.dataclass
 class _Netns:
-    """A network namespace joined to this one by a veth pair: `outer_ip` on
-    this side (`outer`), `inner_ip` inside. `cut()` sets `outer` down: every
-    packet between the two is dropped, both ways."""
+    """The dispatcher's host: a network namespace of the multi-host harness
+    (tests/multihost/harness.py), joined by a bridge to this process's
+    namespace (`outer_ip` here, `inner_ip` there). `cut()` sets the host's
+    link down: every packet between the two is dropped, both ways."""
 
-    name: str
-    outer: str
-    outer_ip: str
-    inner_ip: str
+    def __init__(self, net: harness.Net) -> None:
+        self.net = net
+        self.prefix = tuple(net.exec_argv("disp", []))
+        self.inner_ip = net.ip["disp"]
+        assert net.root_ip is not None
+        self.outer_ip = net.root_ip
 
     def cut(self) -> float:
-        _ip("link", "set", self.outer, "down")
-        return time.monotonic()
+        return self.net.link_down("disp")
 
     def restore(self) -> float:
-        _ip("link", "set", self.outer, "up")
-        return time.monotonic()
+        return self.net.link_up("disp")
 
 
 @pytest.fixture
 def netns() -> Iterator[_Netns]:
-    """A private /30 (10.213.x.y, from this process's pid) in a namespace of
-    our own, removed at the end."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 (ip netns)")
-    pid = os.getpid()
-    net = f"10.213.{(pid >> 6) & 0xFF}.{(pid & 0x3F) * 4}"
-    prefix = net.rsplit(".", 1)[0]
-    last = int(net.rsplit(".", 1)[1])
-    env = _Netns(f"ds-test-{pid}", f"dsv{pid}o", f"{prefix}.{last + 1}", f"{prefix}.{last + 2}")
-    inner = f"dsv{pid}i"
+    """A host of our own for the dispatcher, removed at the end (with
+    whatever still runs in it)."""
+    reason = harness.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    net = harness.Net(["disp"], attach_root=True)
     try:
-        _ip("netns", "add", env.name)
-        _ip("link", "add", env.outer, "type", "veth", "peer", "name", inner)
-        _ip("link", "set", inner, "netns", env.name)
-        _ip("addr", "add", f"{env.outer_ip}/30", "dev", env.outer)
-        _ip("link", "set", env.outer, "up")
-        _ip("-n", env.name, "addr", "add", f"{env.inner_ip}/30", "dev", inner)
-        _ip("-n", env.name, "link", "set", inner, "up")
-        _ip("-n", env.name, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as err:
-        subprocess.run(["ip", "netns", "del", env.name], capture_output=True, timeout=10)
-        subprocess.run(["ip", "link", "del", env.outer], capture_output=True, timeout=10)
-        pytest.skip(f"cannot make a network namespace here: {err.stderr.strip()}")
-    try:
-        yield env
+        yield _Netns(net)
     finally:
-        subprocess.run(["ip", "link", "del", env.outer], capture_output=True, timeout=10)
-        _ip("netns", "del", env.name)
+        net.close()
 
 
 @pytest.fixture
@@ -489,7 +467,7 @@ def ns_cluster(
     dispatcher = servers.dispatcher(
         worker_timeout_ms=TIMEOUT_MS,
         extra=("--client-timeout-ms", str(TIMEOUT_MS), "--host", netns.inner_ip),
-        prefix=("ip", "netns", "exec", netns.name),
+        prefix=netns.prefix,
     )
     on_link = ("--host", netns.outer_ip, "--worker-address", f"{netns.outer_ip}:%port%")
     workers = servers.workers(dispatcher, 2, extra=on_link)

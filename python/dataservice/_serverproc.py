@@ -135,13 +135,18 @@ class DispatcherStub:
         metadata: what each call sends (`rpc.util.call_metadata`).
     """
 
-    def __init__(self, address: str, auth_token: str | None = None) -> None:
+    def __init__(self, address: str, auth_token: str | None = None, client_tls: Any = None) -> None:
         from dataservice.rpc import service_pb2_grpc
         from dataservice.rpc import util as rpc_util
 
         self.address = strip_scheme(address)
         self.metadata = rpc_util.call_metadata(auth_token)
-        self._channel = rpc_util.make_channel(self.address)
+        # client_tls: a `tls.ClientTls` (None: the environment's, $DATASERVICE_TLS_CA).
+        self._channel = (
+            rpc_util.make_channel(self.address)
+            if client_tls is None
+            else rpc_util.make_channel(self.address, client_tls)
+        )
         self.stub: Any = service_pb2_grpc.DispatcherServiceStub(self._channel)
 
     def wait_connected(self, timeout_ms: int, what: str) -> None:
@@ -149,15 +154,39 @@ class DispatcherStub:
         is made, so no token is checked), for at most `timeout_ms` milliseconds.
 
         Raises:
-            UnavailableError: Not connected within `timeout_ms`; the message
-                names `what` waited and the address.
+            UnavailableError: Not connected within `timeout_ms`; or at once, a
+                TLS handshake that failed (`rpc.util.tls_error`: plaintext to a
+                TLS server, an untrusted certificate...). The message names
+                `what` waited and the address.
         """
+        import time
+
         import grpc  # type: ignore[import-untyped,unused-ignore]
 
+        from dataservice.rpc import service_pb2
         from dataservice.rpc import util as rpc_util
 
+        future = grpc.channel_ready_future(self._channel)
+        deadline = time.monotonic() + timeout_ms / 1000
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_ms / 1000)
+            # A connection not up within a moment may be a TLS mismatch, which no wait
+            # cures: one RPC's failure details tell (it fails before reaching the
+            # servicer, so no token is checked).
+            future.result(timeout=min(0.5, timeout_ms / 1000))
+            return
+        except grpc.FutureTimeoutError:
+            pass
+        try:
+            self.stub.GetDispatcherInfo(
+                service_pb2.DispatcherInfoRequest(), timeout=1.0, metadata=self.metadata
+            )
+        except grpc.RpcError as err:
+            mismatch = rpc_util.tls_error(self.address, what, str(err.details()))
+            if mismatch is not None:
+                future.cancel()
+                raise mismatch from None
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
         except grpc.FutureTimeoutError:
             raise rpc_util.unreachable_error(
                 what, self.address, timeout_ms, "no connection"

@@ -210,9 +210,10 @@ def bind_refusal(kind: str, host: str, token: str | None, insecure: bool) -> str
     )
 
 
-def check_bind(kind: str, host: str, token: str | None, insecure: bool) -> None:
+def check_bind(kind: str, host: str, token: str | None, insecure: bool, tls: bool = False) -> None:
     """Refuses to serve beyond loopback without a token (`bind_refusal`), and
-    warns of what such a bind exposes. Called by each server before it binds.
+    warns of what such a bind exposes (a token in clear text, unless `tls`).
+    Called by each server before it binds.
 
     Raises:
         ValueError: `host` is not loopback, there is no token, and `insecure`
@@ -231,9 +232,11 @@ def check_bind(kind: str, host: str, token: str | None, insecure: bool) -> None:
             host,
         )
         return
+    if tls:
+        return
     log.warning(
         "the %s serves %s without TLS: its auth token travels in clear text and anyone on the "
-        "network path can read it; use a private network (TLS is not supported yet)",
+        "network path can read it; use a private network, or serve TLS (--tls-cert, --tls-key)",
         kind,
         host,
     )
@@ -254,10 +257,10 @@ _sent_in_clear: set[str] = set()
 _sent_mu = threading.Lock()
 
 
-def warn_if_sent_in_clear(address: str, token: str | None) -> None:
+def warn_if_sent_in_clear(address: str, token: str | None, tls: bool = False) -> None:
     """Warns once per address when `token` is sent to a non-loopback
-    `address` ("host:port") over a connection without TLS."""
-    if token is None:
+    `address` ("host:port") over a connection without TLS (`tls` False)."""
+    if token is None or tls:
         return
     host = address.rsplit(":", 1)[0]
     if is_loopback_host(host):
@@ -268,7 +271,7 @@ def warn_if_sent_in_clear(address: str, token: str | None) -> None:
         _sent_in_clear.add(address)
     log.warning(
         "the auth token is sent to %s without TLS: anyone on the network path can read it; "
-        "use a private network (TLS is not supported yet)",
+        "use a private network, or TLS (set DATASERVICE_TLS_CA, servers --tls-cert)",
         address,
     )
 

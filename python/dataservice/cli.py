@@ -70,6 +70,10 @@ ORPHAN_STOP_TIMEOUT_S = 3.0
 _FLAG_ALIASES: dict[str, list[str]] = {
     "fault_tolerant_mode": ["--fault-tolerant"],
     "dispatcher_address": ["--dispatcher"],
+    "tls_cert_file": ["--tls-cert"],
+    "tls_key_file": ["--tls-key"],
+    "tls_client_ca_file": ["--tls-client-ca"],
+    "tls_ca_file": ["--tls-ca"],
 }
 
 _METAVARS = {
@@ -78,6 +82,10 @@ _METAVARS = {
     "host": "HOST",
     "auth_token": "TOKEN",
     "auth_token_file": "PATH",
+    "tls_cert_file": "PEM",
+    "tls_key_file": "PEM",
+    "tls_client_ca_file": "PEM",
+    "tls_ca_file": "PEM",
 }
 
 
@@ -420,14 +428,15 @@ def _serve(
     return 0
 
 
-def _wait_for_dispatcher(address: str, timeout_ms: int) -> None:
-    """Blocks until a TCP/HTTP2 connection to the dispatcher is up.
+def _wait_for_dispatcher(address: str, timeout_ms: int, client_tls: Any = None) -> None:
+    """Blocks until a TCP/HTTP2 (TLS with `client_tls`) connection to the
+    dispatcher is up.
 
     Raises:
-        UnavailableError: Not reachable within `timeout_ms` milliseconds; the
-            message names the address.
+        UnavailableError: Not reachable within `timeout_ms` milliseconds, or
+            the TLS handshake failed (at once); the message names the address.
     """
-    with _serverproc.DispatcherStub(address) as dispatcher:
+    with _serverproc.DispatcherStub(address, client_tls=client_tls) as dispatcher:
         dispatcher.wait_connected(
             timeout_ms,
             "worker: connecting to the dispatcher (--dispatcher, bounded by "
@@ -450,6 +459,7 @@ def _check_auth_at_start(kind: str, args: argparse.Namespace, config: Any) -> No
     refusal = auth.bind_refusal(kind, config.host, token, config.insecure)
     if refusal is not None:  # before a worker waits for its dispatcher
         raise ValueError(refusal)
+    _check_tls_at_start(kind, config)
     if token is None:
         auth.warn_no_token(kind, config.host)
     elif getattr(args, "auth_token", None):
@@ -458,6 +468,26 @@ def _check_auth_at_start(kind: str, args: argparse.Namespace, config: Any) -> No
             "it (ps, /proc/PID/cmdline); use --auth-token-file PATH or %s instead",
             auth.AUTH_ENV,
         )
+
+
+def _check_tls_at_start(kind: str, config: Any) -> Any:
+    """Reads the TLS files of a server's config (errors name the file and
+    flag); returns the worker's client settings towards its dispatcher (None:
+    plaintext, and for the dispatcher).
+
+    Raises:
+        ValueError: As `tls.server_credentials` / `tls.worker_tls`.
+    """
+    from dataservice import tls
+
+    if kind == "worker":
+        return tls.worker_tls(
+            config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file, config.tls_ca_file
+        )[1]
+    tls.server_credentials(
+        config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file, kind
+    )
+    return None
 
 
 def _run_dispatcher(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -499,6 +529,7 @@ def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 config.dispatcher_timeout_ms_or_default,
                 rpc_util.unreachable_timeout_ms(config.dispatcher_unreachable_timeout_ms),
             ),
+            _check_tls_at_start("worker", config),
         )
         server = WorkerServer(
             config,

@@ -68,6 +68,22 @@ def _check_protocol(protocol: str) -> None:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {protocol!r}")
 
 
+def _check_tls_files(config: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"`{name}` must be a file path, got {value!r}")
+    if bool(getattr(config, "tls_cert_file")) != bool(getattr(config, "tls_key_file")):  # noqa: B009
+        raise ValueError(
+            "set both `tls_cert_file` and `tls_key_file` (--tls-cert, --tls-key) to serve TLS"
+        )
+    if getattr(config, "tls_client_ca_file") and not getattr(config, "tls_cert_file"):  # noqa: B009
+        raise ValueError(
+            "`tls_client_ca_file` (--tls-client-ca) requires client certificates over TLS: "
+            "set `tls_cert_file` and `tls_key_file` (--tls-cert, --tls-key) too"
+        )
+
+
 def _check_auth(auth_token: str | None, auth_token_file: str | None) -> None:
     if auth_token is not None and not isinstance(auth_token, str):
         raise ValueError(f"`auth_token` must be a string, got {type(auth_token)}")
@@ -119,6 +135,13 @@ class DispatcherConfig:
             /healthz, /readyz) on `host`; 0 picks a free port (read it back from
             `.metrics_port`); None (the default): no metrics. Needs
             prometheus-client. The endpoint has no auth: it tells counts, never data.
+        tls_cert_file: Optional. PEM certificate (chain) to serve TLS with
+            (CLI --tls-cert); needs `tls_key_file`. Clients then need the CA
+            ($DATASERVICE_TLS_CA; see `dataservice.tls`).
+        tls_key_file: Optional. PEM private key of `tls_cert_file` (--tls-key).
+        tls_client_ca_file: Optional. Require every client (trainers and
+            workers) to present a certificate signed by this CA (PEM; mutual
+            TLS; --tls-client-ca).
 
     Raises:
         ValueError: On a bad field (message names it), or `fault_tolerant_mode`
@@ -139,8 +162,12 @@ class DispatcherConfig:
     auth_token_file: str | None = None
     insecure: bool = False
     metrics_port: int | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     def __post_init__(self) -> None:
+        _check_tls_files(self, ("tls_cert_file", "tls_key_file", "tls_client_ca_file"))
         _check_port(self.port)
         _check_metrics_port(self.metrics_port)
         _check_protocol(self.protocol)
@@ -226,6 +253,17 @@ class WorkerConfig:
             /healthz, /readyz: ready once registered) on `host`; 0 picks a free
             port (read it back from `.metrics_port`); None (the default): no
             metrics. Needs prometheus-client.
+        tls_cert_file: Optional. PEM certificate to serve TLS with (--tls-cert);
+            needs `tls_key_file`. The worker also presents it to a dispatcher
+            that requires client certificates. Required when the worker talks
+            TLS to its dispatcher: clients that trust the dispatcher's CA speak
+            TLS to every worker.
+        tls_key_file: Optional. PEM private key of `tls_cert_file` (--tls-key).
+        tls_client_ca_file: Optional. Require every client to present a
+            certificate signed by this CA (PEM; mutual TLS; --tls-client-ca).
+        tls_ca_file: Optional. The CA (PEM) the worker trusts for the
+            dispatcher's certificate (--tls-ca); else $DATASERVICE_TLS_CA.
+            Setting either makes the worker's connection to the dispatcher TLS.
 
     Raises:
         ValueError: On a bad field; the message names it.
@@ -247,10 +285,17 @@ class WorkerConfig:
     shm_allowed_uids: list[int] | None = None
     dispatcher_unreachable_timeout_ms: int | None = None
     metrics_port: int | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    tls_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         _check_auth(self.auth_token, self.auth_token_file)
         _check_metrics_port(self.metrics_port)
+        _check_tls_files(
+            self, ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_ca_file")
+        )
         if self.shm_allowed_uids is not None:
             uids = list(self.shm_allowed_uids)
             if any(not isinstance(u, int) or isinstance(u, bool) or u < 0 for u in uids):

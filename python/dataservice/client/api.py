@@ -207,7 +207,7 @@ def _dispatcher_call(
     try:
         stub = service_pb2_grpc.DispatcherServiceStub(channel)
         token = auth.client_token(address, auth_token)
-        auth.warn_if_sent_in_clear(address, token)
+        auth.warn_if_sent_in_clear(address, token, rpc_util.channel_uses_tls(address))
         metadata = rpc_util.call_metadata(token)
         return rpc_util.call_dispatcher(
             stub, method, request, address=address, metadata=metadata, timeout_ms=timeout_ms

@@ -87,7 +87,11 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
         # Sent to the dispatcher and to every worker (gRPC metadata, or proof of
         # it in the shared-memory handshake); see auth.client_token.
         self._token = auth.client_token(options.dispatcher_address, options.auth_token)
-        auth.warn_if_sent_in_clear(options.dispatcher_address, self._token)
+        auth.warn_if_sent_in_clear(
+            options.dispatcher_address,
+            self._token,
+            rpc_util.channel_uses_tls(options.dispatcher_address),
+        )
         self._metadata = rpc_util.call_metadata(self._token)
         limit = options.max_outstanding_requests
         self._outstanding = _FairSemaphore(limit) if limit else None

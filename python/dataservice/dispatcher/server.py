@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import auth, errors
+from dataservice import auth, errors, tls
 from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.buffer_store import BufferStore, check_inline
@@ -180,14 +180,23 @@ class DispatchServer(
         Raises:
             UnavailableError: The port cannot be bound.
             ValueError: The token file cannot be read, or `host` is beyond
-                loopback with no token and not `insecure` (see SECURITY.md).
+                loopback with no token and not `insecure` (see SECURITY.md), or
+                a TLS file cannot be read (the message names it).
         """
         if self._server is not None:
             return
         self._stop_event.clear()
         self._stopped.clear()
         token = auth.resolve_token(self._config.auth_token, self._config.auth_token_file)
-        auth.check_bind("dispatcher", self._config.host, token, self._config.insecure)
+        credentials = tls.server_credentials(
+            self._config.tls_cert_file,
+            self._config.tls_key_file,
+            self._config.tls_client_ca_file,
+            "dispatcher",
+        )
+        auth.check_bind(
+            "dispatcher", self._config.host, token, self._config.insecure, credentials is not None
+        )
         self._recover()
         if self._config.metrics_port is not None and self._metrics is None:
             from dataservice import metrics
@@ -201,7 +210,9 @@ class DispatchServer(
         )
         validate.add_service(server, _Servicer(self), "DispatcherService")
         try:
-            port = server.add_insecure_port(f"{self._config.host}:{self._config.port}")
+            port = rpc_util.add_port(
+                server, f"{self._config.host}:{self._config.port}", credentials
+            )
         except RuntimeError as err:
             raise errors.UnavailableError(
                 f"dispatcher cannot bind {self._config.host}:{self._config.port}: {err}"

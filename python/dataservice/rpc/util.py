@@ -1,5 +1,7 @@
 """gRPC plumbing shared by the dispatcher, workers and clients: channel and
-server options, the auth token, status <-> exception mapping, and retries.
+server options, TLS (every channel is made by `make_channel`, every port bound
+by `add_port`; see `dataservice.tls`), the auth token, status <-> exception
+mapping, and retries.
 
 Message size limits are lifted to 2 GiB - 1 (gRPC's hard limit), so elements
 bigger than gRPC's 4 MiB default arrive in one message.
@@ -17,7 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from dataservice import _waits, auth, config, errors
+from dataservice import _waits, auth, config, errors, tls
 from dataservice.rpc import service_pb2
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ PROBE_FIRST_BYTES = 64 << 10
 # Addresses that answered an RPC of this process (see `was_reached`).
 _REACHED_MU = threading.Lock()
 _REACHED: set[str] = set()  # guarded by _REACHED_MU
+# The TLS settings of the last channel made to each address (None: plaintext), for
+# the errors of a failed handshake. Guarded by _REACHED_MU.
+_CHANNEL_TLS: dict[str, tls.ClientTls | None] = {}
 
 
 def _renew_reached_mu_after_fork() -> None:
@@ -169,8 +174,62 @@ def server_interceptors(
     return [AuthInterceptor(token, kind, on_refused)] if token else []
 
 
-def make_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+_FROM_ENV: Any = object()
+
+
+def make_channel(
+    address: str,
+    client_tls: tls.ClientTls | None = _FROM_ENV,
+    options: list[tuple[str, Any]] | None = None,
+) -> grpc.Channel:
+    """A channel to `address` ("host:port"): TLS when the client has a CA to
+    trust, else plaintext (see `dataservice.tls`).
+
+    Args:
+        client_tls: The client's TLS settings (None: plaintext); by default
+            those of the environment (`tls.client_tls()`: $DATASERVICE_TLS_CA...).
+        options: gRPC channel options added to `CHANNEL_OPTIONS`.
+
+    Raises:
+        ValueError: (settings from the environment) a TLS file cannot be read
+            or is not PEM; the message names it.
+    """
+    if client_tls is _FROM_ENV:
+        client_tls = tls.client_tls()
+    with _REACHED_MU:
+        _CHANNEL_TLS[address] = client_tls
+    opts = [*CHANNEL_OPTIONS, *(options or [])]
+    if client_tls is None:
+        return grpc.insecure_channel(address, options=opts)
+    return grpc.secure_channel(
+        address, client_tls.credentials(), options=[*opts, *client_tls.channel_options()]
+    )
+
+
+def channel_uses_tls(address: str) -> bool:
+    """Whether the last channel made to `address` speaks TLS."""
+    with _REACHED_MU:
+        return _CHANNEL_TLS.get(address) is not None
+
+
+def add_port(server: grpc.Server, bind: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Binds `bind` ("host:port") on `server`, TLS when `credentials` are given
+    (`tls.server_credentials`); returns the port (0: not bound)."""
+    if credentials is None:
+        return server.add_insecure_port(bind)
+    return server.add_secure_port(bind, credentials)
+
+
+def tls_error(address: str, what: str, details: str) -> errors.UnavailableError | None:
+    """The error for a first connection to `address` that failed at the TLS
+    layer (a plaintext client at a TLS server, an untrusted certificate, a
+    refused client certificate...), or None when `details` say otherwise."""
+    with _REACHED_MU:
+        if address not in _CHANNEL_TLS:
+            return None
+        client = _CHANNEL_TLS[address]
+    message = tls.handshake_error(address, details, client, what, reached=was_reached(address))
+    return errors.UnavailableError(message) if message else None
 
 
 def abort_with(context: grpc.ServicerContext, err: BaseException) -> None:
@@ -377,6 +436,12 @@ def call_with_retries(
                 slow.done(f"{what}: {address} answered")
                 raise to_error(err, address, what) from None
             details = f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+            if not last[0]:
+                # A TLS mismatch fails every try alike: say so at the first, not after
+                # the unreachable timeout.
+                mismatch = tls_error(address, what, details)
+                if mismatch is not None:
+                    raise mismatch from None
             last[0] = details
             now = time.monotonic()
             if not was_reached(address) and now >= fast_deadline:

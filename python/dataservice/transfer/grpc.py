@@ -201,7 +201,9 @@ class GrpcTransferClient(base.TransferClient):
         self._channel = rpc_util.make_channel(endpoint.transfer_address)
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
         token = rpc_util.token_from_env(auth_token)
-        auth.warn_if_sent_in_clear(endpoint.transfer_address, token)
+        auth.warn_if_sent_in_clear(
+            endpoint.transfer_address, token, rpc_util.channel_uses_tls(endpoint.transfer_address)
+        )
         self._metadata = rpc_util.call_metadata(token)
         self._error: errors.WorkerError | None = None  # the pipeline's, once reported
         self._consumer_key = uuid.uuid4().hex
@@ -415,9 +417,8 @@ class GrpcTransferClient(base.TransferClient):
         cancelled reply's bytes still in flight on the old one would hold the link up
         (up to a flow-control window of them)."""
         self._channel.close()
-        self._channel = grpc.insecure_channel(
-            self._endpoint.transfer_address,
-            options=[*rpc_util.CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)],
+        self._channel = rpc_util.make_channel(
+            self._endpoint.transfer_address, options=[("grpc.use_local_subchannel_pool", 1)]
         )
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import _proc, _waits, auth, errors, metrics
+from dataservice import _proc, _waits, auth, errors, metrics, tls
 from dataservice.config import WorkerConfig
 from dataservice.data import graph
 from dataservice.data.static_sharding import apply_static_sharding
@@ -168,6 +168,9 @@ class WorkerServer(ElementServing):
         # shared-memory handshake) and sent to the dispatcher.
         self._token = auth.resolve_token(config.auth_token, config.auth_token_file)
         self._metadata = rpc_util.call_metadata(self._token)
+        self._server_credentials, self._client_tls = tls.worker_tls(
+            config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file, config.tls_ca_file
+        )
         self._mu = threading.Lock()
         self._wake = threading.Event()
         self._stop_event = threading.Event()
@@ -278,8 +281,9 @@ class WorkerServer(ElementServing):
         self._stopped.clear()
         self._registered.clear()
         self._registration_error = None
-        auth.check_bind("worker", self._config.host, self._token, self._config.insecure)
-        auth.warn_if_sent_in_clear(self._dispatcher_address, self._token)
+        tls_on = self._server_credentials is not None
+        auth.check_bind("worker", self._config.host, self._token, self._config.insecure, tls_on)
+        auth.warn_if_sent_in_clear(self._dispatcher_address, self._token, tls_on)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ds-worker"),
             options=rpc_util.SERVER_OPTIONS,
@@ -290,7 +294,7 @@ class WorkerServer(ElementServing):
         validate.add_service(server, WorkerServicer(self), "WorkerService")
         bind = f"{self._config.host}:{self._config.port}"
         try:
-            port = server.add_insecure_port(bind)
+            port = rpc_util.add_port(server, bind, self._server_credentials)
         except RuntimeError as err:
             raise errors.UnavailableError(f"worker cannot bind {bind}: {err}") from err
         if port == 0:
@@ -324,7 +328,7 @@ class WorkerServer(ElementServing):
                 raise
         server.start()
         self._server = server
-        self._channel = rpc_util.make_channel(self._dispatcher_address)
+        self._channel = rpc_util.make_channel(self._dispatcher_address, self._client_tls)
         self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
         transfer_host = transfer.TransferHost(
             address=self._address,

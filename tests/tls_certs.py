@@ -105,6 +105,7 @@ def make_certs(directory: str, ca_name: str = "dataservice test CA") -> Certs:
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             x509.DNSName("localhost"),
             x509.DNSName("dataservice-worker"),
+            x509.DNSName("dataservice"),
         ],
     )
     client_cert, client_key = leaf("dataservice trainer", [ExtendedKeyUsageOID.CLIENT_AUTH], [])

@@ -74,7 +74,8 @@ def check_token(token: str, source: str) -> str:
 def read_token_file(path: str) -> str:
     """The token in file `path` (surrounding whitespace stripped).
 
-    Logs a WARNING when the file can be read by other users (mode & 0o077).
+    Logs a WARNING when the file can be read by other users (mode & 0o077;
+    mode & 0o007 when the file's group is this process's effective group).
 
     Raises:
         ValueError: The file cannot be read, is empty, or holds an unusable
@@ -82,13 +83,17 @@ def read_token_file(path: str) -> str:
     """
     try:
         with open(path, encoding="ascii") as f:
-            mode = os.fstat(f.fileno()).st_mode
+            st = os.fstat(f.fileno())
+            mode = st.st_mode
             token = f.read().strip()
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"cannot read the auth token file {path!r}: {err}") from None
     if not token:
         raise ValueError(f"the auth token file {path!r} is empty")
-    if stat.S_IMODE(mode) & 0o077:
+    # Group-readable is fine when the group is this process's own (a Kubernetes
+    # secret mounted with fsGroup: root:<fsGroup> 0440).
+    exposed = 0o007 if st.st_gid == os.getegid() else 0o077
+    if stat.S_IMODE(mode) & exposed:
         key = (os.path.abspath(path), stat.S_IMODE(mode))
         with _warned_mu:
             first = key not in _warned_files

@@ -58,6 +58,21 @@ def test_token_file_readable_by_others_warns(tmp_path, caplog):
     assert "can be read by other users" in caplog.text
 
 
+def test_token_file_readable_by_its_own_group_only_is_not_warned_of(tmp_path, caplog):
+    # A Kubernetes secret mounted with fsGroup: root:<the process's group> 0440.
+    path = tmp_path / "token"
+    path.write_text("t0ken")
+    os.chown(path, -1, os.getegid())
+    path.chmod(0o440)
+    with caplog.at_level(logging.WARNING, logger="dataservice.auth"):
+        assert auth.read_token_file(str(path)) == "t0ken"
+    assert "can be read by other users" not in caplog.text
+    path.chmod(0o444)
+    with caplog.at_level(logging.WARNING, logger="dataservice.auth"):
+        auth.read_token_file(str(path))
+    assert "can be read by other users" in caplog.text
+
+
 def test_compares_go_through_hmac_compare_digest(monkeypatch):
     calls = []
     real = hmac.compare_digest

@@ -321,12 +321,15 @@ def handshake_error(
             f"({TLS_CA_ENV} or --tls-ca is set): start the server with --tls-cert and "
             f"--tls-key, or unset {TLS_CA_ENV}"
         )
-    if "Peer name" in details and "not in peer certificate" in details:
+    if "Hostname Verification Check failed" in details or (
+        "Peer name" in details and "not in peer certificate" in details
+    ):
+        checked = client.server_name or address.rpartition(":")[0]
+        source = f" (${TLS_SERVER_NAME_ENV})" if client.server_name else ""
         return (
             f"{what}: the TLS certificate of the server at {address} does not name "
-            f"{address.rpartition(':')[0]!r} ({details.rsplit(':', 2)[-2].strip()}): give the "
-            f"server a certificate with that name in its subjectAltName, or set "
-            f"{TLS_SERVER_NAME_ENV} to a name its certificate holds"
+            f"{checked!r}{source}: give the server a certificate with that name in its "
+            f"subjectAltName, or set {TLS_SERVER_NAME_ENV} to a name its certificate holds"
         )
     if "Socket closed" in details and probe:
         refusal = client_certificate_refusal(address, client)

@@ -248,3 +248,36 @@ def test_cli_names_a_missing_tls_file_and_exits_2(tmp_path, certs):
     )
     assert proc.returncode == 2, proc.stderr
     assert "missing-key.pem" in proc.stderr and "--tls-key" in proc.stderr, proc.stderr
+
+
+def test_local_cluster_serves_tls_through_its_configs(certs, env):
+    env.setenv(tls.TLS_CA_ENV, certs.ca)
+    with ds.LocalCluster(
+        num_workers=2,
+        dispatcher_config=ds.DispatcherConfig(
+            tls_cert_file=certs.server_cert, tls_key_file=certs.server_key
+        ),
+        worker_options={
+            "tls_cert_file": certs.server_cert,
+            "tls_key_file": certs.server_key,
+            "tls_ca_file": certs.ca,
+        },
+    ) as cluster:
+        got, used = _read(cluster.target, ds.ShardingPolicy.DYNAMIC, "grpc", n=60)
+        assert got == list(range(60)) and used == {"grpc"}
+        assert tls.speaks_tls(cluster.target.split("://")[-1]) is True
+        for address in cluster.worker_addresses:
+            assert tls.speaks_tls(address.split("://")[-1]) is True
+
+
+def test_a_certificate_for_another_name_is_named(service, certs, env):
+    env.setenv(tls.TLS_CA_ENV, certs.ca)
+    env.setenv(tls.TLS_SERVER_NAME_ENV, "not-in-the-certificate")
+    with pytest.raises(errors.UnavailableError) as info:
+        ds.register_dataset(service.dispatcher.target, ds.Dataset.range(3))
+    message = str(info.value)
+    assert "does not name 'not-in-the-certificate'" in message, message
+    # A name the certificate holds passes, whatever host the address names.
+    env.setenv(tls.TLS_SERVER_NAME_ENV, "dataservice")
+    got, used = _read(service.dispatcher.target, ds.ShardingPolicy.DYNAMIC, "grpc", n=20)
+    assert got == list(range(20)) and used == {"grpc"}

@@ -1,7 +1,8 @@
-"""Test certificates: a self-signed CA, a server certificate for 127.0.0.1 and
-localhost signed by it, and a client certificate, written as PEM files (made
-with the `cryptography` package, which grpcio's test users already have; tests
-that use this skip without it)."""
+"""Test certificates: a self-signed CA, a server certificate signed by it
+(subjectAltName 127.0.0.1, localhost, dataservice-worker and dataservice; usable
+as a client certificate too), and a client certificate, written as PEM files
+(made with the `cryptography` package of the `test` extra; tests that use this
+skip without it)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Certs:
-    """Paths of PEM files: `ca` signed `server` (SAN 127.0.0.1, localhost and
-    dataservice-worker) and `client`."""
+    """Paths of PEM files: `ca` signed the server and the client certificates."""
 
     ca: str
     server_cert: str

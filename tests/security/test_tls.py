@@ -6,6 +6,7 @@ certificate, and bad files are named at start."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -281,3 +282,27 @@ def test_a_certificate_for_another_name_is_named(service, certs, env):
     env.setenv(tls.TLS_SERVER_NAME_ENV, "dataservice")
     got, used = _read(service.dispatcher.target, ds.ShardingPolicy.DYNAMIC, "grpc", n=20)
     assert got == list(range(20)) and used == {"grpc"}
+
+
+def test_cli_worker_without_tls_is_told_its_dispatcher_speaks_tls(service, env):
+    env.delenv(auth.AUTH_ENV)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dataservice",
+            "worker",
+            "--dispatcher",
+            service.dispatcher.target,
+            "--dispatcher-unreachable-timeout-ms",
+            "30000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, auth.AUTH_ENV: TOKEN},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "speaks TLS" in proc.stderr and "--tls-ca" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 25  # not the 30 s unreachable bound

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,9 @@ def test_manifests_wire_what_the_recipe_says():
     pod_ip = next(e for e in worker["env"] if e["name"] == "POD_IP")
     assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     for container in (worker, dispatcher["spec"]["template"]["spec"]["containers"][0]):
-        assert container["readinessProbe"] and container["livenessProbe"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert "--metrics-port=9090" in container["args"]
         assert container["resources"]["requests"]
 
 
@@ -213,6 +216,28 @@ class _Pods:
                 proc.wait(timeout=5)
 
 
+def _wait_probe_ok(pod: dict, probe: str, port_map: dict[str, str], timeout_s: float) -> None:
+    """Waits until `pod`'s HTTP `probe` answers 200 on this host (its named port
+    mapped through `port_map`), as the kubelet's would."""
+    container = pod["containers"][0]
+    get = container[probe]["httpGet"]
+    ports = {p["name"]: str(p["containerPort"]) for p in container["ports"]}
+    port = port_map.get(ports.get(get["port"], str(get["port"])), str(get["port"]))
+    url = f"http://127.0.0.1:{port}{get['path']}"
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                if answer.status == 200:
+                    return
+                last = f"status {answer.status}"
+        except OSError as err:
+            last = str(err)
+        time.sleep(0.2)
+    raise AssertionError(f"{probe} {url} not 200 within {timeout_s} s: {last}")
+
+
 @pytest.mark.timeout(240)
 def test_the_manifests_commands_serve_a_tls_dynamic_epoch(tmp_path):
     docs = _docs()
@@ -221,18 +246,24 @@ def test_the_manifests_commands_serve_a_tls_dynamic_epoch(tmp_path):
         statefulset = docs["StatefulSet/dataservice-dispatcher"]
         dispatcher_pod = dict(statefulset["spec"]["template"]["spec"])
         dispatcher_pod["_claims"] = statefulset["spec"]["volumeClaimTemplates"]
-        dispatcher = pods.start(dispatcher_pod, "dispatcher", {"5050": str(pods.dispatcher_port)})
+        dispatcher_ports = {"5050": str(pods.dispatcher_port), "9090": str(_free_port())}
+        dispatcher = pods.start(dispatcher_pod, "dispatcher", dispatcher_ports)
         pods.wait_ready(dispatcher, 60)
+        probed = [(dispatcher_pod, dispatcher_ports)]
         deployment = docs["Deployment/dataservice-worker"]
         workers = []
         for i in range(deployment["spec"]["replicas"]):
             # Pods have an IP each; here they share one, so each gets its own port.
-            port_map = {"5051": str(_free_port())}
+            port_map = {"5051": str(_free_port()), "9090": str(_free_port())}
             workers.append(
                 pods.start(deployment["spec"]["template"]["spec"], f"worker-{i}", port_map)
             )
+            probed.append((deployment["spec"]["template"]["spec"], port_map))
         addresses = [pods.wait_ready(w, 60) for w in workers]
         assert all(a.startswith("127.0.0.1:") for a in addresses), addresses  # $(POD_IP)
+        for pod, port_map in probed:  # the probes the kubelet would make
+            for probe in ("readinessProbe", "livenessProbe"):
+                _wait_probe_ok(pod, probe, port_map, 30)
         job = docs["Job/dataservice-trainer-example"]
         trainer = pods.start(job["spec"]["template"]["spec"], "trainer", {})
         assert trainer.wait(timeout=180) == 0, "".join(pods.outputs[trainer.pid])

@@ -77,7 +77,8 @@ esac
 if [ $demo = 1 ]; then
   step "dataservice demo (64 records, 1 epoch)"
   "$work/venv/bin/dataservice" demo --workers 1 --epochs 1 --num-records 64 --batch-size 16 \
-    --data-dir "$work/demo-images" --json --no-progress >"$work/demo.out" 2>"$work/demo.err" || {
+    --data-dir "$work/demo-images" --no-dataloader --json --no-progress \
+    >"$work/demo.out" 2>"$work/demo.err" || {
     tail -30 "$work/demo.err" >&2
     exit 1
   }

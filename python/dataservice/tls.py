@@ -290,15 +290,15 @@ def handshake_error(
     client: ClientTls | None,
     what: str,
     probe: bool = True,
-    reached: bool = False,
 ) -> str | None:
     """The message for a connection to `address` that failed at the TLS
     layer, from gRPC's `details` and the client's settings (None: plaintext),
     or None when the failure is not about TLS. With `probe`, a connection
-    that was closed asks the server whether it speaks TLS (`speaks_tls`).
-    A TLS server that closed a TLS client's handshake is taken for a refused
-    client certificate only when it was never `reached` (a server that answered
-    before and now closes connections is more likely stopping)."""
+    that was closed is looked into (at most two short connections, bounded by
+    `PROBE_TIMEOUT_S` each): does the server speak TLS (`speaks_tls`), does it
+    refuse this client's certificate (`client_certificate_refusal`)? Only a
+    positive answer makes an error: a server that is merely stopping gives
+    none."""
     if client is None:
         if "Socket closed" in details and probe and speaks_tls(address):
             return (

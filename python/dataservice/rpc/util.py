@@ -228,7 +228,7 @@ def tls_error(address: str, what: str, details: str) -> errors.UnavailableError 
         if address not in _CHANNEL_TLS:
             return None
         client = _CHANNEL_TLS[address]
-    message = tls.handshake_error(address, details, client, what, reached=was_reached(address))
+    message = tls.handshake_error(address, details, client, what)
     return errors.UnavailableError(message) if message else None
 
 

@@ -95,10 +95,10 @@ class ClientTls:
     """
 
     ca_file: str
-    ca_pem: bytes
+    ca_pem: bytes = dataclasses.field(repr=False)
     cert_file: str | None = None
-    cert_pem: bytes | None = None
-    key_pem: bytes | None = None
+    cert_pem: bytes | None = dataclasses.field(default=None, repr=False)
+    key_pem: bytes | None = dataclasses.field(default=None, repr=False)  # never in a repr
     server_name: str | None = None
     key_file: str | None = None
 

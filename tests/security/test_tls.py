@@ -306,3 +306,16 @@ def test_cli_worker_without_tls_is_told_its_dispatcher_speaks_tls(service, env):
     assert proc.returncode == 1, proc.stderr
     assert "speaks TLS" in proc.stderr and "--tls-ca" in proc.stderr, proc.stderr
     assert time.monotonic() - start < 25  # not the 30 s unreachable bound
+
+
+def test_client_settings_refuse_half_a_pair_and_never_show_the_key(certs):
+    with pytest.raises(ValueError, match=r"TLS_CERT is set but \$DATASERVICE_TLS_KEY"):
+        tls.client_tls(environ={tls.TLS_CA_ENV: certs.ca, tls.TLS_CERT_ENV: certs.client_cert})
+    with pytest.raises(ValueError, match="without a CA"):
+        tls.client_tls(
+            environ={tls.TLS_CERT_ENV: certs.client_cert, tls.TLS_KEY_ENV: certs.client_key}
+        )
+    assert tls.client_tls(environ={}) is None  # no CA: plaintext
+    client = tls.client_tls(certs.ca, certs.client_cert, certs.client_key, environ={})
+    assert client is not None and client.cert_file == certs.client_cert
+    assert "PRIVATE KEY" not in repr(client) and "BEGIN" not in repr(client)

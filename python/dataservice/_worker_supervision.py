@@ -157,32 +157,47 @@ class WorkerSupervisionMixin:
         """Sees each worker exit and tells the dispatcher; restarts dead
         workers on their old port until the cluster stops, or gives up on one
         (see `restart_workers`, `max_worker_restarts`). Never blocks on one
-        worker: each index is a small state machine polled every 0.1 s."""
-        with self._lock:
-            num = len(self._workers)
+        worker: each is a small state machine (`_Slot`, by worker name) polled
+        every 0.1 s. Workers the autoscaler adds are watched from the next
+        poll; one it retires leaves `_workers` before its process is stopped,
+        so its exit is not taken for a crash."""
         now = time.monotonic()
-        slots = [_Slot(ready_at=now) for _ in range(num)]
+        slots: dict[str, _Slot] = {}
         next_rss = now
         while not self._stopping.wait(_MONITOR_PERIOD_S):
             sample_rss = time.monotonic() >= next_rss
             if sample_rss:
                 next_rss = time.monotonic() + _RSS_PERIOD_S
-            for i, slot in enumerate(slots):
+            with self._lock:
+                workers = list(self._workers)
+            names = {w.name for w in workers}
+            for name in [n for n in slots if n not in names]:
+                del slots[name]  # retired
+            for w in workers:
                 if self._stopping.is_set():
                     return
-                with self._lock:
-                    w = self._workers[i]
+                slot = slots.get(w.name)
+                if slot is None:
+                    slot = slots[w.name] = _Slot(ready_at=time.monotonic())
+                if not self._is_current(w):
+                    continue  # retired meanwhile
                 if slot.state == "running":
                     code = w.popen.poll()
                     if code is not None:
-                        self._on_worker_exit(slot, w, code, was_ready=True)
+                        if self._is_current(w):
+                            self._on_worker_exit(slot, w, code, was_ready=True)
                     elif sample_rss:
                         slot.last_rss_bytes = _rss_bytes(w.popen.pid) or slot.last_rss_bytes
                 elif slot.state == "starting":
                     self._check_started(slot, w)
                 elif slot.state == "waiting" and time.monotonic() >= slot.retry_at:
-                    if not self._restart(i, slot, w):
+                    if not self._restart(slot, w):
                         return
+
+    def _is_current(self, w: _Proc) -> bool:
+        """Whether `w` is still one of the cluster's workers (not retired)."""
+        with self._lock:
+            return any(x is w for x in self._workers)
 
     def _on_worker_exit(self, slot: _Slot, w: _Proc, code: int | None, was_ready: bool) -> None:
         """Counts the exit of `w` and schedules its restart, or gives up on it."""
@@ -256,8 +271,8 @@ class WorkerSupervisionMixin:
         slot.state = "waiting"
         slot.retry_at = now + delay
 
-    def _restart(self, i: int, slot: _Slot, w: _Proc) -> bool:
-        """Starts worker `i` again on `w`'s port. Returns False if the cluster stopped."""
+    def _restart(self, slot: _Slot, w: _Proc) -> bool:
+        """Starts worker `w` again on its port. Returns False if the cluster stopped."""
         port = int(w.address.rsplit(":", 1)[1])
         flags = self._worker_flags(port=port)
         if slot.exits:  # it made no progress: start pipelines only when a consumer asks
@@ -279,6 +294,10 @@ class WorkerSupervisionMixin:
             if self._stopped:  # raced with stop(): don't leave it behind
                 _proc.terminate_processes([new.popen], 0.0, own_groups=True)
                 return False
+            i = next((k for k, x in enumerate(self._workers) if x is w), None)
+            if i is None:  # retired meanwhile
+                _proc.terminate_processes([new.popen], 0.0, own_groups=True)
+                return True
             self._workers[i] = new
         slot.state = "starting"
         slot.start_deadline = time.monotonic() + self._start_timeout_s

@@ -48,6 +48,14 @@ from types import TracebackType
 from typing import Any
 
 from dataservice import _proc, _serverproc, auth
+from dataservice._autoscale import (
+    DEFAULT_AUTOSCALE_INTERVAL_S,
+    DEFAULT_AUTOSCALE_WINDOW_S,
+    DEFAULT_SCALE_DOWN_GRACE_S,
+    AutoscaleConfig,
+    AutoscaleMixin,
+    host_cpus,
+)
 from dataservice._worker_supervision import HEALTHY_UPTIME_S, WorkerSupervisionMixin, _Proc
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 from dataservice.dispatcher import buffer_store
@@ -104,7 +112,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-class LocalCluster(WorkerSupervisionMixin):
+class LocalCluster(WorkerSupervisionMixin, AutoscaleMixin):
     """A dispatcher and `num_workers` worker processes on 127.0.0.1.
 
     Example:
@@ -127,7 +135,23 @@ class LocalCluster(WorkerSupervisionMixin):
     Thread-safe: properties and `stop()` may be called from any thread.
 
     Args:
-        num_workers: Number of worker processes (>= 0).
+        num_workers: Number of worker processes (>= 0), or "auto": start one
+            and add or retire workers as the consumers need them, between 1
+            and `max_workers` (`dataservice._autoscale` states the rule:
+            consumers input-bound and a CPU free adds one; workers mostly
+            idle for `scale_down_grace_s` retires one, after it drained
+            without losing an element). Each decision is logged at INFO with
+            its reason and listed in `autoscale_events`.
+        max_workers: With num_workers="auto": the most worker processes
+            (>= 1; default and upper bound: the CPUs this process may run on,
+            `os.sched_getaffinity`). Only with "auto".
+        autoscale_interval_s: With "auto": seconds between two decisions
+            (> 0, default 1).
+        autoscale_window_s: With "auto": seconds of consumer and worker
+            counters each decision reads (> 0, default 5); also the wait after
+            a change before the next.
+        scale_down_grace_s: With "auto": seconds the workers must stay mostly
+            idle before one is retired (>= 0, default 30).
         dispatcher_config: A `DispatcherConfig` for the dispatcher (port 0 by
             default; the bound port is read back).
         worker_options: `WorkerConfig` fields applied to every worker, e.g.
@@ -185,8 +209,12 @@ class LocalCluster(WorkerSupervisionMixin):
 
     def __init__(
         self,
-        num_workers: int = 2,
+        num_workers: int | str = 2,
         *,
+        max_workers: int | None = None,
+        autoscale_interval_s: float | None = None,
+        autoscale_window_s: float | None = None,
+        scale_down_grace_s: float | None = None,
         dispatcher_config: DispatcherConfig | None = None,
         worker_options: Mapping[str, Any] | None = None,
         restart_workers: bool = True,
@@ -198,8 +226,16 @@ class LocalCluster(WorkerSupervisionMixin):
         log_level: str = "WARNING",
         start: bool = True,
     ) -> None:
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-            raise ValueError(f"`num_workers` must be an int >= 0, got {num_workers!r}")
+        autoscale = _autoscale_config(
+            num_workers, max_workers, autoscale_interval_s, autoscale_window_s, scale_down_grace_s
+        )
+        if autoscale is not None:
+            num_workers = 1
+            several = autoscale.max_workers > 1
+        elif not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+            raise ValueError(f"`num_workers` must be an int >= 0 or 'auto', got {num_workers!r}")
+        else:
+            several = num_workers > 1
         if dispatcher_config is None:
             dispatcher_config = DispatcherConfig()
         if not isinstance(dispatcher_config, DispatcherConfig):
@@ -215,10 +251,10 @@ class LocalCluster(WorkerSupervisionMixin):
             )
         if "dispatcher_address" in options:
             raise ValueError("`worker_options` must not set `dispatcher_address`: the cluster does")
-        if num_workers > 1 and options.get("port", 0) != 0:
-            raise ValueError(f"{num_workers} workers cannot share `port={options['port']}`")
+        if several and options.get("port", 0) != 0:
+            raise ValueError(f"several workers cannot share `port={options['port']}`")
         if (
-            num_workers > 1
+            several
             and options.get("worker_address")
             and ("%port%" not in options["worker_address"])
         ):
@@ -260,6 +296,11 @@ class LocalCluster(WorkerSupervisionMixin):
         self._auth_token: str = token or worker_token or auth.new_token()
 
         self._num_workers = num_workers
+        self._autoscale = autoscale
+        self._autoscale_events: list[dict[str, Any]] = []  # guarded by self._lock
+        self._pending_workers: list[_Proc] = []  # guarded by self._lock: starting or retiring
+        self._next_worker_index = num_workers  # guarded by self._lock: names of added workers
+        self._autoscaler: threading.Thread | None = None
         self._dispatcher_config = dispatcher_config
         self._restart_workers = restart_workers
         self._max_worker_restarts = max_worker_restarts
@@ -407,6 +448,11 @@ class LocalCluster(WorkerSupervisionMixin):
                 target=self._monitor_workers, name="dataservice-cluster-monitor", daemon=True
             )
             self._monitor.start()
+        if self._autoscale is not None:
+            self._autoscaler = threading.Thread(
+                target=self._autoscale_loop, name="dataservice-cluster-autoscaler", daemon=True
+            )
+            self._autoscaler.start()
 
     # ----------------------------------------------------------------- stop
 
@@ -428,11 +474,15 @@ class LocalCluster(WorkerSupervisionMixin):
                 return
             self._stopped = True
             self._stopping.set()
-        monitor = self._monitor
-        if monitor is not None and monitor is not threading.current_thread():
-            monitor.join(2.0)
+        for thread in (self._monitor, self._autoscaler):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(2.0)
         with self._lock:
-            procs = [*self._workers, *([self._dispatcher] if self._dispatcher else [])]
+            procs = [
+                *self._workers,
+                *self._pending_workers,
+                *([self._dispatcher] if self._dispatcher else []),
+            ]
         _proc.terminate_processes([p.popen for p in procs], grace, own_groups=True)
         for p in procs:
             p.stdout.join(1.0)
@@ -494,7 +544,31 @@ class LocalCluster(WorkerSupervisionMixin):
 
     @property
     def num_workers(self) -> int:
-        return self._num_workers
+        """The worker processes the cluster runs now: `num_workers`, or with
+        "auto" the autoscaler's current count (a draining worker counts until
+        its process is stopped)."""
+        if self._autoscale is None:
+            return self._num_workers
+        with self._lock:
+            return len(self._workers)
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers: `num_workers`, or with "auto" `max_workers` capped
+        at the CPUs this process may run on."""
+        if self._autoscale is None:
+            return self._num_workers
+        return min(self._autoscale.max_workers, host_cpus())
+
+    @property
+    def autoscale_events(self) -> list[dict[str, Any]]:
+        """The autoscaler's decisions, oldest first: dicts with "time" (Unix
+        seconds), "action" ("add"; "drain": a retirement starts; "retire": its
+        process stopped; "cancel-retire"), "worker" (its
+        name), "address", "num_workers" (after it) and "reason" (as logged).
+        Empty without num_workers="auto"."""
+        with self._lock:
+            return [dict(e) for e in self._autoscale_events]
 
     @property
     def failed_workers(self) -> dict[str, str]:
@@ -529,6 +603,51 @@ class LocalCluster(WorkerSupervisionMixin):
                 f"LocalCluster({state}, dispatcher={dispatcher!r}, "
                 f"workers={[w.address for w in self._workers]!r})"
             )
+
+
+def _autoscale_config(
+    num_workers: int | str,
+    max_workers: int | None,
+    interval_s: float | None,
+    window_s: float | None,
+    grace_s: float | None,
+) -> AutoscaleConfig | None:
+    """The autoscaler's validated config for num_workers="auto", else None.
+
+    Raises:
+        ValueError: A bad value, or an autoscaling argument without "auto".
+    """
+    knobs = {
+        "max_workers": max_workers,
+        "autoscale_interval_s": interval_s,
+        "autoscale_window_s": window_s,
+        "scale_down_grace_s": grace_s,
+    }
+    if not (isinstance(num_workers, str) and num_workers.lower() == "auto"):
+        given = [k for k, v in knobs.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(f'`{k}`' for k in given)} only apply to num_workers='auto' "
+                f"(autoscaling), got num_workers={num_workers!r}"
+            )
+        return None
+    cpus = host_cpus()
+    if max_workers is None:
+        max_workers = cpus
+    config = AutoscaleConfig(
+        max_workers=max_workers,
+        interval_s=DEFAULT_AUTOSCALE_INTERVAL_S if interval_s is None else interval_s,
+        window_s=DEFAULT_AUTOSCALE_WINDOW_S if window_s is None else window_s,
+        scale_down_grace_s=DEFAULT_SCALE_DOWN_GRACE_S if grace_s is None else grace_s,
+    )
+    if config.max_workers > cpus:
+        logger.info(
+            "LocalCluster: max_workers=%d, but this process may run on %d CPUs: at most %d workers",
+            config.max_workers,
+            cpus,
+            cpus,
+        )
+    return config
 
 
 # ------------------------------------------------ every live cluster, for exit

@@ -54,6 +54,9 @@ class _Worker:
     # address (ReportWorkerFailure with `restarting`): not probed meanwhile.
     restarting: bool = False
     last_probe: float = 0.0  # time.monotonic() of the last liveness probe
+    # Its supervisor retires it (RetireWorker, retire.py): no new task, and its
+    # DYNAMIC tasks get no more splits.
+    draining: bool = False
 
 
 def _probe_after_s(worker: _Worker) -> float:

@@ -303,7 +303,8 @@ class JobsMixin(DispatcherBase):
                 iteration = self._state.iterations[iteration_id]
                 if not local:  # else the tasks of each consumer's host, as it joins
                     for worker in list(self._workers.values()):
-                        self._create_task_locked(iteration, worker)
+                        if not worker.draining:  # retire.py: it only finishes what it has
+                            self._create_task_locked(iteration, worker)
                 created = True
             else:
                 iteration = self._state.iterations[iteration_id]

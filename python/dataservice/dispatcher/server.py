@@ -13,6 +13,7 @@ the module of its concern:
                       ReleaseIterationClient; job replacement
     split_handout.py  GetSplits (DYNAMIC), GetRounds (coordinated reads)
     worker_loss.py    ReportWorkerFailure; what a lost worker took with it
+    retire.py         RetireWorker: drain a worker, then forget it (LocalCluster autoscaling)
     liveness.py       the maintenance thread: worker and client timeouts, probes,
                       the stall grace, the silence of a cut-off dispatcher, job
                       garbage collection
@@ -43,6 +44,7 @@ from dataservice.dispatcher.jobs import JobsMixin
 from dataservice.dispatcher.journal import Journal
 from dataservice.dispatcher.liveness import LivenessMixin
 from dataservice.dispatcher.observe import ObserveMixin
+from dataservice.dispatcher.retire import RetireMixin
 from dataservice.dispatcher.split_handout import SplitHandoutMixin
 from dataservice.dispatcher.tasks import WorkerTasksMixin
 from dataservice.dispatcher.worker_loss import WorkerLossMixin
@@ -122,6 +124,9 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
     def GetClusterStatus(self, request: Any, context: Any) -> Any:
         return self._call("GetClusterStatus", self._d._get_cluster_status, request, context)
 
+    def RetireWorker(self, request: Any, context: Any) -> Any:
+        return self._call("RetireWorker", self._d._retire_worker, request, context)
+
 
 def _parse_journaled(journal: Journal, dataset: st.Dataset) -> Any:
     """The checked `DatasetDef` of a journaled dataset.
@@ -153,6 +158,7 @@ class DispatchServer(
     WorkerLossMixin,
     LivenessMixin,
     ObserveMixin,
+    RetireMixin,
 ):
     """A dispatcher, as `tf.data.experimental.service.DispatchServer`.
 

@@ -91,10 +91,19 @@ class SplitHandoutMixin(DispatcherBase):
             task = iteration.tasks.get(task_id)
             # (A task whose worker was declared lost still gets splits: only a
             # live process asks, and it is revived when it heartbeats again.)
+            worker = self._workers.get(task.worker_address) if task is not None else None
+            draining = worker is not None and worker.draining
+            # A draining worker (retire.py) gets no more splits: its task ends
+            # after the elements of those it has, which its consumers read; the
+            # splits left go to the other workers' tasks.
             open_indices = [
                 i
                 for i in indices
-                if not (iteration.finished or iteration.splits_ended_by_provider.get(i, False))
+                if not (
+                    draining
+                    or iteration.finished
+                    or iteration.splits_ended_by_provider.get(i, False)
+                )
             ]
             for index, batch in zip(indices, batches, strict=True):
                 batch.end_of_splits = index not in open_indices

@@ -56,6 +56,8 @@ class WorkerTasksMixin(DispatcherBase):
         to consumers from other hosts until its job is collected (except
         under DYNAMIC sharding, whose splits are the whole iteration's).
         """
+        if worker.draining:  # retire.py: it only finishes what it has
+            return False
         if not job.reads_local_workers_only:
             return True
         return worker.host_id in iteration.consumer_hosts and not (
@@ -107,6 +109,8 @@ class WorkerTasksMixin(DispatcherBase):
         if job.processing_mode == ShardingPolicy.DYNAMIC and iteration.splits_ended:
             return
         for worker in list(self._workers.values()):
+            if worker.draining:  # retire.py: it only finishes what it has
+                continue
             if worker.host_id == host and not self._has_task_locked(iteration, worker):
                 self._create_task_locked(iteration, worker)
 

@@ -99,6 +99,11 @@ class DispatcherServiceStub:
                 request_serializer=dataservice_dot_rpc_dot_service__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=dataservice_dot_rpc_dot_service__pb2.GetClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.RetireWorker = channel.unary_unary(
+                '/dataservice.rpc.DispatcherService/RetireWorker',
+                request_serializer=dataservice_dot_rpc_dot_service__pb2.RetireWorkerRequest.SerializeToString,
+                response_deserializer=dataservice_dot_rpc_dot_service__pb2.RetireWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class DispatcherServiceServicer:
@@ -182,6 +187,12 @@ class DispatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RetireWorker(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DispatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +260,11 @@ def add_DispatcherServiceServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=dataservice_dot_rpc_dot_service__pb2.GetClusterStatusResponse.SerializeToString,
+            ),
+            'RetireWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireWorker,
+                    request_deserializer=dataservice_dot_rpc_dot_service__pb2.RetireWorkerRequest.FromString,
+                    response_serializer=dataservice_dot_rpc_dot_service__pb2.RetireWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +618,33 @@ class DispatcherService:
             '/dataservice.rpc.DispatcherService/GetClusterStatus',
             dataservice_dot_rpc_dot_service__pb2.GetClusterStatusRequest.SerializeToString,
             dataservice_dot_rpc_dot_service__pb2.GetClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataservice.rpc.DispatcherService/RetireWorker',
+            dataservice_dot_rpc_dot_service__pb2.RetireWorkerRequest.SerializeToString,
+            dataservice_dot_rpc_dot_service__pb2.RetireWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

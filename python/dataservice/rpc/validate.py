@@ -390,6 +390,11 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "dataservice.rpc.GetClusterStatusRequest": (
         Field("window_ms", int_range(0, MAX_STATUS_WINDOW_MS)),
     ),
+    "dataservice.rpc.RetireWorkerRequest": (
+        Field("worker_address", host_port(required=True)),
+        Field("remove", boolean),
+        Field("cancel", boolean),
+    ),
     "dataservice.rpc.GetElementsRequest": (
         Field("task_id", an_id),
         # 0 means the default (one element; 16 MiB): proto3 cannot tell unset from 0.

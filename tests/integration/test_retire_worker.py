@@ -1,0 +1,135 @@
+"""RetireWorker (`dispatcher/retire.py`): a draining worker gets no new task and
+no more DYNAMIC splits, finishes what it holds, and is then forgotten; a worker
+with an OFF task is refused; a worker that joins mid-epoch gets DYNAMIC splits
+at once. In-process servers (fast heartbeats, tests/conftest.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import dataservice as ds
+from dataservice import _serverproc, errors
+from dataservice.rpc import service_pb2 as pb
+
+
+def _retire(cluster, address: str, **flags: bool):
+    with _serverproc.DispatcherStub(cluster.target) as d:
+        try:
+            return d.stub.RetireWorker(
+                pb.RetireWorkerRequest(worker_address=address, **flags), timeout=10
+            )
+        except Exception as e:  # grpc.RpcError -> our error class
+            from dataservice.rpc import util as rpc_util
+
+            raise rpc_util.to_error(e, d.address, "RetireWorker") from None
+
+
+def _wait_drained(cluster, address: str, read_one, timeout_s: float = 30.0):
+    """Reads (with `read_one`) until the dispatcher says `address` drained."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = _retire(cluster, address)
+        assert not response.refused, response.refused
+        if response.drained:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"worker {address} did not drain in {timeout_s} s ({response.tasks} tasks)")
+        read_one()
+
+
+@pytest.mark.timeout(120)
+def test_draining_worker_finishes_its_splits_and_loses_nothing(make_cluster):
+    n = 3000
+    cluster = make_cluster(2)
+    retiring = cluster.workers[1]
+
+    def slow(x):  # the workers do not make the whole epoch before it drains
+        time.sleep(0.001)
+        return x
+
+    dataset = (
+        ds.Dataset.range(n)
+        .map(slow)
+        .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="drain"))
+    )
+    it = iter(dataset)
+    got = [int(next(it)) for _ in range(20)]
+    _wait_drained(cluster, retiring.address, lambda: got.append(int(next(it))))
+    assert len(got) < n, "the epoch ended before the worker drained"
+    # No new task in a new iteration of another job while it is registered.
+    other = iter(
+        ds.Dataset.range(5).apply(
+            ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="after")
+        )
+    )
+    assert sorted(int(x) for x in other) == list(range(5))
+    assert retiring.address not in other.stats()["workers"]
+    retiring.stop()
+    response = _retire(cluster, retiring.address, remove=True)
+    assert response.drained
+    got += [int(x) for x in it]
+    assert sorted(got) == list(range(n)), f"{len(got)} elements, {len(set(got))} distinct"
+    assert not it.stats().get("lost_workers")
+    assert cluster.dispatcher.num_workers() == 1
+
+
+@pytest.mark.timeout(120)
+def test_worker_with_an_off_task_is_refused_and_cancel_undrains(make_cluster):
+    cluster = make_cluster(2)
+    address = cluster.workers[1].address
+    it = iter(
+        ds.Dataset.range(10_000).apply(
+            ds.distribute(ds.ShardingPolicy.OFF, cluster.target, job_name="off")
+        )
+    )
+    next(it)
+    response = _retire(cluster, address)
+    assert not response.drained
+    assert "processing mode OFF" in response.refused, response.refused
+    del it
+    with pytest.raises(errors.InvalidArgumentError, match="exclude each other"):
+        _retire(cluster, address, remove=True, cancel=True)
+    with pytest.raises(errors.NotFoundError, match="not registered"):
+        _retire(cluster, "127.0.0.1:1")
+
+
+@pytest.mark.timeout(120)
+def test_remove_of_a_worker_with_tasks_is_refused(make_cluster):
+    cluster = make_cluster(1)
+    address = cluster.workers[0].address
+    it = iter(
+        ds.Dataset.range(10_000).apply(
+            ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="busy")
+        )
+    )
+    next(it)
+    with pytest.raises(errors.FailedPreconditionError, match="still runs tasks"):
+        _retire(cluster, address, remove=True)
+    # Draining, then cancelled: it serves the iteration to its end again.
+    assert not _retire(cluster, address).drained
+    _retire(cluster, address, cancel=True)
+    assert len([int(x) for x in it]) == 9_999
+
+
+@pytest.mark.timeout(120)
+def test_worker_joining_mid_epoch_gets_dynamic_splits_at_once(make_cluster):
+    n = 3000
+    cluster = make_cluster(1)
+
+    def slow(x):
+        time.sleep(0.001)
+        return x
+
+    it = iter(
+        ds.Dataset.range(n)
+        .map(slow)
+        .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="join"))
+    )
+    got = [int(next(it)) for _ in range(50)]
+    joined = cluster.add_worker()
+    got += [int(x) for x in it]
+    assert sorted(got) == list(range(n))
+    per_worker = it.stats()["workers"]
+    assert per_worker.get(joined.address, {}).get("elements", 0) > 0, per_worker

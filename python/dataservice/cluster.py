@@ -30,6 +30,11 @@ monitor thread tells the dispatcher of each worker exit at once, then restarts
 the worker on its port or gives up on it (`restart_workers`,
 `max_worker_restarts`, `healthy_uptime_s`); `_worker_supervision.py` owns that rule and states it
 in full.
+
+Autoscaling (`num_workers="auto"`): a thread adds a worker process when the
+consumers are input-bound and a CPU is free, and retires one, drained through
+the dispatcher's RetireWorker so that no element is lost, when the workers are
+mostly idle; `_autoscale.py` owns that rule and states it in full.
 """
 
 from __future__ import annotations

@@ -173,3 +173,49 @@ def test_auto_defaults_to_the_cpu_count():
     assert cluster.max_workers == host_cpus()
     cluster = ds.LocalCluster("AUTO", max_workers=1, start=False)
     assert cluster.max_workers == 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(host_cpus() < 2, reason="needs 2 CPUs to add a worker")
+def test_autoscale_short_up_on_demand_down_when_the_consumer_leaves():
+    """The default-set version: 1 -> 2 workers while an anonymous DYNAMIC job is
+    read as fast as it comes, back to 1 once its iterator is closed (its
+    iteration ends with it, so the retiring worker holds nothing to read)."""
+    with ds.LocalCluster(
+        "auto",
+        max_workers=2,
+        autoscale_interval_s=0.25,
+        autoscale_window_s=1.0,
+        scale_down_grace_s=0.5,
+        worker_options={"heartbeat_interval_ms": 200},
+    ) as cluster:
+        assert cluster.num_workers == 1
+        it = iter(
+            ds.Dataset.range(1_000_000)
+            .map(burn)
+            .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target))
+        )
+        deadline = time.monotonic() + 60
+        most = 1
+        while cluster.num_workers < 2:
+            next(it)
+            most = max(most, cluster.num_workers)
+            assert time.monotonic() < deadline, f"no scale-up in 60 s: {cluster.autoscale_events}"
+        for _ in range(20):  # the new worker serves the running epoch
+            next(it)
+            most = max(most, cluster.num_workers)
+        retired_pid = cluster.worker_pids[1]
+        it.close()
+        _wait_until(
+            lambda: any(e["action"] == "retire" for e in cluster.autoscale_events),
+            60,
+            "the second worker to retire",
+        )
+        assert cluster.num_workers == 1
+        actions = [e["action"] for e in cluster.autoscale_events]
+        assert actions == ["add", "drain", "retire"], cluster.autoscale_events
+        assert most <= 2 and len(cluster.worker_pids) == 1
+        assert all(e["worker"] == "worker-1" for e in cluster.autoscale_events)
+        assert not psutil.pid_exists(retired_pid) or (
+            psutil.Process(retired_pid).status() == psutil.STATUS_ZOMBIE
+        )

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import dataservice as ds
-from dataservice import _serverproc, errors
+from dataservice import _serverproc, errors, status
 from dataservice.rpc import service_pb2 as pb
 
 
@@ -109,7 +109,11 @@ def test_remove_of_a_worker_with_tasks_is_refused(make_cluster):
         _retire(cluster, address, remove=True)
     # Draining, then cancelled: it serves the iteration to its end again.
     assert not _retire(cluster, address).drained
+    (worker,) = status.fetch_status(cluster.target, window_s=5)["workers"]
+    assert worker["state"] == "draining"
     _retire(cluster, address, cancel=True)
+    (worker,) = status.fetch_status(cluster.target, window_s=5)["workers"]
+    assert worker["state"] == "alive"
     assert len([int(x) for x in it]) == 9_999
 
 

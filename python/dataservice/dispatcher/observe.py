@@ -238,6 +238,8 @@ class ObserveMixin(DispatcherBase):
     def _worker_state_locked(self, worker: Any, now: float) -> str:
         if worker.restarting:
             return "restarting"
+        if worker.draining:  # retire.py: its supervisor retires it
+            return "draining"
         if now - worker.last_heartbeat > _probe_after_s(worker):
             return "silent"
         return "alive"
@@ -251,7 +253,7 @@ class ObserveMixin(DispatcherBase):
         now = time.monotonic()
         p = metrics.PREFIX
         with self._mu:
-            by_state = {"alive": 0, "silent": 0, "restarting": 0}
+            by_state = {"alive": 0, "silent": 0, "restarting": 0, "draining": 0}
             for worker in self._workers.values():
                 by_state[self._worker_state_locked(worker, now)] += 1
             failed = len(self._failed_workers)
@@ -266,7 +268,8 @@ class ObserveMixin(DispatcherBase):
         g = GaugeMetricFamily(
             p + "workers",
             "Workers the dispatcher knows, by state (alive; silent: missed heartbeats; "
-            "restarting: its supervisor restarts it; failed: given up by its supervisor).",
+            "restarting: its supervisor restarts it; draining: its supervisor retires it; "
+            "failed: given up by its supervisor).",
             labels=["state"],
         )
         for state, n in by_state.items():

@@ -39,9 +39,13 @@ the dispatcher told to forget it. No element is lost or repeated. A worker
 that runs a task of an OFF job, of static sharding or of a coordinated read is
 never retired (it would change what that epoch contains): the autoscaler tries
 an older worker, else waits for those iterations to end. A new worker gets a
-task in every running iteration at once (tf.data service does the same), so it
-takes DYNAMIC splits mid-epoch; a running OFF iteration gets one more copy of
-the dataset from it, as in tf.data service when a worker joins. If the
+task in every running DYNAMIC iteration at once (tf.data service adds tasks for
+a new worker to running jobs too), so it takes splits mid-epoch; it joins
+running OFF, static-sharding and coordinated-read iterations not at all
+(`WorkerHeartbeatRequest.join_running_dynamic_only`; tf.data service would
+give a running OFF iteration one more copy of the dataset from it: with an
+autoscaler that loops, each added worker adding a copy and making the epoch
+longer), only the iterations created after it joined. If the
 consumers turn input-bound while a worker drains, its retirement is cancelled.
 
 Each decision is logged at INFO on the "dataservice.cluster" logger with its
@@ -427,7 +431,10 @@ class AutoscaleMixin:
             self._next_worker_index += 1
         logger.info("LocalCluster: adding %s: %s", name, reason)
         try:
-            w = self._spawn("worker", name, self._worker_flags())
+            # A running OFF epoch must not get one more copy from it (see the module).
+            extra = ["--join-running-dynamic-only"]
+            w = self._spawn("worker", name, [*self._worker_flags(), *extra])
+            w.extra_flags = extra
         except OSError as e:
             logger.error("LocalCluster: cannot start %s: %s", name, e)
             return False

@@ -74,6 +74,7 @@ class _Proc:
     stdout: _proc.OutputPump
     stderr: _proc.OutputPump
     address: str = ""
+    extra_flags: list[str] = dataclasses.field(default_factory=list)  # kept across restarts
 
 
 @dataclasses.dataclass
@@ -274,7 +275,7 @@ class WorkerSupervisionMixin:
     def _restart(self, slot: _Slot, w: _Proc) -> bool:
         """Starts worker `w` again on its port. Returns False if the cluster stopped."""
         port = int(w.address.rsplit(":", 1)[1])
-        flags = self._worker_flags(port=port)
+        flags = [*self._worker_flags(port=port), *w.extra_flags]
         if slot.exits:  # it made no progress: start pipelines only when a consumer asks
             flags.append("--lazy-tasks")
         try:
@@ -290,6 +291,7 @@ class WorkerSupervisionMixin:
                 slot.retry_at = time.monotonic() + 1.0
             return True
         new.address = w.address  # the same port; the ready line confirms it
+        new.extra_flags = w.extra_flags
         with self._lock:
             if self._stopped:  # raced with stop(): don't leave it behind
                 _proc.terminate_processes([new.popen], 0.0, own_groups=True)

@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     # LocalCluster restarts a worker that exited without handing out an element
     # with this: task pipelines start at a consumer's first request.
     p.add_argument("--lazy-tasks", action="store_true", help=argparse.SUPPRESS)
+    # LocalCluster's autoscaler starts the workers it adds with this (WorkerServer).
+    p.add_argument("--join-running-dynamic-only", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(subparser=p)
 
     from dataservice import demo  # light: heavy imports happen in demo.run
@@ -535,6 +537,7 @@ def _run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             config,
             start=True,
             lazy_tasks=args.lazy_tasks,
+            join_running_dynamic_only=args.join_running_dynamic_only,
             on_first_element=_serverproc.announce_first_element,
         )
         # Ready means registered, where the server can tell us (else the first

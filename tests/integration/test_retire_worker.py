@@ -137,3 +137,31 @@ def test_worker_joining_mid_epoch_gets_dynamic_splits_at_once(make_cluster):
     assert sorted(got) == list(range(n))
     per_worker = it.stats()["workers"]
     assert per_worker.get(joined.address, {}).get("elements", 0) > 0, per_worker
+
+
+@pytest.mark.timeout(120)
+def test_worker_added_by_the_autoscaler_joins_running_dynamic_iterations_only(make_cluster):
+    """`join_running_dynamic_only`: a running OFF epoch keeps its one copy per
+    worker that was there; a running DYNAMIC epoch gets the new worker at once;
+    the next OFF epoch gets it too."""
+    from tests.conftest import FAST
+
+    cluster = make_cluster(1)
+    off = ds.Dataset.range(300).apply(
+        ds.distribute(ds.ShardingPolicy.OFF, cluster.target, job_name="off")
+    )
+    dynamic = ds.Dataset.range(3000).map(lambda x: (time.sleep(0.001), x)[1])
+    dynamic = dynamic.apply(
+        ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="dyn")
+    )
+    off_it, dyn_it = iter(off), iter(dynamic)
+    got_off, got_dyn = [int(next(off_it))], [int(next(dyn_it))]
+    added = ds.WorkerServer(ds.WorkerConfig(cluster.target, **FAST), join_running_dynamic_only=True)
+    cluster.workers.append(added)
+    got_dyn += [int(x) for x in dyn_it]
+    got_off += [int(x) for x in off_it]
+    assert sorted(got_dyn) == list(range(3000))
+    assert dyn_it.stats()["workers"].get(added.address, {}).get("elements", 0) > 0
+    assert sorted(got_off) == list(range(300)), "a running OFF epoch got another copy"
+    next_epoch = iter(off)
+    assert sorted(int(x) for x in next_epoch) == sorted(list(range(300)) * 2)

@@ -57,6 +57,9 @@ class _Worker:
     # Its supervisor retires it (RetireWorker, retire.py): no new task, and its
     # DYNAMIC tasks get no more splits.
     draining: bool = False
+    # Registered with WorkerHeartbeatRequest.join_running_dynamic_only: tasks in the
+    # iterations running then only where they cannot change what the epoch contains.
+    join_running_dynamic_only: bool = False
 
 
 def _probe_after_s(worker: _Worker) -> float:

@@ -39,7 +39,9 @@ class RetireMixin(DispatcherBase):
 
     if TYPE_CHECKING:  # defined by tasks.py
 
-        def _assign_tasks_to_worker_locked(self, worker: _Worker) -> None: ...
+        def _assign_tasks_to_worker_locked(
+            self, worker: _Worker, dynamic_only: bool = False
+        ) -> None: ...
 
     def _retire_worker(self, request: Any) -> Any:
         """Drains, un-drains (`cancel`) or forgets (`remove`) a worker.
@@ -76,7 +78,9 @@ class RetireMixin(DispatcherBase):
                 if worker.draining:
                     worker.draining = False
                     log.info("worker %s: retirement cancelled; it gets tasks again", address)
-                    self._assign_tasks_to_worker_locked(worker)
+                    self._assign_tasks_to_worker_locked(
+                        worker, dynamic_only=worker.join_running_dynamic_only
+                    )
                 return pb.RetireWorkerResponse(drained=not tasks, tasks=len(tasks))
             refused = self._undrainable_locked(tasks)
             if refused and not worker.draining:

@@ -89,11 +89,18 @@ class WorkerTasksMixin(DispatcherBase):
             t.worker_address == worker.address and not t.removed for t in iteration.tasks.values()
         )
 
-    def _assign_tasks_to_worker_locked(self, worker: _Worker) -> None:
-        """Gives a (re)registered worker a task in every unfinished iteration it serves."""
+    def _assign_tasks_to_worker_locked(self, worker: _Worker, dynamic_only: bool = False) -> None:
+        """Gives a (re)registered worker a task in every unfinished iteration it
+        serves (with `dynamic_only`, only in those of DYNAMIC jobs that are not
+        coordinated reads: there its task takes splits the others would have
+        taken; elsewhere it would add a copy or a shard to an epoch under way)."""
         for iteration in self._state.unfinished_iterations():
             job = self._state.jobs[iteration.job_id]
             if job.garbage_collected or not self._worker_serves_locked(worker, job, iteration):
+                continue
+            if dynamic_only and (
+                job.processing_mode != ShardingPolicy.DYNAMIC or job.num_consumers
+            ):
                 continue
             if iteration.iteration_id in self._iteration_errors:
                 continue
@@ -211,9 +218,12 @@ class WorkerTasksMixin(DispatcherBase):
                     request.heartbeat_interval_ms / 1000,
                     index,
                     pid=request.pid,
+                    join_running_dynamic_only=request.join_running_dynamic_only,
                 )
                 self._workers[address] = worker
-                self._assign_tasks_to_worker_locked(worker)
+                self._assign_tasks_to_worker_locked(
+                    worker, dynamic_only=request.join_running_dynamic_only
+                )
             worker.last_heartbeat = now
             self._note_worker_counters_locked(address, request, now)
             for task_id in request.finished_tasks:

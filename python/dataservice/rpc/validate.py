@@ -324,6 +324,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("heartbeat_interval_ms", int_range(0, MAX_HEARTBEAT_INTERVAL_MS)),
         Field("pid", int_range(0, MAX_PID)),  # 0: an older worker that does not send it
         Field("counters", _WORKER_COUNTERS),
+        Field("join_running_dynamic_only", boolean),
     ),
     "dataservice.rpc.RegisterDatasetRequest": (
         Field("dataset", nonempty_bytes),

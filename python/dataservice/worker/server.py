@@ -143,6 +143,11 @@ class WorkerServer(ElementServing):
         on_first_element: Called once, on the serving thread, when this worker
             hands out its first element, before the element leaves the worker
             (`LocalCluster`'s progress signal: the worker CLI prints a line).
+        join_running_dynamic_only: Take tasks, when it registers, only in the
+            running iterations of DYNAMIC jobs (not OFF, static sharding or
+            coordinated reads, where a task would add a copy or a shard to an
+            epoch under way); later iterations as usual. `LocalCluster`'s
+            autoscaler starts the workers it adds this way.
 
     Raises:
         UnavailableError: The port cannot be bound.
@@ -157,9 +162,11 @@ class WorkerServer(ElementServing):
         *,
         lazy_tasks: bool = False,
         on_first_element: Callable[[], None] | None = None,
+        join_running_dynamic_only: bool = False,
     ) -> None:
         self._config = config
         self._lazy_tasks = lazy_tasks
+        self._join_running_dynamic_only = join_running_dynamic_only
         self._on_first_element = on_first_element
         self._handed_out = False
         self._handout_mu = threading.Lock()
@@ -558,6 +565,7 @@ class WorkerServer(ElementServing):
             heartbeat_interval_ms=self._config.heartbeat_interval_ms_or_default,
             pid=os.getpid(),
             counters=self._counters.to_proto(self._buffered_elements()),
+            join_running_dynamic_only=self._join_running_dynamic_only,
         )
         stub = self._stub
         if stub is None:

@@ -316,7 +316,8 @@ class AutoscaleMixin:
                             self._cancel_retirement(dispatcher, retirement, decision.reason)
                             retirement, last_change = None, now
                         elif self._retirement_done(dispatcher, retirement):
-                            retirement, last_change, idle_since = None, now, None
+                            # (It may have taken grace_period_s to stop the process.)
+                            retirement, last_change, idle_since = None, time.monotonic(), None
                         continue
                     if decision.action != "retire":
                         idle_since = None

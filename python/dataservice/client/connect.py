@@ -17,6 +17,7 @@ import logging
 from dataservice import _waits, errors
 from dataservice.locality import host_id
 from dataservice.transfer import base as transfer
+from dataservice.transfer import shm
 
 # A read logs under one name, the reader's, whichever module does the work.
 log = logging.getLogger("dataservice.client.reader")
@@ -62,6 +63,11 @@ def connect(
     """
     candidates = transfer.protocol_candidates(protocol, endpoint)
     for candidate in candidates:
+        if candidate == shm.PROTOCOL and not trainer_id:
+            # A connection an earlier iterator of this process left (and its ring).
+            reused = shm.reuse_idle(endpoint, auth_token, zero_copy)
+            if reused is not None:
+                return reused
         try:
             client = transfer.make_client(
                 candidate, endpoint, auth_token, zero_copy=zero_copy, trainer_id=trainer_id
@@ -88,3 +94,10 @@ def connect(
             client.set_compression(codec)
         return client
     raise errors.UnavailableError(f"no transfer protocol reaches {endpoint.worker_address}")
+
+
+def release(client: transfer.TransferClient) -> None:
+    """A fetch thread is done with `client`: a shared-memory connection that can serve
+    another task is kept for this process's next iterators (`shm.keep_idle`); any
+    other client is closed."""
+    shm.keep_idle(client)

@@ -325,7 +325,7 @@ class TaskFetching:
         finally:
             self._fetch_over(state)
             if client is not None:
-                client.close()
+                connect.release(client)
 
     def _fetch_over(self, state: _TaskState) -> None:
         """The task's fetch in flight (if any) ended without a result to queue."""

@@ -68,6 +68,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 from typing import Any
 
@@ -101,6 +102,14 @@ ERROR_FLAG = 2
 """RESPONSE flag: an ERROR frame follows the elements."""
 DONE = b"D"
 """A cache-window trainer finished decoding the frames of its last reply."""
+REBIND = struct.Struct("<cQ")
+"""A reusable connection's client moves it to another task: b"B", task id. Sent only
+between requests (every element announced so far taken out of the ring); the worker
+answers with a JSON message {ok, worker_uid} or {ok: false, error} and then closes."""
+END_IN_REPLY_ONLY = "end_in_reply"
+"""HELLO / handshake key: the stream's end is the RESPONSE's END_FLAG alone, no END frame
+(which ends a ring for good), so the connection and its ring can serve another task
+(`REBIND`) once this one ended."""
 
 
 def shm_socket_name(worker_address: str) -> str:
@@ -242,6 +251,8 @@ class ShmTransferClient(base.TransferClient):
             if trainer_id:  # every request reads through the cross-trainer cache
                 hello["trainer_id"] = trainer_id
                 hello["window"] = True  # ... from its shared window, if the worker has one
+            else:  # the connection may serve this process's next iterators (`keep_idle`)
+                hello[END_IN_REPLY_ONLY] = True
             sock.send(json.dumps(hello).encode())
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
@@ -292,6 +303,56 @@ class ShmTransferClient(base.TransferClient):
         # (A window's frames are the cache's: a reply is bounded as a ring's.)
         self.max_unconsumed_bytes = max(1, int(reply.get("capacity_bytes", 64 << 20)) // 4)
         self.worker_uid = str(reply.get("worker_uid", ""))
+        # The end of a stream comes as the reply's END_FLAG alone: the ring can serve
+        # another task (`rebind`) once this one ended.
+        self._end_in_reply = bool(reply.get(END_IN_REPLY_ONLY)) and self._ring is not None
+        self._between_requests = True  # false while a request's elements are on their way
+        self._idle_key = (endpoint.worker_address, zero_copy, auth.client_token(None, auth_token))
+
+    @property
+    def reusable(self) -> bool:
+        """Whether another task of the same worker can be read through this connection
+        (`rebind`): the worker ends streams without ending the ring, no request is
+        half-read, and nothing failed."""
+        return (
+            self._end_in_reply
+            and self._between_requests
+            and self._ring is not None
+            and self._error is None
+        )
+
+    def rebind(self, endpoint: base.TaskEndpoint) -> None:
+        """Moves this connection and its ring to `endpoint`'s task (same worker): one
+        REBIND message and its answer instead of a new connection, token handshake
+        and ring (a new ring is a fallocated memfd of tens of MiB: tens of ms).
+
+        Raises:
+            TransferUnavailable: The worker refused (e.g. it does not run the task)
+                or is gone; this client is closed then.
+        """
+        if not self.reusable or endpoint.worker_address != self._endpoint.worker_address:
+            raise base.TransferUnavailable("this shared-memory connection cannot be rebound")
+        try:
+            self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            self._sock.send(REBIND.pack(b"B", endpoint.task_id))
+            data = self._sock.recv(HELLO_MAX_BYTES)
+            reply = json.loads(data or b"{}")
+            if not isinstance(reply, dict) or not reply.get("ok"):
+                error = reply.get("error") if isinstance(reply, dict) else None
+                raise base.TransferUnavailable(
+                    f"worker {endpoint.worker_address} did not move the connection to task "
+                    f"{endpoint.task_id}: {error or 'connection closed'}"
+                )
+            self._sock.settimeout(None)
+        except (OSError, ValueError) as err:
+            self.close()
+            raise base.TransferUnavailable(f"shared-memory rebind failed: {err}") from err
+        except BaseException:
+            self.close()
+            raise
+        self._endpoint = endpoint
+        self._end = False
+        self.worker_uid = str(reply.get("worker_uid", self.worker_uid))
 
     @staticmethod
     def _challenge(sock: socket.socket, worker_address: str) -> bytes:
@@ -376,6 +437,7 @@ class ShmTransferClient(base.TransferClient):
         timeout_ms = max(1, int(timeout_s * 1000))
         if self._window is not None:
             return self._get_window_elements(max_elements, max_bytes, timeout_s, timeout_ms)
+        self._between_requests = False
         try:
             self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
             self._sock.settimeout(timeout_s + 10.0)
@@ -402,7 +464,9 @@ class ShmTransferClient(base.TransferClient):
                     raise self._error
                 return base.ElementsResult(out, nbytes, False, self.worker_uid, errors_ignored)
         end = False
-        if flags & (END_FLAG | ERROR_FLAG):
+        if flags & END_FLAG and not flags & ERROR_FLAG and self._end_in_reply:
+            end = self._end = True  # no END frame: the ring goes on (`rebind`)
+        elif flags & (END_FLAG | ERROR_FLAG):
             try:
                 _, _, end, error = ring.get_many(1, 30_000)
             except errors.UnavailableError:
@@ -414,6 +478,7 @@ class ShmTransferClient(base.TransferClient):
                 if not out:
                     raise self._error
             self._end = end
+        self._between_requests = True
         return base.ElementsResult(out, nbytes, end, self.worker_uid, errors_ignored)
 
     def _get_window_elements(
@@ -519,6 +584,126 @@ class ShmTransferClient(base.TransferClient):
             self._sock.close()
         except OSError:
             pass
+
+
+IDLE_CONNECTION_S = 10.0
+"""How long (s) a connection no iterator reads is kept for the next one (`keep_idle`):
+it holds its worker's ring (`shm_ring_bytes`) meanwhile."""
+MAX_IDLE_PER_WORKER = 2
+"""At most this many idle connections are kept per worker (and token, zero_copy)."""
+
+
+class _IdleConnections:
+    """This process's connections that no iterator reads, by (worker address,
+    zero_copy, token), each with the time it went idle; a reaper thread closes those
+    idle for `IDLE_CONNECTION_S`. Thread-safe.
+
+    A new iterator's task on the same worker takes one (`take`) and moves it to its
+    task (`ShmTransferClient.rebind`), so its first element waits for no handshake
+    and no new ring, as the connections of tf.data service's client reuse a worker's
+    channel across iterators.
+    """
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._idle: dict[tuple[Any, ...], list[tuple[ShmTransferClient, float]]] = {}
+        self._reaper: threading.Thread | None = None
+
+    def take(self, key: tuple[Any, ...]) -> ShmTransferClient | None:
+        with self._mu:
+            kept = self._idle.get(key)
+            if not kept:
+                return None
+            client, _ = kept.pop()
+            if not kept:
+                del self._idle[key]
+            return client
+
+    def put(self, client: ShmTransferClient) -> None:
+        key = client._idle_key
+        with self._mu:
+            kept = self._idle.setdefault(key, [])
+            kept.append((client, time.monotonic()))
+            surplus = kept[:-MAX_IDLE_PER_WORKER]
+            del kept[:-MAX_IDLE_PER_WORKER]
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap, name="ds-shm-idle-reaper", daemon=True
+                )
+                self._reaper.start()
+        for old, _ in surplus:
+            old.close()
+
+    def _reap(self) -> None:
+        """Closes connections idle for `IDLE_CONNECTION_S`; ends once none is kept."""
+        while True:
+            time.sleep(min(1.0, IDLE_CONNECTION_S / 4))
+            expired = []
+            done = False
+            with self._mu:
+                now = time.monotonic()
+                for key in list(self._idle):
+                    kept = self._idle[key]
+                    expired += [c for c, since in kept if now - since >= IDLE_CONNECTION_S]
+                    kept[:] = [(c, t) for c, t in kept if now - t < IDLE_CONNECTION_S]
+                    if not kept:
+                        del self._idle[key]
+                if not self._idle:
+                    self._reaper = None  # a later put starts another
+                    done = True
+            for client in expired:
+                client.close()
+            if done:
+                return
+
+    def close_all(self) -> None:
+        """Closes every idle connection (their workers free the rings)."""
+        with self._mu:
+            kept = [c for entries in self._idle.values() for c, _ in entries]
+            self._idle.clear()
+        for client in kept:
+            client.close()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the inherited connections are the parent's (closing
+        them here would mark the parent's rings closed); they are left alone."""
+        _inherited.append(self._idle)
+        self._mu = threading.Lock()
+        self._idle = {}
+        self._reaper = None
+
+
+_idle = _IdleConnections()
+_inherited: list[Any] = []  # a forked child's copies of the parent's idle connections
+os.register_at_fork(after_in_child=_idle.forget_after_fork)
+
+
+def reuse_idle(
+    endpoint: base.TaskEndpoint, auth_token: str | None, zero_copy: bool
+) -> ShmTransferClient | None:
+    """An idle connection of this process to `endpoint`'s worker, moved to its task
+    (`ShmTransferClient.rebind`); None if there is none, or none could be moved (a
+    restarted worker, a task it does not run): the caller connects afresh."""
+    if os.environ.get(ZERO_COPY_ENV, "1") in ("0", "false", "False"):
+        zero_copy = False
+    key = (endpoint.worker_address, zero_copy, auth.client_token(None, auth_token))
+    while (client := _idle.take(key)) is not None:
+        try:
+            client.rebind(endpoint)
+            return client
+        except base.TransferUnavailable as err:
+            log.debug("idle shared-memory connection not reused: %s", err)
+    return None
+
+
+def keep_idle(client: base.TransferClient) -> None:
+    """Done with `client`: an shm connection that can serve another task is kept for
+    this process's next iterators (`reuse_idle`, for `IDLE_CONNECTION_S`); any other
+    client is closed."""
+    if isinstance(client, ShmTransferClient) and client.reusable:
+        _idle.put(client)
+    else:
+        client.close()
 
 
 base.register_protocol(PROTOCOL, ShmTransferClient)

@@ -33,9 +33,11 @@ from dataservice.transfer import base
 from dataservice.transfer.shm import (
     DONE,
     END_FLAG,
+    END_IN_REPLY_ONLY,
     ERROR_FLAG,
     HANDSHAKE_TIMEOUT_S,
     PROTOCOL,
+    REBIND,
     REQUEST,
     RESPONSE,
     TrainerWindow,
@@ -89,6 +91,12 @@ class _Connection:
         self._written = 0  # elements written into the ring
         # A trainer's last window read, (first index, count), until it acknowledges it.
         self._unacked_read: tuple[int, int] | None = None
+        # The client keeps this connection (and its ring) for its next iterators:
+        # the end of a task's stream is announced, not written into the ring, and a
+        # REBIND moves the connection to another task (shm.END_IN_REPLY_ONLY).
+        self._reusable = bool(hello.get(END_IN_REPLY_ONLY)) and not hello.get("trainer_id")
+        self._rebind_to: int | None = None  # the task a REBIND asked for
+        self._pending: bytes | None = None  # a message read while awaiting the final take
 
     def _reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         data = json.dumps(message).encode()
@@ -98,9 +106,12 @@ class _Connection:
             self._sock.send(data)
 
     def _next_message(self) -> bytes | None:
-        """The client's next control message (a request, or a window reply's DONE);
-        None once it closed the connection or the server is stopping (checked every
-        0.2 s)."""
+        """The client's next control message (a request, a window reply's DONE, or a
+        REBIND); None once it closed the connection or the server is stopping (checked
+        every 0.2 s)."""
+        if self._pending is not None:
+            data, self._pending = self._pending, None
+            return data
         while not self._server.stopping:
             self._sock.settimeout(0.2)
             try:
@@ -169,7 +180,7 @@ class _Connection:
                     window.detach(slot)
                 return
         try:
-            self.ring, self.ring_bytes = server.create_ring()
+            self.ring, self.ring_bytes = server.take_ring()
         except Exception as err:
             self._reply({"ok": False, "error": str(err)})
             return
@@ -181,11 +192,22 @@ class _Connection:
                 "pid": os.getpid(),
                 "worker_uid": server.host.worker_uid,  # new at each start
                 "trainer_id": trainer_id,  # what the requests are served for
+                END_IN_REPLY_ONLY: self._reusable,
             },
             [self.ring.fileno()],
         )
         self.ring.set_peer(self._sock.fileno(), peer_pid)
-        self._produce(source)
+        while True:
+            self._produce(source)
+            task_id, self._rebind_to = self._rebind_to, None
+            if task_id is None or server.stopping:
+                return
+            # The same ring serves the client's next task: no new memfd, no handshake.
+            source = self._source(base.ReadRequest(task_id))
+            if source is None:
+                return  # refused with the reason; the client connects afresh
+            self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            self._reply({"ok": True, "worker_uid": server.host.worker_uid})
 
     def _serve_window(
         self, window: TrainerWindow, trainer_id: str, slot: int, source: base.ElementSource
@@ -356,13 +378,21 @@ class _Connection:
                 return
             if not data:
                 return
+            if self._reusable:  # e.g. a REBIND: the consumer took what it wanted
+                self._pending = data
+                return
             log.warning("shm: unexpected %d-byte message after the end of a stream", len(data))
             return
 
     def _serve_requests(self, source: base.ElementSource, max_frame: int) -> None:
         server = self._server
+        ended = False
         while (data := self._next_message()) is not None:  # until the client closes
-            if len(data) != REQUEST.size or data[:1] != b"G":
+            if self._reusable and len(data) == REBIND.size and data[:1] == b"B":
+                # Between requests: the consumer took every element of the last reply.
+                self._rebind_to = REBIND.unpack(data)[1]
+                return
+            if ended or len(data) != REQUEST.size or data[:1] != b"G":
                 log.warning("shm: unexpected %d-byte message from a client", len(data))
                 return
             _, want, max_bytes, timeout_ms = REQUEST.unpack(data)
@@ -383,7 +413,10 @@ class _Connection:
                         self._give_back_untaken(source)
                     source.release_end()
             if not go_on:
-                return
+                if not (self._reusable and read.end_of_sequence and read.error is None):
+                    return
+                # The stream ended; the connection waits for a REBIND (or its close).
+                ended = True
 
     def _send_reply(self, read: base.TaskRead, errors_ignored: int = 0) -> bool:
         """Announces `read` on the socket and writes its elements (then END or ERROR)
@@ -421,7 +454,7 @@ class _Connection:
             # them (or given back, should it go away first).
             if error is not None:
                 self.ring.put_error(*error.to_frame(), None)
-            else:
+            elif not self._reusable:
                 self.ring.put_end(None)
             self._await_final_take()
             return False
@@ -459,6 +492,11 @@ class ShmTransferServer(base.TransferServer):
         self._ring_total = 0  # guarded by self._mu
         self._budget = ring_budget_bytes()
         self._connections: set[_Connection] = set()  # guarded by self._mu
+        # One ring made ahead of the next connection (see take_ring), and whether a
+        # thread is making it; guarded by self._mu (self._spare_made waits on it).
+        self._spare: tuple[Any, int] | None = None
+        self._making_spare = False
+        self._spare_made = threading.Condition(self._mu)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.name = shm_socket_name(host.address)
         try:
@@ -523,6 +561,77 @@ class ShmTransferServer(base.TransferServer):
                     self._ring_total -= size // 2
                 size //= 2
 
+    def take_ring(self) -> tuple[Any, int]:
+        """A producer ring for a new connection: the spare one made ahead (waiting
+        for it if it is being made), else a new one (`create_ring`); then a new
+        spare is made on a thread of its own.
+
+        Making a ring is fallocate-ing and pre-faulting a memfd of
+        `shm_ring_bytes` (64 MiB: ~90 ms on a loaded 2-core VM), which a consumer's
+        first element would otherwise wait for. A ring is never reused: a consumer
+        gone from a ring may still hold views of it (zero-copy leaves stay valid
+        after its close), so only a memfd no consumer has seen is handed out. The
+        spare is made only after the first connection (a worker whose consumers are
+        all remote never holds one), only at full size within the ring budget, and
+        counts in `ring_bytes_in_use`; `stop` closes it.
+
+        Raises:
+            ResourceExhaustedError: No spare, and even the smallest ring does not
+                fit the budget.
+        """
+        with self._mu:
+            while self._making_spare and self._spare is None and not self.stopping:
+                # Being made: sooner ready than a ring of our own (and within budget).
+                self._spare_made.wait(1.0)
+            spare, self._spare = self._spare, None
+        ring = spare if spare is not None else self.create_ring()
+        self._make_spare()
+        return ring
+
+    def _make_spare(self) -> None:
+        """Starts a thread making the spare ring, unless there is one, one is being
+        made, the server is stopping, or a full-size ring does not fit the budget."""
+        with self._mu:
+            if (
+                self.stopping
+                or self._spare is not None
+                or self._making_spare
+                or self._ring_total + self._ring_bytes > self._budget
+            ):
+                return
+            self._making_spare = True
+        threading.Thread(target=self._spare_thread, name="ds-shm-spare-ring", daemon=True).start()
+
+    def _spare_thread(self) -> None:
+        made: tuple[Any, int] | None = None
+        try:
+            made = self.create_ring()
+            if made[1] != self._ring_bytes:  # halved: not worth holding ahead
+                made[0].close()
+                self.release_ring(made[1])
+                made = None
+        except Exception as err:  # e.g. ResourceExhaustedError: connections make their own
+            log.debug("shm: no spare ring made: %s", err)
+        with self._mu:
+            self._making_spare = False
+            if made is not None and not self.stopping:
+                self._spare, made = made, None
+            self._spare_made.notify_all()
+        if made is not None:  # stopping meanwhile
+            made[0].close()
+            self.release_ring(made[1])
+
+    def _drop_spare(self) -> None:
+        """Closes the spare ring (at stop), after waiting up to 2 s for one being made."""
+        with self._mu:
+            deadline = time.monotonic() + 2.0
+            while self._making_spare and time.monotonic() < deadline:
+                self._spare_made.wait(max(0.0, deadline - time.monotonic()))
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare[0].close()
+            self.release_ring(spare[1])
+
     def release_ring(self, size: int) -> None:
         with self._mu:
             self._ring_total -= size
@@ -557,6 +666,7 @@ class ShmTransferServer(base.TransferServer):
             pass
         # The admission's callbacks are this server's methods: a cycle, broken here.
         self._admission = None
+        self._drop_spare()
         with self._mu:
             conns = list(self._connections)
         for conn in conns:

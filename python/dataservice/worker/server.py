@@ -179,6 +179,9 @@ class WorkerServer(ElementServing):
             config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file, config.tls_ca_file
         )
         self._mu = threading.Lock()
+        # Notified (under _mu) when `_tasks` or `_deleted` change: a read waiting
+        # for a task it heard of first wakes at once (ElementServing.element_source).
+        self._tasks_changed = threading.Condition(self._mu)
         self._wake = threading.Event()
         self._stop_event = threading.Event()
         self._stopped = threading.Event()
@@ -581,6 +584,7 @@ class WorkerServer(ElementServing):
                     self._deleted[task_id] = None
                 self._tasks.clear()
                 self._datasets.clear()
+                self._tasks_changed.notify_all()
             for runner in runners:
                 runner.stop()
             log.warning(
@@ -602,6 +606,7 @@ class WorkerServer(ElementServing):
                 self._deleted[task_id] = None
                 while len(self._deleted) > 10_000:
                     self._deleted.popitem(last=False)
+                self._tasks_changed.notify_all()
             if deleted is not None:
                 deleted.stop()
                 stopped += 1
@@ -694,4 +699,5 @@ class WorkerServer(ElementServing):
                 return
             self._tasks[task.task_id] = runner
             self._deleted.pop(task.task_id, None)
+            self._tasks_changed.notify_all()
         log.info("worker %s started task %d", self._address, task.task_id)

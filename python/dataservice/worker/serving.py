@@ -77,6 +77,7 @@ class ElementServing:
     """
 
     _mu: threading.Lock
+    _tasks_changed: threading.Condition  # over _mu: notified when the task table changes
     _wake: threading.Event
     _address: str
     _uid: str
@@ -110,11 +111,16 @@ class ElementServing:
         """
         deadline = time.monotonic() + timeout_s
         runner, deleted = self._runner_now(request.task_id)
-        while runner is None and not deleted and time.monotonic() < deadline:
-            time.sleep(0.01)
-            with self._mu:
-                runner = self._tasks.get(request.task_id)
-                deleted = request.task_id in self._deleted
+        if runner is None and not deleted:
+            # The heartbeat `_runner_now` asked for adds the task: woken when it does.
+            with self._tasks_changed:
+                while True:
+                    runner = self._tasks.get(request.task_id)
+                    deleted = request.task_id in self._deleted
+                    remaining = deadline - time.monotonic()
+                    if runner is not None or deleted or remaining <= 0:
+                        break
+                    self._tasks_changed.wait(remaining)
             if runner is not None:
                 runner.start_producing()
         if runner is None:

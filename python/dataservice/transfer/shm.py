@@ -66,6 +66,7 @@ import hashlib
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -320,6 +321,16 @@ class ShmTransferClient(base.TransferClient):
             and self._ring is not None
             and self._error is None
         )
+
+    def quiet(self) -> bool:
+        """Whether the worker has neither hung up nor sent anything unasked (poll(2),
+        no wait): only such a connection is kept idle."""
+        try:
+            events = select.poll()
+            events.register(self._sock.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
+            return not events.poll(0)
+        except (OSError, ValueError):  # closed
+            return False
 
     def rebind(self, endpoint: base.TaskEndpoint) -> None:
         """Moves this connection and its ring to `endpoint`'s task (same worker): one
@@ -586,9 +597,11 @@ class ShmTransferClient(base.TransferClient):
             pass
 
 
-IDLE_CONNECTION_S = 10.0
+IDLE_CONNECTION_S = 5.0
 """How long (s) a connection no iterator reads is kept for the next one (`keep_idle`):
-it holds its worker's ring (`shm_ring_bytes`) meanwhile."""
+it holds its worker's ring (`shm_ring_bytes`), and a memfd fd here, meanwhile. An
+epoch's next iterator comes within ms of the last; one that comes later maps a new
+ring (the worker's spare, made ahead)."""
 MAX_IDLE_PER_WORKER = 2
 """At most this many idle connections are kept per worker (and token, zero_copy)."""
 
@@ -635,22 +648,38 @@ class _IdleConnections:
             old.close()
 
     def _reap(self) -> None:
-        """Closes connections idle for `IDLE_CONNECTION_S`; ends once none is kept."""
+        """Closes each idle connection once its worker hangs up (a stopped or
+        restarted worker: its ring goes with it) or it was idle for
+        `IDLE_CONNECTION_S`; ends once none is kept. Waits in poll(2) on the idle
+        sockets, at most 0.25 s at a time (a connection put meanwhile is watched
+        from the next wait on)."""
         while True:
-            time.sleep(min(1.0, IDLE_CONNECTION_S / 4))
+            with self._mu:
+                now = time.monotonic()
+                watched = {c._sock.fileno(): c for e in self._idle.values() for c, _ in e}
+                next_expiry = min(
+                    (t + IDLE_CONNECTION_S for e in self._idle.values() for _, t in e),
+                    default=now,
+                )
+            poller = select.poll()
+            for fd in watched:
+                poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+            timeout_ms = max(1, min(250, int((next_expiry - now) * 1000) + 1))
+            gone = {watched[fd] for fd, _ in poller.poll(timeout_ms) if fd in watched}
             expired = []
-            done = False
             with self._mu:
                 now = time.monotonic()
                 for key in list(self._idle):
                     kept = self._idle[key]
-                    expired += [c for c, since in kept if now - since >= IDLE_CONNECTION_S]
-                    kept[:] = [(c, t) for c, t in kept if now - t < IDLE_CONNECTION_S]
+                    expired += [c for c, t in kept if c in gone or now - t >= IDLE_CONNECTION_S]
+                    kept[:] = [
+                        (c, t) for c, t in kept if c not in gone and now - t < IDLE_CONNECTION_S
+                    ]
                     if not kept:
                         del self._idle[key]
-                if not self._idle:
+                done = not self._idle
+                if done:
                     self._reaper = None  # a later put starts another
-                    done = True
             for client in expired:
                 client.close()
             if done:
@@ -700,7 +729,7 @@ def keep_idle(client: base.TransferClient) -> None:
     """Done with `client`: an shm connection that can serve another task is kept for
     this process's next iterators (`reuse_idle`, for `IDLE_CONNECTION_S`); any other
     client is closed."""
-    if isinstance(client, ShmTransferClient) and client.reusable:
+    if isinstance(client, ShmTransferClient) and client.reusable and client.quiet():
         _idle.put(client)
     else:
         client.close()

@@ -1,0 +1,163 @@
+"""A new iterator's first element on a warm cluster (issue 13): what it must not
+wait for, asserted by counting rather than timing where possible.
+
+- Over shared memory a process's next iterators reuse the connection (and ring)
+  an earlier iterator left with the worker (`shm.reuse_idle`, REBIND): no new
+  handshake and no new ring per iterator, and the elements are still exactly the
+  dataset's, epoch after epoch, with views held from an earlier epoch intact.
+- A worker learns of a new task when a consumer asks for it, not at its next
+  heartbeat: with a 60 s heartbeat interval the first element still comes in
+  seconds.
+
+`bench/first_element.py` measures the latencies themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dataservice as ds
+from dataservice.transfer import shm, shm_server
+from tests.conftest import to_py
+
+pytestmark = pytest.mark.timeout(120)
+
+OFF = ds.ShardingPolicy.OFF
+DYNAMIC = ds.ShardingPolicy.DYNAMIC
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.02)
+
+
+class _Counts:
+    """Calls of the workers' shm handshakes and ring creations (the real methods run)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.admitted = 0
+        self.rings = 0
+        self._mu = threading.Lock()
+        admit, create = (
+            shm_server.ShmTransferServer._admit,
+            shm_server.ShmTransferServer.create_ring,
+        )
+
+        def counting_admit(server, *args, **kwargs):
+            with self._mu:
+                self.admitted += 1
+            return admit(server, *args, **kwargs)
+
+        def counting_create(server, *args, **kwargs):
+            with self._mu:
+                self.rings += 1
+            return create(server, *args, **kwargs)
+
+        monkeypatch.setattr(shm_server.ShmTransferServer, "_admit", counting_admit)
+        monkeypatch.setattr(shm_server.ShmTransferServer, "create_ring", counting_create)
+
+
+@pytest.fixture
+def fresh_idle_pool():
+    """No idle connection of an earlier test (their workers are gone) is offered."""
+    shm._idle.close_all()
+    yield
+    shm._idle.close_all()
+
+
+def _image(i):
+    return np.full((256, 256), int(i) % 251, np.uint8)  # 64 KiB: handed out as a view
+
+
+def test_next_iterators_reuse_the_connection_and_ring(make_cluster, monkeypatch, fresh_idle_pool):
+    counts = _Counts(monkeypatch)
+    cluster = make_cluster(1)
+    dataset = ds.Dataset.range(40).map(_image).apply(ds.distribute(OFF, cluster.target))
+    held = []
+    for epoch in range(5):
+        it = iter(dataset)
+        got = list(it)
+        assert [int(g[0, 0]) for g in got] == [i % 251 for i in range(40)], f"epoch {epoch}"
+        assert {w["transfer_protocol"] for w in it.stats()["workers"].values()} == {"shm"}
+        held.append(got[7])  # a view of the ring, kept across the next epochs
+        # The fetch thread hands its connection back once it ends (the iterator ended).
+        wait_until(lambda: shm._idle._idle, 10, "the connection to go idle")
+    assert counts.admitted == 1, "each iterator after the first made a new shm connection"
+    # The first connection's ring, and at most the worker's one spare made ahead.
+    assert counts.rings <= 2
+    for view in held:
+        assert view.shape == (256, 256) and (view == 7).all(), "a held view changed"
+
+
+def test_reused_connection_serves_named_dynamic_and_abandoned_reads(
+    make_cluster, monkeypatch, fresh_idle_pool
+):
+    counts = _Counts(monkeypatch)
+    cluster = make_cluster(1)
+    named = ds.Dataset.range(30).apply(ds.distribute(DYNAMIC, cluster.target, job_name="fe"))
+    for _ in range(3):  # each iterator joins the next repetition of the job
+        assert sorted(to_py(x) for x in named) == list(range(30))
+        wait_until(lambda: shm._idle._idle, 10, "the connection to go idle")
+    # An iterator closed mid-stream leaves its connection too; the next one starts over.
+    endless = ds.Dataset.range(10**9).apply(ds.distribute(OFF, cluster.target))
+    it = iter(endless)
+    assert [to_py(next(it)) for _ in range(5)] == list(range(5))
+    it.close()
+    wait_until(lambda: shm._idle._idle, 10, "the connection to go idle")
+    it = iter(endless)
+    assert [to_py(next(it)) for _ in range(5)] == list(range(5))
+    it.close()
+    assert counts.admitted == 1
+
+
+def test_idle_connections_are_closed_after_the_idle_time(
+    make_cluster, monkeypatch, fresh_idle_pool
+):
+    monkeypatch.setattr(shm, "IDLE_CONNECTION_S", 0.3)
+    cluster = make_cluster(1)
+    (server,) = shm_server.live_servers()  # the cluster's one worker's
+    assert [to_py(x) for x in ds.Dataset.range(5).apply(ds.distribute(OFF, cluster.target))] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+    wait_until(lambda: not shm._idle._idle, 10, "the idle connection to be closed")
+    # The worker frees it: no connection, and no ring but its spare.
+    wait_until(lambda: server._serving() == 0, 10, "the worker to drop the connection")
+    wait_until(
+        lambda: server.ring_bytes_in_use() <= server._ring_bytes,
+        10,
+        "the worker to free the connection's ring",
+    )
+
+
+@pytest.mark.parametrize(
+    "mode,protocol", [(OFF, None), (DYNAMIC, None), (OFF, "grpc"), (DYNAMIC, "grpc")]
+)
+def test_new_task_does_not_wait_for_the_workers_heartbeat(
+    make_cluster, mode, protocol, fresh_idle_pool
+):
+    """With a 60 s heartbeat interval, a worker hears of each new iterator's task
+    when the consumer asks for it (the worker heartbeats at once), not 60 s later."""
+    cluster = make_cluster(0)
+    worker = cluster.add_worker(heartbeat_interval_ms=60_000)
+    assert worker.wait_registered(30)
+    dataset = ds.Dataset.range(10**9).apply(
+        ds.distribute(mode, cluster.target, data_transfer_protocol=protocol)
+    )
+    for _ in range(3):
+        start = time.monotonic()
+        it = iter(dataset)
+        first = to_py(next(it))
+        elapsed_s = time.monotonic() - start
+        it.close()
+        assert first == 0 if mode == OFF else isinstance(first, int)
+        assert elapsed_s < 15, f"the first element took {elapsed_s:.1f} s (heartbeat: 60 s)"

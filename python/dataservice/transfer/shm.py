@@ -8,7 +8,12 @@ its ring budget `shm_budget.py`'s.
 
 A worker serves a Unix SOCK_SEQPACKET socket at the abstract name
 `shm_socket_name(worker.address)`. A client connects once per task (one
-connection per consumer iterator and task). Any local process can connect to
+connection per consumer iterator and task); a connection its iterator is done
+with stays open for `IDLE_CONNECTION_S`, and the process's next iterator with a
+task on that worker moves it to its task with one REBIND message (`reuse_idle`):
+streams on such a connection end by the reply's END_FLAG alone, so its ring
+goes on, and a new iterator's first element waits for no handshake and no new
+ring (a 64 MiB memfd takes ~90 ms to allocate and pre-fault). Any local process can connect to
 an abstract name, so the worker's accept thread first checks the peer's uid
 (SO_PEERCRED: the worker's own, root, or `shm_allowed_uids`) and sends a
 random challenge; the client (having checked the worker's uid the same way)
@@ -695,7 +700,10 @@ class _IdleConnections:
 
     def forget_after_fork(self) -> None:
         """In a forked child: the inherited connections are the parent's (closing
-        them here would mark the parent's rings closed); they are left alone."""
+        one here would mark the parent's ring closed); they are left alone, as an
+        iterator inherited mid-read is. (The child's copy of a ring consumer holds
+        a duplicate of its socket, so the worker keeps such a ring until the parent
+        closed it and the child exited.)"""
         _inherited.append(self._idle)
         self._mu = threading.Lock()
         self._idle = {}

@@ -208,6 +208,12 @@ class TaskFetching:
                             self._read_ahead_locked() - self._buffered_elements,
                         ),
                     )
+                    if self.stats.elements == 0 and not self._buffered_elements:
+                        # The consumer waits for its first element: a worker answers
+                        # with every element it has ready, and 16 150 KB images
+                        # encoded and sent before the first is handed out cost it
+                        # 10-25 ms over gRPC; the next fetch asks for the read-ahead.
+                        want = 1
                     # (at least one element is always sent, whatever its size)
                     max_bytes = max(
                         1,

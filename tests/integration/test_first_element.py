@@ -161,3 +161,26 @@ def test_new_task_does_not_wait_for_the_workers_heartbeat(
         it.close()
         assert first == 0 if mode == OFF else isinstance(first, int)
         assert elapsed_s < 15, f"the first element took {elapsed_s:.1f} s (heartbeat: 60 s)"
+
+
+def test_first_fetch_asks_for_one_element_then_the_read_ahead(make_cluster, monkeypatch):
+    """A worker answers a fetch with every element it has ready: the consumer's first
+    fetch asks for one, so its first element does not wait for others to be encoded
+    and sent (16 150 KB images over gRPC: 10-25 ms); later fetches ask for more."""
+    from dataservice.transfer import grpc as grpc_transfer
+
+    asked: list[int] = []
+    original = grpc_transfer.GrpcTransferClient.get_elements
+
+    def recording(self, max_elements, *args, **kwargs):
+        asked.append(max_elements)
+        return original(self, max_elements, *args, **kwargs)
+
+    monkeypatch.setattr(grpc_transfer.GrpcTransferClient, "get_elements", recording)
+    cluster = make_cluster(1)
+    dataset = ds.Dataset.range(200).apply(
+        ds.distribute(OFF, cluster.target, data_transfer_protocol="grpc")
+    )
+    assert [to_py(x) for x in dataset] == list(range(200))
+    assert asked[0] == 1, asked
+    assert max(asked[1:]) >= 16, asked

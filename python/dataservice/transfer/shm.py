@@ -313,7 +313,8 @@ class ShmTransferClient(base.TransferClient):
         # another task (`rebind`) once this one ended.
         self._end_in_reply = bool(reply.get(END_IN_REPLY_ONLY)) and self._ring is not None
         self._between_requests = True  # false while a request's elements are on their way
-        self._idle_key = (endpoint.worker_address, zero_copy, auth.client_token(None, auth_token))
+        self.idle_key = (endpoint.worker_address, zero_copy, auth.client_token(None, auth_token))
+        """Which idle connections can serve a task: (worker address, zero_copy, token)."""
 
     @property
     def reusable(self) -> bool:
@@ -326,6 +327,10 @@ class ShmTransferClient(base.TransferClient):
             and self._ring is not None
             and self._error is None
         )
+
+    def fileno(self) -> int:
+        """The connection's socket (-1 once closed), for poll(2)."""
+        return self._sock.fileno()
 
     def quiet(self) -> bool:
         """Whether the worker has neither hung up nor sent anything unasked (poll(2),
@@ -638,7 +643,7 @@ class _IdleConnections:
             return client
 
     def put(self, client: ShmTransferClient) -> None:
-        key = client._idle_key
+        key = client.idle_key
         with self._mu:
             kept = self._idle.setdefault(key, [])
             kept.append((client, time.monotonic()))
@@ -661,7 +666,7 @@ class _IdleConnections:
         while True:
             with self._mu:
                 now = time.monotonic()
-                watched = {c._sock.fileno(): c for e in self._idle.values() for c, _ in e}
+                watched = {c.fileno(): c for e in self._idle.values() for c, _ in e}
                 next_expiry = min(
                     (t + IDLE_CONNECTION_S for e in self._idle.values() for _, t in e),
                     default=now,

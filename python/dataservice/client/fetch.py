@@ -146,6 +146,12 @@ class TaskFetching:
     _unreachable: set[str]
     _fail: Callable[[BaseException], None]
 
+    if TYPE_CHECKING:  # client/exactly_once.py
+
+        def _eo_accept_locked(
+            self, task_id: int, worker_uid: str, elements: list[Any]
+        ) -> list[Any]: ...
+
     def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
         """A transfer client for `endpoint` (`connect.connect`: "auto" tries shared
         memory on the same host, then gRPC).
@@ -296,19 +302,24 @@ class TaskFetching:
                         key = (endpoint.task_id, result.worker_uid)
                         ignored = self.stats.errors_ignored
                         ignored[key] = max(ignored.get(key, 0), result.errors_ignored)
-                    if result.elements:
-                        count = len(result.elements)
+                    elements = list(result.elements)
+                    if elements and self.options.exactly_once:
+                        elements = self._eo_accept_locked(
+                            endpoint.task_id, result.worker_uid, elements
+                        )
+                    if elements:
+                        count = len(elements)
                         key = (endpoint.task_id, result.worker_uid)
                         self.stats.received[key] = self.stats.received.get(key, 0) + count
-                        per = result.nbytes // count
-                        self._results.append(_Fetched(list(result.elements), per, state))
+                        per = result.nbytes // len(result.elements)
+                        self._results.append(_Fetched(elements, per, state))
                         self._buffered_elements += count
                         self._buffered_bytes += per * count
                         state.unconsumed_bytes += per * count
                         w = self.stats.workers.setdefault(
                             endpoint.worker_address, WorkerStats(state.protocol)
                         )
-                        w.elements += len(result.elements)
+                        w.elements += count
                         w.bytes += result.nbytes
                     end = result.end_of_sequence
                     if end:
@@ -317,7 +328,7 @@ class TaskFetching:
                 # The elements are the queue's now: this frame must not keep them (views
                 # of a shared-memory ring keep it mapped, its memfd open) while it waits,
                 # reconnects to a restarting worker, or survives in a traceback.
-                del result
+                del result, elements
                 if end:
                     return
         except BaseException as err:  # e.g. WorkerError: the pipeline raised

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from dataservice import _waits, auth, errors
+from dataservice.client.exactly_once import ExactlyOnceReceipts
 from dataservice.client.coordinated import CoordinatedReads
 from dataservice.client.fetch import TaskFetching, _FairSemaphore, _Fetched, _TaskState
 from dataservice.client.stats import ReadStats, WorkerLossTracking, describe_missing_shards
@@ -70,9 +71,11 @@ class ReadOptions:
     # before raising WorkerCrashedError / MissingShardsError (ms); None: forever
     # (tf.data).
     worker_loss_timeout_ms: int | None = 60_000
+    # Exactly-once DYNAMIC (client/exactly_once.py): elements arrive tagged.
+    exactly_once: bool = False
 
 
-class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
+class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFetching):
     """The shared state of one iterator's threads. Thread-safe (self._cv)."""
 
     def __init__(self, options: ReadOptions) -> None:
@@ -140,6 +143,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
         self._last_heartbeat_ok = time.monotonic()  # the heartbeat thread's; read for warnings
         self.coordination_timeout_s = 60.0
         self._init_rounds()
+        self._init_receipts()
 
     # ------------------------------------------------------------ dispatcher calls
     def call(self, method: str, request: Any, timeout_ms: int | None = None) -> Any:
@@ -169,6 +173,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 client_host_id=host_id(),
                 incarnation_id=self.incarnation,
                 use_cross_trainer_cache=bool(self.options.trainer_id),
+                exactly_once=self.options.exactly_once,
             ),
         )
         iteration = self.call(
@@ -225,6 +230,9 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 unreachable_workers=unreachable,
                 counters=counters,
             )
+            if self.options.exactly_once:
+                with self._cv:
+                    self._eo_fill_heartbeat_locked(request)
             try:
                 response = self._stub.ClientHeartbeat(
                     request, timeout=10.0, metadata=self._metadata
@@ -259,6 +267,13 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
             return
         live = {t.task_id for t in response.tasks}
         to_start = []
+        if self.options.exactly_once:
+            with self._cv:
+                # Closed before the loss is noted: what this consumer reports
+                # as received from a lost process is final from here on.
+                for r in response.lost_workers:
+                    self._eo_close_locked(r.task_id, r.worker_uid)
+                self._eo_on_heartbeat_locked(response)
         self._note_lost_workers(response.lost_workers)
         now = time.monotonic()
         with self._cv:

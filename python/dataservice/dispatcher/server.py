@@ -44,6 +44,7 @@ from dataservice.dispatcher.jobs import JobsMixin
 from dataservice.dispatcher.journal import Journal
 from dataservice.dispatcher.liveness import LivenessMixin
 from dataservice.dispatcher.observe import ObserveMixin
+from dataservice.dispatcher.exactly_once import ExactlyOnceMixin
 from dataservice.dispatcher.retire import RetireMixin
 from dataservice.dispatcher.split_handout import SplitHandoutMixin
 from dataservice.dispatcher.tasks import WorkerTasksMixin
@@ -155,6 +156,7 @@ class DispatchServer(
     WorkerTasksMixin,
     JobsMixin,
     SplitHandoutMixin,
+    ExactlyOnceMixin,
     WorkerLossMixin,
     LivenessMixin,
     ObserveMixin,

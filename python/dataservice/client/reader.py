@@ -27,8 +27,8 @@ from typing import Any
 import grpc
 
 from dataservice import _waits, auth, errors
-from dataservice.client.exactly_once import ExactlyOnceReceipts
 from dataservice.client.coordinated import CoordinatedReads
+from dataservice.client.exactly_once import ExactlyOnceReceipts
 from dataservice.client.fetch import TaskFetching, _FairSemaphore, _Fetched, _TaskState
 from dataservice.client.stats import ReadStats, WorkerLossTracking, describe_missing_shards
 from dataservice.locality import host_id

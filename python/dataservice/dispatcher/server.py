@@ -40,11 +40,11 @@ from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.buffer_store import BufferStore, check_inline
 from dataservice.dispatcher.datasets import DatasetsMixin
+from dataservice.dispatcher.exactly_once import ExactlyOnceMixin
 from dataservice.dispatcher.jobs import JobsMixin
 from dataservice.dispatcher.journal import Journal
 from dataservice.dispatcher.liveness import LivenessMixin
 from dataservice.dispatcher.observe import ObserveMixin
-from dataservice.dispatcher.exactly_once import ExactlyOnceMixin
 from dataservice.dispatcher.retire import RetireMixin
 from dataservice.dispatcher.split_handout import SplitHandoutMixin
 from dataservice.dispatcher.tasks import WorkerTasksMixin

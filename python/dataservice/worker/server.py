@@ -40,9 +40,9 @@ from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, sharding_policy_from_proto
 from dataservice.transfer import base as transfer
+from dataservice.worker import exactly_once
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
 from dataservice.worker.serving import ElementServing, WorkerServicer
-from dataservice.worker import exactly_once
 from dataservice.worker.splits import split_sources
 from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner
 

@@ -8,6 +8,7 @@ ops applied after `distribute` run in the consumer's process.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -17,6 +18,7 @@ from typing import Any
 
 from dataservice import auth
 from dataservice import exactly_once as visitation
+from dataservice.client import checkpoint
 from dataservice.client.reader import DataServiceIterator, ReadOptions
 from dataservice.data import graph
 from dataservice.data.dataset import (
@@ -301,6 +303,8 @@ class DistributedDataset(Dataset):
         self._given_spec = element_spec
         self._mu = threading.Lock()
         self._repetition = 0  # guarded by self._mu
+        self._fingerprint: str | None = None  # client/checkpoint.py; guarded by self._mu
+        self._resume: dict[str, Any] | None = None  # load_state_dict's; guarded by self._mu
         self._cardinality: int | None = None  # registered one, read by id; guarded by self._mu
 
     def __getstate__(self) -> dict[str, Any]:
@@ -399,19 +403,63 @@ class DistributedDataset(Dataset):
                 )
             return self._dataset_id
 
+    def _dataset_fingerprint(self) -> str:
+        """What identifies this dataset in an iterator state (client/checkpoint.py):
+        the SHA-256 of the pipeline's definition, or for a dataset read by id,
+        "dataset_id:<id>"."""
+        with self._mu:
+            if self._fingerprint is None:
+                if self._input_dataset is not None:
+                    data = serialize_dataset(self._input_dataset)
+                    self._fingerprint = hashlib.sha256(data).hexdigest()
+                else:
+                    self._fingerprint = f"dataset_id:{self._dataset_id}"
+            return self._fingerprint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes this dataset's next `iter()` continue where the iterator whose
+        `state_dict()` gave `state` was (torchdata's StatefulDataLoader
+        convention; client/checkpoint.py gives the semantics per mode). The
+        read after that one starts the next epoch as usual.
+
+        Raises:
+            InvalidArgumentError: `state` is no iterator state, or one of
+                another dataset (the message names both fingerprints), another
+                processing mode or another exactly_once setting.
+        """
+        checkpoint.check_state(
+            state,
+            dataset=self._dataset_fingerprint(),
+            processing_mode=self._processing_mode.name,
+            exactly_once=bool(getattr(self, "_exactly_once", False)),
+        )
+        with self._mu:
+            self._resume = json.loads(json.dumps(state))  # the caller's dict stays theirs
+
     def _make_iterator(self, ctx: IterContext) -> DataServiceIterator:
         dataset_id = self._ensure_registered()
+        fingerprint = self._dataset_fingerprint()
         peek = getattr(ctx, "peek", False)
         with self._mu:
             repetition = self._repetition
-            if self._job_name and not peek:
+            resume = None if peek else getattr(self, "_resume", None)
+            job_name = self._job_name
+            if resume is not None:
+                # A job of its own (checkpoint.resumed_job_name); the read after
+                # it joins the original job's next repetition.
+                self._resume = None
+                job_name = checkpoint.resumed_job_name(self._job_name, resume)
+                repetition = 0
+                if self._job_name:
+                    self._repetition = int(resume.get("repetition", 0)) + 1
+            elif self._job_name and not peek:
                 self._repetition += 1
         options = ReadOptions(
             dispatcher_address=self._address,
             # Peeking at the first element (element_spec of an op after this one)
             # reads an anonymous OFF job, so it consumes nothing of the real job.
             processing_mode=ShardingPolicy.OFF if peek else self._processing_mode,
-            job_name="" if peek else self._job_name,
+            job_name="" if peek else job_name,
             num_consumers=self._num_consumers,
             consumer_index=self._consumer_index,
             max_outstanding_requests=self._max_outstanding_requests,
@@ -427,6 +475,10 @@ class DistributedDataset(Dataset):
             if peek or self._cross_trainer_cache is None
             else self._cross_trainer_cache.trainer_id,
             exactly_once=getattr(self, "_exactly_once", False) and not peek,
+            fingerprint=fingerprint,
+            user_job_name=self._job_name,
+            resume=resume,
+            repetition=repetition if resume is None else int(resume.get("repetition", 0)),
         )
         iterator = DataServiceIterator(options, dataset_id, repetition)
         stats = getattr(ctx, "stats", None)

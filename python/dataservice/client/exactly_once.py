@@ -26,17 +26,28 @@ class ExactlyOnceReceipts:
         self._eo_received: dict[int, eo.Ranges] = {}  # split ordinal -> seqs received
         self._eo_closed: set[tuple[int, str]] = set()  # (task id, worker uid) closed
         self._eo_dropped = 0  # duplicates and elements of closed processes dropped
+        # A resumed read (client/checkpoint.py): per split, the sequence numbers
+        # delivered before the checkpoint; dropped here, but counted received.
+        self._eo_preloaded: dict[Any, eo.Ranges] = {}
+        # The consumer's thread only: per split, the sequence numbers next() returned.
+        self._eo_yielded: dict[Any, eo.Ranges] = {}
 
-    def _eo_accept_locked(self, task_id: int, worker_uid: str, elements: list[Any]) -> list[Any]:
+    def _eo_accept_locked(
+        self, task_id: int, worker_uid: str, elements: list[Any]
+    ) -> tuple[list[Any], list[tuple[Any, int]]]:
         """The elements of one fetch from `task_id`'s process `worker_uid`,
-        untagged, less those already received here or sent by a closed process."""
+        untagged, less those already received here, sent by a closed process,
+        or delivered before a checkpoint; and the (split, seq) of each."""
         if (task_id, worker_uid) in self._eo_closed:
             self._eo_dropped += len(elements)
-            return []
+            return [], []
         kept = []
+        tags = []
         received = self._eo_received
-        for ordinal, seq, element in elements:
+        preloaded = self._eo_preloaded
+        for ordinal, seq, split, element in elements:
             ordinal, seq = int(ordinal), int(seq)
+            split = split if isinstance(split, str) else int(split)
             ranges = received.get(ordinal)
             if ranges is None:
                 ranges = received[ordinal] = []
@@ -44,8 +55,27 @@ class ExactlyOnceReceipts:
                 self._eo_dropped += 1
                 continue
             eo.add(ranges, seq)
+            before = preloaded.get(split)
+            if before and eo.contains(before, seq):
+                continue  # delivered before the checkpoint
             kept.append(element)
-        return kept
+            tags.append((split, seq))
+        return kept, tags
+
+    def _eo_yielded_one(self, tag: tuple[Any, int]) -> None:
+        """next() returned the element tagged `tag` (the consumer's thread)."""
+        ranges = self._eo_yielded.get(tag[0])
+        if ranges is None:
+            ranges = self._eo_yielded[tag[0]] = []
+        eo.add(ranges, tag[1])
+
+    def _eo_delivered(self) -> dict[Any, eo.Ranges]:
+        """Per split, what was delivered before the checkpoint this read resumed
+        from and what next() returned since (the consumer's thread)."""
+        splits = dict(self._eo_preloaded)
+        for split, ranges in self._eo_yielded.items():
+            splits[split] = eo.union([splits.get(split, []), ranges])
+        return splits
 
     def _eo_close_locked(self, task_id: int, worker_uid: str) -> None:
         """Takes nothing more from worker process `worker_uid` of `task_id`

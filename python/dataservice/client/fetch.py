@@ -98,6 +98,8 @@ class _Fetched:
     task: _TaskState | None = None
     end: bool = False
     failed: bool = False
+    # Exactly-once reads: each element's (split, sequence number), for checkpoints.
+    tags: list[Any] | None = None
 
 
 @dataclass
@@ -150,7 +152,7 @@ class TaskFetching:
 
         def _eo_accept_locked(
             self, task_id: int, worker_uid: str, elements: list[Any]
-        ) -> list[Any]: ...
+        ) -> tuple[list[Any], list[Any]]: ...
 
     def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
         """A transfer client for `endpoint` (`connect.connect`: "auto" tries shared
@@ -303,8 +305,9 @@ class TaskFetching:
                         ignored = self.stats.errors_ignored
                         ignored[key] = max(ignored.get(key, 0), result.errors_ignored)
                     elements = list(result.elements)
+                    tags = None
                     if elements and self.options.exactly_once:
-                        elements = self._eo_accept_locked(
+                        elements, tags = self._eo_accept_locked(
                             endpoint.task_id, result.worker_uid, elements
                         )
                     if elements:
@@ -312,7 +315,7 @@ class TaskFetching:
                         key = (endpoint.task_id, result.worker_uid)
                         self.stats.received[key] = self.stats.received.get(key, 0) + count
                         per = result.nbytes // len(result.elements)
-                        self._results.append(_Fetched(elements, per, state))
+                        self._results.append(_Fetched(elements, per, state, tags=tags))
                         self._buffered_elements += count
                         self._buffered_bytes += per * count
                         state.unconsumed_bytes += per * count

@@ -2,9 +2,10 @@
 says how the pieces fit).
 
 `elements` leases splits from the dispatcher (GetSplits with `exactly_once`),
-runs the pipeline once per split, and yields `(ordinal, seq, element)`: the
-split's ordinal, the element's sequence number within the split, and the
-element. Sequence numbers a consumer already received (a split leased again
+runs the pipeline once per split, and yields `(ordinal, seq, split, element)`:
+the split's ordinal, the element's sequence number within the split, the split
+itself (an index or a file name: a checkpoint's key, client/checkpoint.py), and
+the element. Sequence numbers a consumer already received (a split leased again
 after its worker was lost: `SplitLease.skip`) are produced but not yielded, so
 the pipeline must produce a split's elements in the same order every time
 (deterministic, seeded randomness). The element counts of the splits run are
@@ -46,7 +47,7 @@ class _OneSplit:
 
 
 def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Iterator[Any]:
-    """Task `task`'s tagged elements: `(ordinal, seq, element)` (see the module
+    """Task `task`'s tagged elements: `(ordinal, seq, split, element)` (see the module
     docstring), until the dispatcher says no split is left and no lease is open.
 
     Raises:
@@ -93,7 +94,7 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
         try:
             for element in iterator:
                 if not (skip and eo.contains(skip, seq)):
-                    yield (lease.ordinal, seq, element)
+                    yield (lease.ordinal, seq, split, element)
                 seq += 1
         finally:
             close = getattr(iterator, "close", None)

@@ -561,7 +561,12 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                     self._tasks
                     and now >= ask_at
                     and not self._iteration_finished
-                    and all(s.finished or s.removed for s in self._tasks.values())
+                    and (
+                        # Exactly-once: the workers' tasks end once this
+                        # consumer's receipts completed the last splits.
+                        self.options.exactly_once
+                        or all(s.finished or s.removed for s in self._tasks.values())
+                    )
                 ):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
                     ask_at = now + ask_delay_s

@@ -70,9 +70,7 @@ def main() -> None:
             _epoch_s(cluster, make, False, expect)  # warm-up
             best = {}
             for exactly_once in (False, True):
-                times = [
-                    _epoch_s(cluster, make, exactly_once, expect) for _ in range(args.repeat)
-                ]
+                times = [_epoch_s(cluster, make, exactly_once, expect) for _ in range(args.repeat)]
                 best[exactly_once] = expect / min(times)
             rows.append(
                 {

@@ -286,3 +286,56 @@ def test_from_dataset_id_refuses_a_registered_pipeline_it_cannot_run() -> None:
             worker.stop()
     finally:
         dispatcher.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_exactly_once_read_survives_a_dispatcher_restart(
+    servers: Servers, tmp_path
+) -> None:
+    """Checkpoint an exactly-once read, resume it, and SIGKILL the fault-tolerant
+    dispatcher during the resumed read: before + after is the epoch, once."""
+    n = 1500
+    rng = random.Random(11)
+    work_dir = str(tmp_path / "wd")
+    dispatcher = servers.dispatcher(work_dir=work_dir, fault_tolerant=True)
+    servers.workers(dispatcher, 2)
+
+    def make() -> ds.Dataset:
+        return (
+            ds.Dataset.range(n)
+            .map(_slow(0.001))
+            .apply(
+                ds.distribute(
+                    DYNAMIC,
+                    dispatcher.target,
+                    job_name="train",
+                    client_timeout_ms=60_000,
+                    exactly_once=True,
+                )
+            )
+        )
+
+    it = iter(make())
+    before = [int(next(it)) for _ in range(rng.randrange(100, n // 2))]
+    state = it.state_dict()
+    it.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    kill_at = rng.randrange(50, (n - len(before)) // 2)
+    after: list[int] = []
+    restarted: dict = {}
+
+    def restart(port: int) -> None:
+        time.sleep(rng.uniform(0.0, 0.5))
+        restarted["d"] = servers.dispatcher(port=port, work_dir=work_dir, fault_tolerant=True)
+
+    thread = None
+    for x in resumed:
+        if len(after) == kill_at:
+            dispatcher.kill()
+            thread = threading.Thread(target=restart, args=(dispatcher.port,), daemon=True)
+            thread.start()
+        after.append(int(x))
+    assert thread is not None
+    thread.join(60)
+    assert sorted(before + after) == list(range(n))

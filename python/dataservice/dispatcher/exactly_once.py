@@ -53,7 +53,8 @@ class ExactlyOnceMixin(DispatcherBase):
 
         Raises:
             FailedPreconditionError: The job is not exactly-once (or the other way round).
-            NotLoaded: The split providers are not built yet (nothing changed).
+            NotLoaded: The split providers are not built yet; nothing changed but
+                the recorded counts, which the retry finds recorded.
         """
         if not job.exactly_once:
             raise errors.FailedPreconditionError(
@@ -84,6 +85,10 @@ class ExactlyOnceMixin(DispatcherBase):
         if iteration.finished:
             response.end_of_splits = True
             return response
+        providers = self._split_providers.get(iteration_id)
+        if providers is None and not iteration.splits_ended_by_provider.get(0, False):
+            # Built outside the lock, then asked again (before any lease moves).
+            raise NotLoaded(lambda: self._build_split_providers(iteration_id))
         held = set(request.held)
         # After a dispatcher restart the holders are unknown: a lease of this
         # task that this process says it holds is its; one it does not hold and
@@ -105,9 +110,7 @@ class ExactlyOnceMixin(DispatcherBase):
             take.append(ready.pop(0))
         fresh: list[Any] = []
         if len(take) < max_splits and not iteration.splits_ended_by_provider.get(0, False):
-            providers = self._split_providers.get(iteration_id)
-            if providers is None:  # built outside the lock, then asked again
-                raise NotLoaded(lambda: self._build_split_providers(iteration_id))
+            assert providers is not None  # checked above
             provider = providers[0]
             want = max_splits - len(take)
             total = provider.cardinality()
@@ -123,10 +126,13 @@ class ExactlyOnceMixin(DispatcherBase):
                     break
                 fresh.append(split)
             first = iteration.splits_produced.get(0, 0)
-            self._apply_locked(st.ProduceSplits(iteration_id, len(fresh), end, 0))
             ordinals = tuple(range(first, first + len(fresh)))
+            # Leased before the cursor moves: a crash between the two journal
+            # records hands the same splits out again under the same ordinals,
+            # never loses them.
             if fresh:
                 self._lease_locked(iteration_id, task_id, ordinals, fresh)
+            self._apply_locked(st.ProduceSplits(iteration_id, len(fresh), end, 0))
             take.extend(ordinals)
         if take:
             old = [o for o in take if leases[o].task_id != task_id]

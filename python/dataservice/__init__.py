@@ -17,6 +17,7 @@ from dataservice.client.api import (
     from_dataset_id,
     register_dataset,
 )
+from dataservice.client.checkpoint import merge_state_dicts
 from dataservice.cluster import LocalCluster
 from dataservice.config import DispatcherConfig, WorkerConfig
 from dataservice.data.dataset import (
@@ -54,6 +55,7 @@ __all__ = [
     "WebDataset",
     "WorkerServer",
     "distribute",
+    "merge_state_dicts",
     "errors",
     "from_dataset_id",
     "io",

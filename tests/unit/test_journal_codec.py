@@ -66,6 +66,7 @@ def test_every_state_field_has_a_snapshot_field():
         "garbage_collected",
         "rounds",  # round_numbers, round_task_ids
         "consumer_hosts",
+        "leases",  # leases (SplitLeaseEntry)
     }
 
 
@@ -80,7 +81,9 @@ def _non_default_updates() -> list[st.Update]:
     return [
         st.SetIncarnation("inc-\u00e9"),
         st.RegisterDataset("ds/1", "f" * 64, b"\x00spec\xff", -2, True, "d" * 64),
-        st.CreateJob(st.JobId(1001), "ds/1", "job", ShardingPolicy.HINT, 3, "ANY", "host", True, 4),
+        st.CreateJob(
+            st.JobId(1001), "ds/1", "job", ShardingPolicy.HINT, 3, "ANY", "host", True, 4, True
+        ),
         st.CreateIteration(st.IterationId(2001), st.JobId(1001), 4, 2**62 - 1, 3),
         st.AcquireIterationClient(st.IterationClientId(3001), st.IterationId(2001), "host-a"),
         st.ReleaseIterationClient(st.IterationClientId(3001)),
@@ -93,6 +96,9 @@ def _non_default_updates() -> list[st.Update]:
         st.GarbageCollectJob(st.JobId(1001)),
         st.GarbageCollectIteration(st.IterationId(2001)),
         st.RetireJob(st.JobId(1001)),
+        st.LeaseSplits(st.IterationId(2001), st.TaskId(4001), (3, 4), (7, 9), ("a", "b")),
+        st.SplitsProduced(st.IterationId(2001), (3, 4), (0, 12)),
+        st.CompleteSplits(st.IterationId(2001), (3,)),
     ]
 
 
@@ -142,6 +148,8 @@ def _update_strategy(cls: type) -> hs.SearchStrategy:
     for f in dataclasses.fields(cls):
         policies = hs.sampled_from(ShardingPolicy)
         fields[f.name] = policies if f.name == "processing_mode" else kinds[_kind(f)]
+        if str(f.type).startswith("tuple[str"):
+            fields[f.name] = hs.lists(TEXT, max_size=6).map(tuple)
     return hs.builds(cls, **fields)
 
 
@@ -205,7 +213,7 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
         if shadow.jobs:
             kinds += ["iteration", "gc", "retire"]
         if shadow.iterations:
-            kinds += ["client", "task", "splits", "rounds", "gc_iteration"]
+            kinds += ["client", "task", "splits", "rounds", "gc_iteration", "lease", "complete"]
         if shadow.tasks:
             kinds += ["finish", "remove", "revive"]
         kind = pick(kinds)
@@ -242,6 +250,7 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
                     draw(text),
                     draw(hs.booleans()),
                     draw(hs.integers(0, 3)),
+                    draw(hs.booleans()),
                 )
             )
         elif kind == "iteration":
@@ -290,6 +299,22 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
                     draw(hs.integers(0, 2)),
                 )
             )
+        elif kind == "lease":
+            ordinals = tuple(draw(hs.lists(hs.integers(0, 9), max_size=3, unique=True)))
+            as_str = draw(hs.booleans())
+            add(
+                st.LeaseSplits(
+                    pick(iteration_ids),
+                    pick([*task_ids, 4000]),
+                    ordinals,
+                    () if as_str else tuple(o * 10 for o in ordinals),
+                    tuple(f"f{o}" for o in ordinals) if as_str else (),
+                )
+            )
+            if ordinals and draw(hs.booleans()):
+                add(st.SplitsProduced(updates[-1].iteration_id, ordinals[:1], (5,)))
+        elif kind == "complete":
+            add(st.CompleteSplits(pick(iteration_ids), (draw(hs.integers(0, 9)),)))
         elif kind == "rounds":
             add(
                 st.AssignRounds(

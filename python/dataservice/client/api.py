@@ -8,6 +8,7 @@ ops applied after `distribute` run in the consumer's process.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dataservice import auth
+from dataservice import exactly_once as visitation
+from dataservice.client import checkpoint
 from dataservice.client.reader import DataServiceIterator, ReadOptions
 from dataservice.data import graph
 from dataservice.data.dataset import (
@@ -168,6 +171,30 @@ def _worker_loss_timeout_ms(value: Any) -> int | None:
     return value
 
 
+def _check_exactly_once(
+    exactly_once: Any, policy: ShardingPolicy, num_consumers: int, cache: Any
+) -> None:
+    """`exactly_once` is a bool, and True only for a DYNAMIC read that is no
+    coordinated read and has no cross-trainer cache.
+
+    Raises:
+        ValueError: Names the argument at fault.
+    """
+    if not isinstance(exactly_once, bool):
+        raise ValueError(f"`exactly_once` must be a bool, got {exactly_once!r}")
+    if not exactly_once:
+        return
+    if policy != ShardingPolicy.DYNAMIC:
+        raise ValueError(
+            f"`exactly_once=True` needs ShardingPolicy.DYNAMIC, got {policy.name}: under OFF "
+            "and static sharding a restarted worker produces its share again"
+        )
+    if num_consumers:
+        raise ValueError("`exactly_once=True` cannot be combined with `num_consumers`")
+    if cache is not None:
+        raise ValueError("`exactly_once=True` cannot be combined with `cross_trainer_cache`")
+
+
 def _warn_unseeded_randomness(dataset: Dataset, policy: ShardingPolicy) -> None:
     """Logs a WARNING when `policy` shards `dataset`'s elements (DATA, FILE_OR_DATA
     without a file source, HINT below its `shard(SHARD_HINT, ...)`) and the pipeline
@@ -254,8 +281,10 @@ class DistributedDataset(Dataset):
         input_dataset: Dataset | None = None,
         dataset_id: str | None = None,
         element_spec: Any = None,
+        exactly_once: bool = False,
     ) -> None:
         super().__init__()
+        self._exactly_once = exactly_once
         self._address = address
         self._processing_mode = processing_mode
         self._job_name = job_name
@@ -274,6 +303,8 @@ class DistributedDataset(Dataset):
         self._given_spec = element_spec
         self._mu = threading.Lock()
         self._repetition = 0  # guarded by self._mu
+        self._fingerprint: str | None = None  # client/checkpoint.py; guarded by self._mu
+        self._resume: dict[str, Any] | None = None  # load_state_dict's; guarded by self._mu
         self._cardinality: int | None = None  # registered one, read by id; guarded by self._mu
 
     def __getstate__(self) -> dict[str, Any]:
@@ -372,19 +403,63 @@ class DistributedDataset(Dataset):
                 )
             return self._dataset_id
 
+    def _dataset_fingerprint(self) -> str:
+        """What identifies this dataset in an iterator state (client/checkpoint.py):
+        the SHA-256 of the pipeline's definition, or for a dataset read by id,
+        "dataset_id:<id>"."""
+        with self._mu:
+            if self._fingerprint is None:
+                if self._input_dataset is not None:
+                    data = serialize_dataset(self._input_dataset)
+                    self._fingerprint = hashlib.sha256(data).hexdigest()
+                else:
+                    self._fingerprint = f"dataset_id:{self._dataset_id}"
+            return self._fingerprint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes this dataset's next `iter()` continue where the iterator whose
+        `state_dict()` gave `state` was (torchdata's StatefulDataLoader
+        convention; client/checkpoint.py gives the semantics per mode). The
+        read after that one starts the next epoch as usual.
+
+        Raises:
+            InvalidArgumentError: `state` is no iterator state, or one of
+                another dataset (the message names both fingerprints), another
+                processing mode or another exactly_once setting.
+        """
+        checkpoint.check_state(
+            state,
+            dataset=self._dataset_fingerprint(),
+            processing_mode=self._processing_mode.name,
+            exactly_once=bool(getattr(self, "_exactly_once", False)),
+        )
+        with self._mu:
+            self._resume = json.loads(json.dumps(state))  # the caller's dict stays theirs
+
     def _make_iterator(self, ctx: IterContext) -> DataServiceIterator:
         dataset_id = self._ensure_registered()
+        fingerprint = self._dataset_fingerprint()
         peek = getattr(ctx, "peek", False)
         with self._mu:
             repetition = self._repetition
-            if self._job_name and not peek:
+            resume = None if peek else getattr(self, "_resume", None)
+            job_name = self._job_name
+            if resume is not None:
+                # A job of its own (checkpoint.resumed_job_name); the read after
+                # it joins the original job's next repetition.
+                self._resume = None
+                job_name = checkpoint.resumed_job_name(self._job_name, resume)
+                repetition = 0
+                if self._job_name:
+                    self._repetition = int(resume.get("repetition", 0)) + 1
+            elif self._job_name and not peek:
                 self._repetition += 1
         options = ReadOptions(
             dispatcher_address=self._address,
             # Peeking at the first element (element_spec of an op after this one)
             # reads an anonymous OFF job, so it consumes nothing of the real job.
             processing_mode=ShardingPolicy.OFF if peek else self._processing_mode,
-            job_name="" if peek else self._job_name,
+            job_name="" if peek else job_name,
             num_consumers=self._num_consumers,
             consumer_index=self._consumer_index,
             max_outstanding_requests=self._max_outstanding_requests,
@@ -399,6 +474,11 @@ class DistributedDataset(Dataset):
             trainer_id=""
             if peek or self._cross_trainer_cache is None
             else self._cross_trainer_cache.trainer_id,
+            exactly_once=getattr(self, "_exactly_once", False) and not peek,
+            fingerprint=fingerprint,
+            user_job_name=self._job_name,
+            resume=resume,
+            repetition=repetition if resume is None else int(resume.get("repetition", 0)),
         )
         iterator = DataServiceIterator(options, dataset_id, repetition)
         stats = getattr(ctx, "stats", None)
@@ -446,6 +526,7 @@ def distribute(
     zero_copy: bool = True,
     allow_pickled_elements: bool = False,
     worker_loss_timeout_ms: int | None = DEFAULT_WORKER_LOSS_TIMEOUT_MS,
+    exactly_once: bool = False,
 ) -> Callable[[Dataset], Dataset]:
     """A transformation that runs a dataset on the data service, for `Dataset.apply`.
 
@@ -493,6 +574,18 @@ def distribute(
             `next()` raises `errors.MissingShardsError` naming each missing
             worker address and shard index; until then the iteration does not
             end, and a listed worker that registers late delivers its shard.
+        exactly_once: DYNAMIC only. Every element of the epoch reaches the
+            job's consumers exactly once, whatever workers are killed,
+            restarted or added, and across a fault-tolerant dispatcher's
+            restart: a split stays leased until its elements were received,
+            and a lost worker's splits are produced again by another worker,
+            which skips what was received already (dataservice/exactly_once.py).
+            The pipeline runs once per split on the workers, so it must be
+            deterministic (seeded randomness), and `batch`/`shuffle` work
+            within one split (refused over one-element splits such as
+            `range`'s: `InvalidArgumentError` names the op). Default False:
+            at-most-once, as tf.data service (a lost worker's splits are lost).
+            (Not in tf.data service.)
 
     Returns:
         A function `Dataset -> Dataset` for `dataset.apply(...)`.
@@ -516,6 +609,7 @@ def distribute(
         raise ValueError(f"`zero_copy` must be a bool, got {zero_copy!r}")
     _check_allow_pickled(allow_pickled_elements)
     loss_timeout_ms = _worker_loss_timeout_ms(worker_loss_timeout_ms)
+    _check_exactly_once(exactly_once, policy, consumers, cross_trainer_cache)
 
     def _apply(dataset: Dataset) -> Dataset:
         if not isinstance(dataset, Dataset):
@@ -524,6 +618,8 @@ def distribute(
             dataset = AllowPickledElementsDataset(dataset)
         serialize_dataset(dataset)  # fails now, naming a function that cannot be shipped
         _warn_unseeded_randomness(dataset, policy)
+        if exactly_once:
+            visitation.check_pipeline(dataset)
         return DistributedDataset(
             address=address,
             processing_mode=policy,
@@ -539,6 +635,7 @@ def distribute(
             zero_copy=zero_copy,
             worker_loss_timeout_ms=loss_timeout_ms,
             input_dataset=dataset,
+            exactly_once=exactly_once,
         )
 
     return _apply
@@ -597,6 +694,7 @@ def from_dataset_id(
     client_timeout_ms: int | None = None,
     zero_copy: bool = True,
     worker_loss_timeout_ms: int | None = DEFAULT_WORKER_LOSS_TIMEOUT_MS,
+    exactly_once: bool = False,
 ) -> Dataset:
     """Reads a registered dataset, as tf.data service's `from_dataset_id`.
 
@@ -607,12 +705,15 @@ def from_dataset_id(
     Raises:
         ValueError: A bad argument.
         NotFoundError: (when iterated) `dataset_id` is not registered.
+        InvalidArgumentError: (when iterated) `exactly_once` and a pipeline it
+            cannot run (`distribute`'s `exactly_once`).
     """
     policy = to_sharding_policy(processing_mode)
     address = _service_address(service)
     name = _check_job_name(job_name)
     consumers = _check_consumers(name, consumer_index, num_consumers)
     _check_cache(cross_trainer_cache, name, consumers)
+    _check_exactly_once(exactly_once, policy, consumers, cross_trainer_cache)
     if not isinstance(dataset_id, str) or not dataset_id:
         raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
     if not isinstance(zero_copy, bool):
@@ -633,4 +734,5 @@ def from_dataset_id(
         worker_loss_timeout_ms=_worker_loss_timeout_ms(worker_loss_timeout_ms),
         dataset_id=dataset_id,
         element_spec=element_spec,
+        exactly_once=exactly_once,
     )

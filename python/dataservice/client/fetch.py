@@ -98,6 +98,8 @@ class _Fetched:
     task: _TaskState | None = None
     end: bool = False
     failed: bool = False
+    # Exactly-once reads: each element's (split, sequence number), for checkpoints.
+    tags: list[Any] | None = None
 
 
 @dataclass
@@ -145,6 +147,12 @@ class TaskFetching:
     iteration_id: int
     _unreachable: set[str]
     _fail: Callable[[BaseException], None]
+
+    if TYPE_CHECKING:  # client/exactly_once.py
+
+        def _eo_accept_locked(
+            self, task_id: int, worker_uid: str, elements: list[Any]
+        ) -> tuple[list[Any], list[Any]]: ...
 
     def _connect(self, endpoint: transfer.TaskEndpoint) -> transfer.TransferClient:
         """A transfer client for `endpoint` (`connect.connect`: "auto" tries shared
@@ -302,19 +310,25 @@ class TaskFetching:
                         key = (endpoint.task_id, result.worker_uid)
                         ignored = self.stats.errors_ignored
                         ignored[key] = max(ignored.get(key, 0), result.errors_ignored)
-                    if result.elements:
-                        count = len(result.elements)
+                    elements = list(result.elements)
+                    tags = None
+                    if elements and self.options.exactly_once:
+                        elements, tags = self._eo_accept_locked(
+                            endpoint.task_id, result.worker_uid, elements
+                        )
+                    if elements:
+                        count = len(elements)
                         key = (endpoint.task_id, result.worker_uid)
                         self.stats.received[key] = self.stats.received.get(key, 0) + count
-                        per = result.nbytes // count
-                        self._results.append(_Fetched(list(result.elements), per, state))
+                        per = result.nbytes // len(result.elements)
+                        self._results.append(_Fetched(elements, per, state, tags=tags))
                         self._buffered_elements += count
                         self._buffered_bytes += per * count
                         state.unconsumed_bytes += per * count
                         w = self.stats.workers.setdefault(
                             endpoint.worker_address, WorkerStats(state.protocol)
                         )
-                        w.elements += len(result.elements)
+                        w.elements += count
                         w.bytes += result.nbytes
                     end = result.end_of_sequence
                     if end:
@@ -323,7 +337,7 @@ class TaskFetching:
                 # The elements are the queue's now: this frame must not keep them (views
                 # of a shared-memory ring keep it mapped, its memfd open) while it waits,
                 # reconnects to a restarting worker, or survives in a traceback.
-                del result
+                del result, elements
                 if end:
                     return
         except BaseException as err:  # e.g. WorkerError: the pipeline raised

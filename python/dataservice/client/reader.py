@@ -27,13 +27,16 @@ from typing import Any
 import grpc
 
 from dataservice import _waits, auth, errors
+from dataservice.client import checkpoint
 from dataservice.client.coordinated import CoordinatedReads
+from dataservice.client.exactly_once import ExactlyOnceReceipts
 from dataservice.client.fetch import TaskFetching, _FairSemaphore, _Fetched, _TaskState
 from dataservice.client.stats import ReadStats, WorkerLossTracking, describe_missing_shards
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc
 from dataservice.rpc import util as rpc_util
+from dataservice.sharding import ShardingPolicy
 from dataservice.transfer import base as transfer
 from dataservice.transfer import grpc as _grpc_transfer  # noqa: F401  (registers "grpc")
 
@@ -70,9 +73,17 @@ class ReadOptions:
     # before raising WorkerCrashedError / MissingShardsError (ms); None: forever
     # (tf.data).
     worker_loss_timeout_ms: int | None = 60_000
+    # Exactly-once DYNAMIC (client/exactly_once.py): elements arrive tagged.
+    exactly_once: bool = False
+    # Checkpoints (client/checkpoint.py): the dataset's fingerprint, the job
+    # name as the user gave it, and the state this read resumes from (or None).
+    fingerprint: str = ""
+    user_job_name: str = ""
+    resume: dict[str, Any] | None = None
+    repetition: int = 0  # of the user's job (for the state; a resumed read keeps its own)
 
 
-class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
+class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFetching):
     """The shared state of one iterator's threads. Thread-safe (self._cv)."""
 
     def __init__(self, options: ReadOptions) -> None:
@@ -121,6 +132,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
         self._chunk: list[Any] = []
         self._chunk_pos = 0
         self._chunk_nbytes = 0
+        self._chunk_tags: list[Any] | None = None  # exactly-once: (split, seq) of each
         self._tasks: dict[int, _TaskState] = {}
         self._iteration_finished = False
         self._ended = False  # next() raised StopIteration (the iteration is over here)
@@ -140,6 +152,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
         self._last_heartbeat_ok = time.monotonic()  # the heartbeat thread's; read for warnings
         self.coordination_timeout_s = 60.0
         self._init_rounds()
+        self._init_receipts()
 
     # ------------------------------------------------------------ dispatcher calls
     def call(self, method: str, request: Any, timeout_ms: int | None = None) -> Any:
@@ -169,6 +182,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 client_host_id=host_id(),
                 incarnation_id=self.incarnation,
                 use_cross_trainer_cache=bool(self.options.trainer_id),
+                exactly_once=self.options.exactly_once,
             ),
         )
         iteration = self.call(
@@ -225,6 +239,9 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 unreachable_workers=unreachable,
                 counters=counters,
             )
+            if self.options.exactly_once:
+                with self._cv:
+                    self._eo_fill_heartbeat_locked(request)
             try:
                 response = self._stub.ClientHeartbeat(
                     request, timeout=10.0, metadata=self._metadata
@@ -259,6 +276,13 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
             return
         live = {t.task_id for t in response.tasks}
         to_start = []
+        if self.options.exactly_once:
+            with self._cv:
+                # Closed before the loss is noted: what this consumer reports
+                # as received from a lost process is final from here on.
+                for r in response.lost_workers:
+                    self._eo_close_locked(r.task_id, r.worker_uid)
+                self._eo_on_heartbeat_locked(response)
         self._note_lost_workers(response.lost_workers)
         now = time.monotonic()
         with self._cv:
@@ -342,6 +366,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
             stats = self.stats
             stats.elements += 1
             stats.bytes += self._chunk_nbytes
+            if self._chunk_tags is not None:
+                self._eo_yielded_one(self._chunk_tags[pos])
             return element
         return self._next_chunk()
 
@@ -519,6 +545,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                         self._cv.notify_all()
                     self._chunk, self._chunk_pos = fetched.elements, 0
                     self._chunk_nbytes = fetched.nbytes_each
+                    self._chunk_tags = fetched.tags
                     break
                 if self._error is not None:
                     raise self._error
@@ -534,7 +561,12 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                     self._tasks
                     and now >= ask_at
                     and not self._iteration_finished
-                    and all(s.finished or s.removed for s in self._tasks.values())
+                    and (
+                        # Exactly-once: the workers' tasks end once this
+                        # consumer's receipts completed the last splits.
+                        self.options.exactly_once
+                        or all(s.finished or s.removed for s in self._tasks.values())
+                    )
                 ):
                     self._wake_heartbeat.set()  # ask the dispatcher whether it is over
                     ask_at = now + ask_delay_s
@@ -619,6 +651,16 @@ class DataServiceIterator:
         self._reader = _Reader(options)
         self._finalizer = weakref.finalize(self, _close_in_owner, self._reader, os.getpid())
         self.skip_empty_epoch = False
+        # A resumed read (client/checkpoint.py): elements delivered before the
+        # checkpoint, and (other than exactly-once) how many to skip first.
+        self._resumed_elements = 0
+        self._skip = 0
+        if options.resume is not None:
+            self._resumed_elements = options.resume["elements"]
+            if options.exactly_once:
+                self._reader._eo_preloaded = checkpoint.splits_of(options.resume)
+            else:
+                self._skip = self._resumed_elements
         try:
             if not self._reader.start(dataset_id, repetition):
                 # A named job's repetition that other consumers read to the end.
@@ -638,7 +680,13 @@ class DataServiceIterator:
             raise StopIteration
         try:
             if self._reader.options.num_consumers:
+                while self._skip:  # resumed: the rounds read before the checkpoint
+                    self._reader.next_coordinated()
+                    self._skip -= 1
                 return self._reader.next_coordinated()
+            while self._skip:  # resumed: the elements read before the checkpoint
+                self._reader.next()
+                self._skip -= 1
             return self._reader.next()
         except StopIteration:
             self._done = True
@@ -658,6 +706,38 @@ class DataServiceIterator:
         """Stops fetching and releases the iteration (also done on garbage collection)."""
         self._done = True
         self._finalizer()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this read is: a small JSON-serialisable dict for the dataset's
+        `load_state_dict`, whose next `iter()` then continues from here
+        (torchdata's StatefulDataLoader convention; client/checkpoint.py and
+        README "Checkpointing and visitation guarantees" give the semantics).
+        Call it from the thread that calls `next()`.
+
+        Returns:
+            {"format", "dataset" (its fingerprint), "processing_mode",
+             "exactly_once", "job_name", "elements" (returned by next() since
+             the epoch began, across resumes), and for exactly-once reads
+             "splits": [[split, [start, end, ...]], ...] (the sequence numbers
+             of each split's elements returned)}.
+        """
+        options = self._reader.options
+        if options.exactly_once:
+            elements = self._resumed_elements + self._reader.stats.elements
+            splits = self._reader._eo_delivered()
+        else:
+            # The skipped elements count in stats.elements as they are read.
+            elements = self._reader.stats.elements + self._skip
+            splits = None
+        return checkpoint.make_state(
+            dataset=options.fingerprint,
+            processing_mode=ShardingPolicy(options.processing_mode).name,
+            exactly_once=options.exactly_once,
+            job_name=options.user_job_name,
+            elements=elements,
+            splits=splits,
+            repetition=options.repetition,
+        )
 
     def stats(self) -> dict[str, Any]:
         """Counters of this read.

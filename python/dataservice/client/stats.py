@@ -132,6 +132,11 @@ class WorkerLossTracking:
                         f"({d['elements_received']} elements came from it)"
                     )
                 what += ": DYNAMIC sharding reads each split at most once, as tf.data service's"
+            elif self.options.exactly_once:
+                what += (
+                    "; exactly_once: its unfinished splits are produced again by the "
+                    "workers, without the elements already received"
+                )
             elif d["restarting"]:
                 what += "; its task starts over on the restarted process"
             log.warning("iteration %d lost %s: %s%s", self.iteration_id, who, d["reason"], what)

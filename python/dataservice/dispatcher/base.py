@@ -124,6 +124,13 @@ class DispatcherBase:
         # (liveness.py `_collect_iterations`; runtime only: a restart starts it over).
         self._iteration_idle_since: dict[st.IterationId, float] = {}
         self._split_providers: dict[st.IterationId, Any] = {}
+        # Exactly-once DYNAMIC (exactly_once.py): what consumers and workers
+        # tell again after a restart, so not journaled.
+        self._eo_received: dict[st.IterationId, dict[int, dict[st.IterationClientId, Any]]] = {}
+        self._eo_holder: dict[tuple[st.IterationId, int], str] = {}
+        self._eo_orphans: dict[st.IterationId, dict[int, Any]] = {}
+        self._eo_ready: dict[st.IterationId, list[int]] = {}
+        self._eo_dead_uids: set[str] = set()
         self._dataset_objects: dict[str, Any] = {}
         self._restart_time = time.monotonic()
         # The maintenance thread's: iterations with consumers and no worker.

@@ -23,7 +23,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
-from dataservice import errors
+from dataservice import errors, exactly_once
 from dataservice.data import graph
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.base import DispatcherBase, _Worker, log
@@ -37,6 +37,18 @@ class JobsMixin(DispatcherBase):
     if TYPE_CHECKING:  # defined by datasets.py, tasks.py, worker_loss.py, liveness.py
 
         def _dataset_object(self, dataset_id: str) -> Any: ...
+
+        def _eo_client_heartbeat_locked(
+            self,
+            client_id: st.IterationClientId,
+            iteration: st.Iteration,
+            request: Any,
+            response: Any,
+        ) -> None: ...
+
+        def _eo_client_left_locked(
+            self, iteration_id: st.IterationId, client_id: st.IterationClientId
+        ) -> None: ...
 
         def _loaded_dataset_locked(self, dataset_id: str) -> Any: ...
 
@@ -69,11 +81,14 @@ class JobsMixin(DispatcherBase):
                 if request.dataset_id not in self._datasets:
                     raise errors.NotFoundError(f"Dataset id {request.dataset_id} not found")
             try:
-                graph.split_providers(self._dataset_object(request.dataset_id), 0)
+                dataset = self._dataset_object(request.dataset_id)
+                graph.split_providers(dataset, 0)
             except errors.DataServiceError:
                 raise
             except ValueError as err:
                 raise errors.InvalidArgumentError(str(err)) from err
+            if request.exactly_once:
+                exactly_once.check_pipeline(dataset)
         with self._mu:
             self._check_incarnation_locked(request.incarnation_id)
             if request.dataset_id not in self._state.datasets:
@@ -84,6 +99,8 @@ class JobsMixin(DispatcherBase):
                     "set DispatcherConfig.worker_addresses (a worker's index is its position "
                     f"in it); got {self._config.worker_addresses!r}"
                 )
+            if request.exactly_once:
+                _check_exactly_once_request(request, mode)
             if request.num_consumers:
                 if request.target_workers == "LOCAL":
                     raise errors.InvalidArgumentError(
@@ -133,6 +150,11 @@ class JobsMixin(DispatcherBase):
                             f"cross-trainer cache (existing: {job.use_cross_trainer_cache}, "
                             f"requested: {cache})"
                         )
+                    if job.exactly_once != request.exactly_once:
+                        diffs.append(
+                            f"exactly_once (existing: {job.exactly_once}, "
+                            f"requested: {request.exactly_once})"
+                        )
                     if job.num_consumers != request.num_consumers:
                         diffs.append(
                             f"num_consumers (existing: {job.num_consumers}, "
@@ -181,6 +203,7 @@ class JobsMixin(DispatcherBase):
                     request.client_host_id,
                     cache,
                     len(self._config.worker_addresses or ()) if mode in STATIC_POLICIES else 0,
+                    exactly_once=request.exactly_once,
                 )
             )
             self._job_last_used[job_id] = time.monotonic()
@@ -388,6 +411,8 @@ class JobsMixin(DispatcherBase):
                 # registered (the consumer waits for them, then gives up).
                 response.missing_shards.extend(self._missing_shards_locked(iteration, shards_of))
             response.lost_workers.extend(self._worker_losses.get(iteration_id, ()))
+            if job.exactly_once:
+                self._eo_client_heartbeat_locked(client_id, iteration, request, response)
             return response
 
     def _release_iteration_client(self, request: Any) -> Any:
@@ -415,6 +440,7 @@ class JobsMixin(DispatcherBase):
             job.job_name or "anonymous",
         )
         self._apply_locked(st.ReleaseIterationClient(client_id))
+        self._eo_client_left_locked(iteration_id, client_id)
         self._client_seen.pop(client_id, None)
         self._client_seen_counters.pop(client_id, None)
         iteration = self._state.iterations[iteration_id]
@@ -422,3 +448,27 @@ class JobsMixin(DispatcherBase):
         if not job.job_name and not iteration.clients and not job.garbage_collected:
             self._apply_locked(st.GarbageCollectJob(job.job_id))
             self._split_providers.pop(iteration_id, None)
+
+
+def _check_exactly_once_request(request: Any, mode: ShardingPolicy) -> None:
+    """Refuses exactly_once where it does not apply.
+
+    Raises:
+        InvalidArgumentError: Not DYNAMIC, a coordinated read, or a cross-trainer cache.
+    """
+    if mode != ShardingPolicy.DYNAMIC:
+        raise errors.InvalidArgumentError(
+            f"exactly_once needs ShardingPolicy.DYNAMIC (splits leased until delivered); got "
+            f"{mode.name}: OFF and static sharding produce each worker's share again when it "
+            "restarts"
+        )
+    if request.num_consumers:
+        raise errors.InvalidArgumentError(
+            "exactly_once cannot be combined with num_consumers (coordinated reads assign "
+            "rounds, not splits, to consumers)"
+        )
+    if request.use_cross_trainer_cache:
+        raise errors.InvalidArgumentError(
+            "exactly_once cannot be combined with a cross-trainer cache (each trainer reads "
+            "every element)"
+        )

@@ -37,6 +37,8 @@ from dataservice.sharding import (
 # 2: consumers' and tasks' host ids (AcquireIterationClient.host_id,
 # CreateTask.host_id, ...): a job that reads only local workers gives each
 # host's consumers that host's tasks, which a version-1 reader would not know.
+# (Exactly-once DYNAMIC added update kinds and fields in version 2: a reader
+# without them refuses those records as an unknown update kind.)
 FORMAT_VERSION = 2
 
 # Update dataclass -> its field in the `JournalRecord.update` oneof.
@@ -56,6 +58,9 @@ ONEOF_FIELD: dict[type, str] = {
     st.GarbageCollectJob: "garbage_collect_job",
     st.RetireJob: "retire_job",
     st.GarbageCollectIteration: "garbage_collect_iteration",
+    st.LeaseSplits: "lease_splits",
+    st.SplitsProduced: "splits_produced",
+    st.CompleteSplits: "complete_splits",
 }
 _UPDATE_CLASS = {name: cls for cls, name in ONEOF_FIELD.items()}
 _FIELD_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in ONEOF_FIELD}
@@ -185,6 +190,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             garbage_collected=job.garbage_collected,
             retired=job.retired,
             num_shards=job.num_shards,
+            exactly_once=job.exactly_once,
         )
         for repetition, iteration_id in job.iterations.items():
             message.iterations.add(repetition=repetition, iteration_id=iteration_id)
@@ -206,6 +212,15 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             consumer_hosts=it.consumer_hosts,
             garbage_collected=it.garbage_collected,
         )
+        for lease in it.leases.values():
+            message.leases.add(
+                ordinal=lease.ordinal,
+                task_id=lease.task_id,
+                int_split=lease.split if isinstance(lease.split, int) else 0,
+                str_split=lease.split if isinstance(lease.split, str) else "",
+                is_str=isinstance(lease.split, str),
+                count=lease.count,
+            )
         indexes = list(it.splits_produced)
         indexes += [i for i in it.splits_ended_by_provider if i not in it.splits_produced]
         for index in indexes:
@@ -260,6 +275,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
             garbage_collected=j.garbage_collected,
             retired=j.retired,
             num_shards=j.num_shards,
+            exactly_once=j.exactly_once,
         )
     for e in snapshot.jobs_by_name:
         state.jobs_by_name[e.job_name] = st.JobId(e.job_id)
@@ -302,6 +318,9 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
             r: st.TaskId(t) for r, t in zip(i.round_numbers, i.round_task_ids, strict=True)
         }
         it.consumer_hosts = list(i.consumer_hosts)
+        for e in i.leases:
+            split: int | str = e.str_split if e.is_str else e.int_split
+            it.leases[e.ordinal] = st.SplitLease(e.ordinal, st.TaskId(e.task_id), split, e.count)
         state.iterations[it.iteration_id] = it
     for e in snapshot.clients:
         state.clients[st.IterationClientId(e.client_id)] = st.IterationId(e.iteration_id)

@@ -40,6 +40,7 @@ from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.buffer_store import BufferStore, check_inline
 from dataservice.dispatcher.datasets import DatasetsMixin
+from dataservice.dispatcher.exactly_once import ExactlyOnceMixin
 from dataservice.dispatcher.jobs import JobsMixin
 from dataservice.dispatcher.journal import Journal
 from dataservice.dispatcher.liveness import LivenessMixin
@@ -155,6 +156,7 @@ class DispatchServer(
     WorkerTasksMixin,
     JobsMixin,
     SplitHandoutMixin,
+    ExactlyOnceMixin,
     WorkerLossMixin,
     LivenessMixin,
     ObserveMixin,

@@ -40,6 +40,10 @@ class SplitHandoutMixin(DispatcherBase):
 
         def _add_task_info_locked(self, infos: Any, task: st.Task) -> None: ...
 
+        def _eo_get_splits_locked(
+            self, request: Any, iteration: st.Iteration, job: st.Job, task_id: st.TaskId
+        ) -> Any: ...
+
     def _iteration_and_job_locked(
         self, iteration_id: st.IterationId
     ) -> tuple[st.Iteration, st.Job]:
@@ -78,6 +82,15 @@ class SplitHandoutMixin(DispatcherBase):
             if st.TaskId(request.task_id) not in iteration.tasks:
                 raise errors.NotFoundError(
                     f"GetSplits: task {request.task_id} is not a task of iteration {iteration_id}"
+                )
+            if request.exactly_once or job.exactly_once:
+                if not request.exactly_once:
+                    raise errors.FailedPreconditionError(
+                        f"GetSplits: iteration {iteration_id} belongs to exactly-once job "
+                        f"{job.job_id}: its splits are leased (GetSplitsRequest.exactly_once)"
+                    )
+                return self._eo_get_splits_locked(
+                    request, iteration, job, st.TaskId(request.task_id)
                 )
             joint = list(request.joint_split_provider_indices)
             indices = joint or [request.split_provider_index]

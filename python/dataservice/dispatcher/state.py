@@ -63,6 +63,7 @@ class CreateJob:
     client_host_id: str
     use_cross_trainer_cache: bool = False
     num_shards: int = 0  # static sharding: listed workers (Job.num_shards)
+    exactly_once: bool = False  # Job.exactly_once
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,39 @@ class ProduceSplits:
 
 
 @dataclass(frozen=True)
+class LeaseSplits:
+    """Exactly-once DYNAMIC (dispatcher/exactly_once.py): splits `ordinals` are
+    leased to task `task_id`, handed out for the first time or again after the
+    process that held them was lost. Their values are `int_splits` or
+    `str_splits` (parallel to `ordinals`; the other one is empty)."""
+
+    iteration_id: IterationId
+    task_id: TaskId
+    ordinals: tuple[int, ...]
+    int_splits: tuple[int, ...] = ()
+    str_splits: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SplitsProduced:
+    """Exactly-once DYNAMIC: leased split `ordinals[i]` produced `counts[i]`
+    elements in all (the worker ran it to its end)."""
+
+    iteration_id: IterationId
+    ordinals: tuple[int, ...]
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CompleteSplits:
+    """Exactly-once DYNAMIC: the consumers received every element of these
+    splits; their leases end."""
+
+    iteration_id: IterationId
+    ordinals: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class AssignRounds:
     """Coordinated reads: rounds [first_round, first_round + len(task_ids)) are
     served by these tasks (a new block, or a rewrite off a lost task)."""
@@ -178,6 +212,9 @@ Update = (
     | GarbageCollectJob
     | GarbageCollectIteration
     | RetireJob
+    | LeaseSplits
+    | SplitsProduced
+    | CompleteSplits
 )
 
 
@@ -208,6 +245,9 @@ class Job:
     iterations: dict[int, IterationId] = field(default_factory=dict)  # repetition -> id
     garbage_collected: bool = False
     retired: bool = False  # replaced under its name by another job (RetireJob)
+    # Exactly-once DYNAMIC (distribute(exactly_once=True)): splits are leased
+    # until their elements reached the consumers (Iteration.leases).
+    exactly_once: bool = False
 
     @property
     def reads_local_workers_only(self) -> bool:
@@ -244,6 +284,8 @@ class Iteration:
     consumer_hosts: list[str] = field(default_factory=list)
     # Collected after its consumers left (GarbageCollectIteration); also finished.
     garbage_collected: bool = False
+    # Exactly-once DYNAMIC: the open leases, by split ordinal (handout order).
+    leases: dict[int, SplitLease] = field(default_factory=dict)
 
     @property
     def splits_ended(self) -> bool:
@@ -253,6 +295,18 @@ class Iteration:
 
     def live_tasks(self) -> list[Task]:
         return [t for t in self.tasks.values() if not t.finished and not t.removed]
+
+
+@dataclass
+class SplitLease:
+    """Exactly-once DYNAMIC: split `split` (an index or a file name), the
+    `ordinal`-th handed out by the iteration, leased to task `task_id` until the
+    consumers received its `count` elements (-1: not known yet)."""
+
+    ordinal: int
+    task_id: TaskId
+    split: int | str
+    count: int = -1
 
 
 @dataclass
@@ -369,6 +423,28 @@ class DispatcherState:
         it.splits_produced[i] = it.splits_produced.get(i, 0) + u.count
         it.splits_ended_by_provider[i] = it.splits_ended_by_provider.get(i, False) or u.end
 
+    def _apply_LeaseSplits(self, u: LeaseSplits) -> None:
+        leases = self.iterations[u.iteration_id].leases
+        splits: tuple[int | str, ...] = u.str_splits or u.int_splits
+        for ordinal, split in zip(u.ordinals, splits, strict=True):
+            lease = leases.get(ordinal)
+            if lease is None:
+                leases[ordinal] = SplitLease(ordinal, u.task_id, split)
+            else:
+                lease.task_id = u.task_id
+
+    def _apply_SplitsProduced(self, u: SplitsProduced) -> None:
+        leases = self.iterations[u.iteration_id].leases
+        for ordinal, count in zip(u.ordinals, u.counts, strict=True):
+            lease = leases.get(ordinal)
+            if lease is not None:
+                lease.count = count
+
+    def _apply_CompleteSplits(self, u: CompleteSplits) -> None:
+        leases = self.iterations[u.iteration_id].leases
+        for ordinal in u.ordinals:
+            leases.pop(ordinal, None)
+
     def _apply_AssignRounds(self, u: AssignRounds) -> None:
         rounds = self.iterations[u.iteration_id].rounds
         for i, task_id in enumerate(u.task_ids):
@@ -415,6 +491,8 @@ class DispatcherState:
             return
         if self.unread_shards(it):
             return
+        if it.leases:
+            return  # exactly-once: a lost worker's splits are still to be produced
         if any(t.finished for t in it.tasks.values()) and not it.live_tasks():
             it.finished = True
 

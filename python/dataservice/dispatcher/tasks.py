@@ -34,6 +34,10 @@ class WorkerTasksMixin(DispatcherBase):
 
         def _note_worker_counters_locked(self, address: str, request: Any, now: float) -> None: ...
 
+        def _record_losses_locked(
+            self, address: str, uid: str, pid: int, reason: str, *, restarting: bool
+        ) -> None: ...
+
     def _worker_serves_locked(self, worker: _Worker, job: st.Job, iteration: st.Iteration) -> bool:
         """Whether `worker` gets a task in `iteration` of `job`.
 
@@ -208,6 +212,7 @@ class WorkerTasksMixin(DispatcherBase):
                     )
                 else:
                     log.info("worker %s restarted (pid %s)", address, request.pid or "unknown")
+                    self._eo_restarted_locked(worker)
                 self._failed_workers.pop(address, None)  # back after all
                 worker = _Worker(
                     address,
@@ -251,6 +256,23 @@ class WorkerTasksMixin(DispatcherBase):
                     num_workers=len(self._config.worker_addresses or ()),
                     job_name=job.job_name,
                     use_cross_trainer_cache=job.use_cross_trainer_cache,
+                    exactly_once=job.exactly_once,
                 )
             response.tasks_to_delete.extend(sorted(current - assigned_ids))
             return response
+
+    def _eo_restarted_locked(self, worker: _Worker) -> None:
+        """Worker `worker`'s address registered a new process before (or without)
+        its supervisor's report of the old one's exit: under exactly-once the
+        old process's leases must still go back, and its consumers close it on
+        its loss report, so the report is made here."""
+        tasks = self._state.tasks_of_worker(worker.address)
+        if not any(self._state.job_of_iteration(t.iteration_id).exactly_once for t in tasks):
+            return
+        known = any(
+            r.worker_uid == worker.uid for losses in self._worker_losses.values() for r in losses
+        )
+        if not known:
+            self._record_losses_locked(
+                worker.address, worker.uid, worker.pid, "restarted", restarting=True
+            )

@@ -32,6 +32,8 @@ class WorkerLossMixin(DispatcherBase):
 
         def _remove_tasks_of_locked(self, address: str) -> None: ...
 
+        def _eo_orphan_process_locked(self, task: st.Task, uid: str) -> None: ...
+
     def _report_worker_failure(self, request: Any) -> Any:
         """A worker's supervisor (LocalCluster) saw its process exit.
 
@@ -94,6 +96,7 @@ class WorkerLossMixin(DispatcherBase):
                     and dataset.cardinality > 0
                     and providers[0].cardinality() == dataset.cardinality
                 )
+            self._eo_orphan_process_locked(task, uid)
             self._worker_losses.setdefault(iteration.iteration_id, []).append(
                 pb.WorkerLossReport(
                     worker_address=address,
@@ -120,6 +123,10 @@ class WorkerLossMixin(DispatcherBase):
 
     def _forget_losses_of_locked(self, uid: str) -> None:
         """A worker declared lost came back as the same process: it lost nothing."""
+        if uid in self._eo_dead_uids:
+            # Exactly-once: its leases went to other workers; the consumers
+            # must still close it (they drop what it sends).
+            return
         for losses in self._worker_losses.values():
             for r in losses:
                 if r.worker_uid == uid:

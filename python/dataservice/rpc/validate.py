@@ -309,6 +309,23 @@ _CONSUMER_COUNTERS = message_fields(
     }
 )
 _DATASET_ID = Field("dataset_id", text(MAX_NAME_CHARS, required=True))
+
+
+def _seq_ranges(name: str, value: Any) -> str | None:
+    """Exactly-once sequence number ranges: [start, end) pairs, 0 <= start < end."""
+    if len(value) > 2 * MAX_ELEMENTS_PER_READ:
+        return f"has {len(value)} items, at most {2 * MAX_ELEMENTS_PER_READ} are allowed"
+    if len(value) % 2:
+        return f"must hold [start, end) pairs; has {len(value)} numbers"
+    for i in range(0, len(value), 2):
+        if not 0 <= value[i] < value[i + 1] <= MAX_COUNT:
+            return f"has the bad range [{value[i]}, {value[i + 1]})"
+    return None
+
+
+_SPLIT_RECEIPT = message_fields({"ordinal": an_id, "ranges": _seq_ranges})
+_SPLIT_PRODUCED = message_fields({"ordinal": an_id, "count": int_range(0, MAX_COUNT)})
+_CLOSED_PROCESS = message_fields({"task_id": an_id, "worker_uid": text(MAX_TOKEN_CHARS)})
 _HOST_ID = text(MAX_NAME_CHARS)
 
 RULES: dict[str, tuple[Rule, ...]] = {
@@ -345,6 +362,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("client_host_id", _HOST_ID),
         _INCARNATION,
         Field("use_cross_trainer_cache", boolean),
+        Field("exactly_once", boolean),
     ),
     "dataservice.rpc.GetOrCreateIterationRequest": (
         Field("job_id", an_id),
@@ -358,6 +376,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("finished_tasks", repeated(an_id, MAX_REPEATED_IDS)),
         Field("unreachable_workers", repeated(host_port(required=True), MAX_REPEATED_IDS)),
         Field("counters", _CONSUMER_COUNTERS),
+        Field("split_receipts", repeated(_SPLIT_RECEIPT, MAX_REPEATED_IDS)),
+        Field("closed_processes", repeated(_CLOSED_PROCESS, MAX_REPEATED_IDS)),
     ),
     "dataservice.rpc.ReleaseIterationClientRequest": (
         Field("iteration_client_id", an_id),
@@ -375,6 +395,10 @@ RULES: dict[str, tuple[Rule, ...]] = {
             "joint_split_provider_indices",
             repeated(int_range(0, MAX_SPLIT_PROVIDERS), MAX_JOINT_SPLIT_PROVIDERS),
         ),
+        Field("exactly_once", boolean),
+        Field("produced", repeated(_SPLIT_PRODUCED, MAX_REPEATED_IDS)),
+        Field("worker_uid", text(MAX_TOKEN_CHARS)),
+        Field("held", repeated(an_id, MAX_REPEATED_IDS)),
     ),
     "dataservice.rpc.GetRoundsRequest": (
         Field("iteration_id", an_id),

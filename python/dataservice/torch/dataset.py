@@ -209,6 +209,47 @@ class ServiceDataset(torch.utils.data.IterableDataset):
             last = self._last
         return last.stats() if last is not None else {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The latest epoch's position, as its service iterator's `state_dict()`
+        (torchdata's StatefulDataLoader calls it; client/checkpoint.py). Before
+        the first epoch: the state of an epoch that read nothing is not known,
+        so {} (which `load_state_dict` accepts as "start afresh").
+
+        Raises:
+            ValueError: `dataset` has ops after `distribute`, whose own
+                positions are not recorded: checkpoint the distributed dataset.
+        """
+        with self._mu:
+            last = self._last
+        if last is None:
+            return {}
+        inner = getattr(last._it, "state_dict", None)
+        if not callable(inner):
+            raise ValueError(
+                "ServiceDataset.state_dict needs the result of distribute() or "
+                f"from_dataset_id() itself; {type(self.dataset).__name__} has ops after it"
+            )
+        state: dict[str, Any] = inner()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next epoch continues where `state` (a `state_dict()`) was, as
+        `DistributedDataset.load_state_dict`; {} does nothing.
+
+        Raises:
+            ValueError: `dataset` has ops after `distribute`.
+            InvalidArgumentError: As `DistributedDataset.load_state_dict`.
+        """
+        if not state:
+            return
+        load = getattr(self.dataset, "load_state_dict", None)
+        if not callable(load):
+            raise ValueError(
+                "ServiceDataset.load_state_dict needs the result of distribute() or "
+                f"from_dataset_id() itself; {type(self.dataset).__name__} has ops after it"
+            )
+        load(state)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_mu"] = None

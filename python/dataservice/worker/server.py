@@ -40,6 +40,7 @@ from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
 from dataservice.sharding import STATIC_POLICIES, ShardingPolicy, sharding_policy_from_proto
 from dataservice.transfer import base as transfer
+from dataservice.worker import exactly_once
 from dataservice.worker.cross_trainer_cache import CrossTrainerCache
 from dataservice.worker.serving import ElementServing, WorkerServicer
 from dataservice.worker.splits import split_sources
@@ -661,9 +662,11 @@ class WorkerServer(ElementServing):
                     dataset, policy, task.num_workers, task.worker_index
                 )
             sources = None
+            runner.iter_stats = graph.new_iter_stats()
+            if policy == ShardingPolicy.DYNAMIC and task.exactly_once:
+                return exactly_once.elements(self, task, dataset, runner.iter_stats)
             if policy == ShardingPolicy.DYNAMIC:
                 sources = split_sources(self, task, graph.num_split_sources(dataset))
-            runner.iter_stats = graph.new_iter_stats()
             return graph.make_iterator(dataset, split_sources=sources, stats=runner.iter_stats)
 
         cache_bytes = (

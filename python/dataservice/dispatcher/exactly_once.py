@@ -1,0 +1,277 @@
+"""Exactly-once DYNAMIC on the dispatcher: split leases (README "Checkpointing
+and visitation guarantees"; the protocol is dataservice/exactly_once.py's).
+
+Owns `ExactlyOnceMixin`: GetSplits of an exactly-once job (`_eo_get_splits_locked`:
+lease splits, record how many elements each produced), the consumers' receipts
+and completed splits (`_eo_client_heartbeat_locked`), and what a lost worker
+process held (`_eo_orphan_process_locked`): its open leases wait until every
+consumer of the iteration closed that process (said it takes nothing more from
+it) or left, then are leased again with the sequence numbers already received.
+
+Fields (`base.DispatcherBase`; all guarded by `self._mu`): the journaled leases
+are `Iteration.leases` (state.py: LeaseSplits, SplitsProduced, CompleteSplits).
+Not journaled, because the consumers and workers tell them again after a
+restart: `_eo_received` (iteration -> ordinal -> client -> ranges received),
+`_eo_holder` ((iteration, ordinal) -> uid of the worker process holding it),
+`_eo_orphans` (iteration -> ordinal -> the lost process's (task, uid) and the
+clients still to close it), `_eo_ready` (iteration -> ordinals to lease again)
+and `_eo_dead_uids` (processes declared lost: a process that comes back after
+that gets no lease, since the consumers drop what it sends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataservice import errors
+from dataservice import exactly_once as eo
+from dataservice.dispatcher import state as st
+from dataservice.dispatcher.base import DispatcherBase, NotLoaded, log
+from dataservice.rpc import service_pb2 as pb
+
+_MAX_LEASES_PER_RPC = 64  # a worker holds at most this many unstarted splits
+
+
+@dataclass
+class _Orphan:
+    task_id: st.TaskId
+    uid: str
+    waiting: set[st.IterationClientId] = field(default_factory=set)
+
+
+class ExactlyOnceMixin(DispatcherBase):
+    """Split leases of exactly-once DYNAMIC jobs (see the module docstring)."""
+
+    # ------------------------------------------------------------ GetSplits
+    def _eo_get_splits_locked(
+        self, request: Any, iteration: st.Iteration, job: st.Job, task_id: st.TaskId
+    ) -> Any:
+        """GetSplits of an exactly-once job: records the element counts of the
+        splits the worker ran (`request.produced`), then leases it up to
+        `max_splits` splits: first a lost process's splits, then new ones.
+
+        Raises:
+            FailedPreconditionError: The job is not exactly-once (or the other way round).
+            NotLoaded: The split providers are not built yet; nothing changed but
+                the recorded counts, which the retry finds recorded.
+        """
+        if not job.exactly_once:
+            raise errors.FailedPreconditionError(
+                f"GetSplits: a lease asked of iteration {iteration.iteration_id}, whose job "
+                f"{job.job_id} is not exactly-once"
+            )
+        iteration_id = iteration.iteration_id
+        uid = request.worker_uid
+        leases = iteration.leases
+        if uid in self._eo_dead_uids:
+            # Declared lost, then back (it was only slow): its leases went to
+            # other workers and the consumers drop its elements, so it gets no
+            # more splits and its task ends.
+            return pb.GetSplitsResponse(end_of_splits=True)
+        counts = [
+            (p.ordinal, p.count)
+            for p in request.produced
+            if p.ordinal in leases and leases[p.ordinal].count < 0 and p.count >= 0
+        ]
+        if counts:
+            self._apply_locked(
+                st.SplitsProduced(
+                    iteration_id, tuple(o for o, _ in counts), tuple(c for _, c in counts)
+                )
+            )
+            self._eo_complete_locked(iteration, [o for o, _ in counts])
+        response = pb.GetSplitsResponse()
+        if iteration.finished:
+            response.end_of_splits = True
+            return response
+        providers = self._split_providers.get(iteration_id)
+        if providers is None and not iteration.splits_ended_by_provider.get(0, False):
+            # Built outside the lock, then asked again (before any lease moves).
+            raise NotLoaded(lambda: self._build_split_providers(iteration_id))
+        held = set(request.held)
+        # After a dispatcher restart the holders are unknown: a lease of this
+        # task that this process says it holds is its; one it does not hold and
+        # that produced no count is given to it again.
+        again: list[int] = []
+        for lease in leases.values():
+            if lease.task_id != task_id or (iteration_id, lease.ordinal) in self._eo_holder:
+                continue
+            if lease.ordinal in self._eo_orphans.get(iteration_id, {}):
+                continue
+            if lease.ordinal in held or lease.count >= 0:
+                self._eo_holder[(iteration_id, lease.ordinal)] = uid
+            else:
+                again.append(lease.ordinal)
+        ready = self._eo_ready.get(iteration_id, [])
+        max_splits = max(1, min(request.max_splits or 1, _MAX_LEASES_PER_RPC))
+        take = again[:max_splits]
+        while ready and len(take) < max_splits:
+            take.append(ready.pop(0))
+        fresh: list[Any] = []
+        if len(take) < max_splits and not iteration.splits_ended_by_provider.get(0, False):
+            assert providers is not None  # checked above
+            provider = providers[0]
+            want = max_splits - len(take)
+            total = provider.cardinality()
+            if total > 0:  # fair shares, as the at-most-once handout
+                live = max(1, len(iteration.live_tasks()))
+                remaining = max(0, total - iteration.splits_produced.get(0, 0))
+                want = max(1, min(want, remaining // (2 * live)))
+            end = False
+            for _ in range(want):
+                split = provider.get_next()
+                if split is None:
+                    end = True
+                    break
+                fresh.append(split)
+            first = iteration.splits_produced.get(0, 0)
+            ordinals = tuple(range(first, first + len(fresh)))
+            # Leased before the cursor moves: a crash between the two journal
+            # records hands the same splits out again under the same ordinals,
+            # never loses them.
+            if fresh:
+                self._lease_locked(iteration_id, task_id, ordinals, fresh)
+            self._apply_locked(st.ProduceSplits(iteration_id, len(fresh), end, 0))
+            take.extend(ordinals)
+        if take:
+            old = [o for o in take if leases[o].task_id != task_id]
+            if old:
+                self._lease_locked(
+                    iteration_id, task_id, tuple(old), [leases[o].split for o in old]
+                )
+        for ordinal in take:
+            lease = leases[ordinal]
+            self._eo_holder[(iteration_id, ordinal)] = uid
+            message = response.leases.add(ordinal=ordinal)
+            if isinstance(lease.split, str):
+                message.str_split, message.is_str = lease.split, True
+            else:
+                message.int_split = int(lease.split)
+            message.skip.extend(eo.flatten(self._eo_received_locked(iteration_id, ordinal)))
+        if self._metrics is not None and take:
+            self._metrics.splits_handed_out.inc(len(take))
+        response.end_of_splits = (
+            not take and iteration.splits_ended_by_provider.get(0, False) and not leases
+        )
+        return response
+
+    def _lease_locked(
+        self,
+        iteration_id: st.IterationId,
+        task_id: st.TaskId,
+        ordinals: tuple[int, ...],
+        splits: list[Any],
+    ) -> None:
+        if splits and isinstance(splits[0], str):
+            update = st.LeaseSplits(iteration_id, task_id, ordinals, str_splits=tuple(splits))
+        else:
+            update = st.LeaseSplits(
+                iteration_id, task_id, ordinals, int_splits=tuple(int(s) for s in splits)
+            )
+        self._apply_locked(update)
+
+    def _eo_received_locked(self, iteration_id: st.IterationId, ordinal: int) -> eo.Ranges:
+        """What the consumers received of split `ordinal`, all together."""
+        by_client = self._eo_received.get(iteration_id, {}).get(ordinal, {})
+        return eo.union(by_client.values())
+
+    def _eo_complete_locked(self, iteration: st.Iteration, ordinals: list[int]) -> None:
+        """Ends the leases among `ordinals` whose elements all reached consumers."""
+        iteration_id = iteration.iteration_id
+        done = []
+        for ordinal in ordinals:
+            lease = iteration.leases.get(ordinal)
+            if lease is None or lease.count < 0:
+                continue
+            if eo.covers(self._eo_received_locked(iteration_id, ordinal), lease.count):
+                done.append(ordinal)
+        if not done:
+            return
+        self._apply_locked(st.CompleteSplits(iteration_id, tuple(done)))
+        received = self._eo_received.get(iteration_id, {})
+        orphans = self._eo_orphans.get(iteration_id, {})
+        ready = self._eo_ready.get(iteration_id, [])
+        for ordinal in done:
+            received.pop(ordinal, None)
+            orphans.pop(ordinal, None)
+            self._eo_holder.pop((iteration_id, ordinal), None)
+            if ordinal in ready:
+                ready.remove(ordinal)
+        self._state._maybe_finish_iteration(iteration)
+
+    # ------------------------------------------------------------ consumers
+    def _eo_client_heartbeat_locked(
+        self, client_id: st.IterationClientId, iteration: st.Iteration, request: Any, response: Any
+    ) -> None:
+        """A consumer's receipts and closed processes (ClientHeartbeatRequest)."""
+        if not request.split_receipts and not request.closed_processes:
+            return
+        iteration_id = iteration.iteration_id
+        received = self._eo_received.setdefault(iteration_id, {})
+        touched = []
+        for receipt in request.split_receipts:
+            if receipt.ordinal not in iteration.leases:
+                response.completed_splits.append(receipt.ordinal)
+                continue
+            received.setdefault(receipt.ordinal, {})[client_id] = eo.unflatten(receipt.ranges)
+            touched.append(receipt.ordinal)
+        self._eo_complete_locked(iteration, touched)
+        closed = {(c.task_id, c.worker_uid) for c in request.closed_processes}
+        if closed:
+            for orphan in self._eo_orphans.get(iteration_id, {}).values():
+                if (orphan.task_id, orphan.uid) in closed:
+                    orphan.waiting.discard(client_id)
+            self._eo_promote_locked(iteration_id)
+
+    def _eo_client_left_locked(
+        self, iteration_id: st.IterationId, client_id: st.IterationClientId
+    ) -> None:
+        """A consumer left: no lost process waits for it any more. (What it
+        received stays counted: it was delivered.)"""
+        for orphan in self._eo_orphans.get(iteration_id, {}).values():
+            orphan.waiting.discard(client_id)
+        self._eo_promote_locked(iteration_id)
+
+    def _eo_promote_locked(self, iteration_id: st.IterationId) -> None:
+        """Orphans no consumer waits for can be leased again."""
+        orphans = self._eo_orphans.get(iteration_id, {})
+        ready = self._eo_ready.setdefault(iteration_id, [])
+        for ordinal, orphan in list(orphans.items()):
+            if not orphan.waiting:
+                del orphans[ordinal]
+                if ordinal not in ready:
+                    ready.append(ordinal)
+        ready.sort()
+
+    # ------------------------------------------------------------ worker loss
+    def _eo_orphan_process_locked(self, task: st.Task, uid: str) -> None:
+        """Worker process `uid` of `task` was lost: its open leases wait for
+        the consumers to close it, then go to other workers."""
+        iteration = self._state.iterations[task.iteration_id]
+        if not self._state.jobs[iteration.job_id].exactly_once:
+            return
+        iteration_id = iteration.iteration_id
+        if uid:
+            self._eo_dead_uids.add(uid)
+        orphans = self._eo_orphans.setdefault(iteration_id, {})
+        moved = 0
+        for lease in iteration.leases.values():
+            if lease.task_id != task.task_id or lease.ordinal in orphans:
+                continue
+            holder = self._eo_holder.get((iteration_id, lease.ordinal))
+            if holder is not None and uid and holder != uid:
+                continue  # the task's newer process holds it
+            self._eo_holder.pop((iteration_id, lease.ordinal), None)
+            orphans[lease.ordinal] = _Orphan(task.task_id, uid, set(iteration.clients))
+            moved += 1
+        if moved:
+            log.info(
+                "exactly-once iteration %d: %d splits leased to lost worker process %s (task %d) "
+                "go to other workers once its consumers closed it",
+                iteration_id,
+                moved,
+                uid or "unknown",
+                task.task_id,
+            )
+        self._eo_promote_locked(iteration_id)

@@ -1,0 +1,272 @@
+"""Checkpointable service iterators (issue 17 B): `state_dict()` of an iterator,
+`load_state_dict()` of a distributed dataset, and where the resumed read
+continues, compared with an uninterrupted read: OFF with one worker, DYNAMIC
+exactly-once with another number of workers and with two consumers of a shared
+job, coordinated reads; states of another dataset are refused; the torch
+adapter forwards both.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import dataservice as ds
+from dataservice import errors
+
+pytestmark = pytest.mark.timeout(120)
+
+OFF = ds.ShardingPolicy.OFF
+DYNAMIC = ds.ShardingPolicy.DYNAMIC
+PROTOCOLS = [None, "grpc"]  # None: shared memory on this host
+
+
+class Service:
+    """An in-process dispatcher and workers; `add_worker`/`stop_worker` change them."""
+
+    def __init__(self, workers: int) -> None:
+        self.dispatcher = ds.DispatchServer()
+        self.workers = [self._worker() for _ in range(workers)]
+
+    def _worker(self) -> ds.WorkerServer:
+        return ds.WorkerServer(ds.WorkerConfig(self.dispatcher.target))
+
+    def add_worker(self) -> None:
+        self.workers.append(self._worker())
+
+    def stop_worker(self) -> None:
+        self.workers.pop().stop()
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.dispatcher.stop()
+
+
+@pytest.fixture
+def service() -> Iterator[Service]:
+    s = Service(2)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _plus_one(x):
+    return x + 1
+
+
+def _roundtrip(state: dict) -> dict:
+    """As a checkpoint file would give it back."""
+    return json.loads(json.dumps(state))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_off_resume_reads_exactly_the_rest_of_the_sequence(protocol) -> None:
+    s = Service(1)
+    try:
+        n = 200
+
+        def make() -> ds.Dataset:
+            return (
+                ds.Dataset.range(n)
+                .map(_plus_one)
+                .apply(ds.distribute(OFF, s.dispatcher.target, data_transfer_protocol=protocol))
+            )
+
+        whole = [int(x) for x in make()]
+        assert whole == list(range(1, n + 1))
+        for stop_at in random.Random(5).sample(range(1, n), 3):
+            it = iter(make())
+            before = [int(next(it)) for _ in range(stop_at)]
+            state = _roundtrip(it.state_dict())
+            it.close()
+            assert state["elements"] == stop_at
+            resumed = make()
+            resumed.load_state_dict(state)
+            it2 = iter(resumed)
+            after = [int(x) for x in it2]
+            assert before + after == whole, stop_at
+            assert it2.state_dict()["elements"] == n
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_exactly_once_resume_completes_the_epoch_with_another_number_of_workers(
+    service: Service, protocol
+) -> None:
+    n = 300
+
+    def make() -> ds.Dataset:
+        return (
+            ds.Dataset.range(n)
+            .map(_plus_one)
+            .apply(
+                ds.distribute(
+                    DYNAMIC,
+                    service.dispatcher.target,
+                    exactly_once=True,
+                    data_transfer_protocol=protocol,
+                )
+            )
+        )
+
+    for stop_at, change in ((37, "add"), (211, "stop")):
+        it = iter(make())
+        before = [int(next(it)) for _ in range(stop_at)]
+        state = _roundtrip(it.state_dict())
+        it.close()
+        if change == "add":
+            service.add_worker()  # 3 workers resume what 2 began
+        else:
+            service.stop_worker()
+        resumed = make()
+        resumed.load_state_dict(state)
+        it2 = iter(resumed)
+        after = [int(x) for x in it2]
+        assert sorted(before + after) == list(range(1, n + 1)), (stop_at, change)
+        end = it2.state_dict()
+        assert end["elements"] == n
+
+
+def test_exactly_once_shared_job_resumes_from_the_merged_state(service: Service) -> None:
+    """Two consumers of one job checkpoint at different counts; each loads the
+    merged state: before + after, over both, is the epoch once."""
+    n = 400
+
+    def make() -> ds.Dataset:
+        return (
+            ds.Dataset.range(n)
+            .map(_plus_one)
+            .apply(
+                ds.distribute(
+                    DYNAMIC, service.dispatcher.target, job_name="shared", exactly_once=True
+                )
+            )
+        )
+
+    its = [iter(make()), iter(make())]
+    before: list[int] = []
+    for it, count in zip(its, (50, 90), strict=True):
+        before += [int(next(it)) for _ in range(count)]
+    states = [_roundtrip(it.state_dict()) for it in its]
+    for it in its:
+        it.close()
+    merged = ds.merge_state_dicts(states)
+    assert merged["elements"] == 140
+    after: list[list[int]] = [[], []]
+    failures: list[BaseException] = []
+
+    def consume(out: list[int]) -> None:
+        try:
+            dataset = make()
+            dataset.load_state_dict(merged)
+            out.extend(int(x) for x in dataset)
+        except BaseException as err:  # reported below
+            failures.append(err)
+
+    threads = [threading.Thread(target=consume, args=(o,), daemon=True) for o in after]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert not failures, failures
+    assert sorted(before + after[0] + after[1]) == list(range(1, n + 1))
+
+
+def test_coordinated_consumers_resume_at_the_same_round() -> None:
+    s = Service(1)
+    try:
+
+        def make(index: int, job: str) -> ds.Dataset:
+            return (
+                ds.Dataset.range(10_000)
+                .repeat()
+                .apply(
+                    ds.distribute(
+                        OFF,
+                        s.dispatcher.target,
+                        job_name=job,
+                        consumer_index=index,
+                        num_consumers=2,
+                    )
+                )
+            )
+
+        def read(datasets: list[ds.Dataset], rounds: int, states=None):
+            its = [iter(d) for d in datasets]
+            outs: list[list[int]] = [[], []]
+            errs: list[BaseException] = []
+
+            def run(i: int) -> None:
+                try:
+                    outs[i] = [int(next(its[i])) for _ in range(rounds)]
+                except BaseException as err:  # reported below
+                    errs.append(err)
+
+            threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errs, errs
+            states = [_roundtrip(it.state_dict()) for it in its]
+            for it in its:
+                it.close()
+            return outs, states
+
+        whole, _ = read([make(0, "full"), make(1, "full")], 60)
+        first, states = read([make(0, "cut"), make(1, "cut")], 23)
+        assert [st["elements"] for st in states] == [23, 23]
+        resumed = [make(0, "cut"), make(1, "cut")]
+        for d, st in zip(resumed, states, strict=True):
+            d.load_state_dict(st)
+        rest, _ = read(resumed, 60 - 23)
+        for i in (0, 1):
+            assert first[i] + rest[i] == whole[i], i
+    finally:
+        s.stop()
+
+
+def test_a_state_of_another_dataset_is_refused_naming_both(service: Service) -> None:
+    target = service.dispatcher.target
+    a = ds.Dataset.range(10).apply(ds.distribute(OFF, target))
+    b = ds.Dataset.range(11).apply(ds.distribute(OFF, target))
+    it = iter(a)
+    next(it)
+    state = it.state_dict()
+    it.close()
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        b.load_state_dict(state)
+    assert state["dataset"] in str(info.value)
+    assert b._dataset_fingerprint() in str(info.value)
+    with pytest.raises(errors.InvalidArgumentError, match="processing mode OFF"):
+        ds.Dataset.range(10).apply(ds.distribute(DYNAMIC, target)).load_state_dict(state)
+    with pytest.raises(errors.InvalidArgumentError, match="state_dict"):
+        a.load_state_dict({"elements": 3})
+
+
+def test_torch_service_dataset_forwards_state_dict(service: Service) -> None:
+    pytest.importorskip("torch")
+    from dataservice.torch import ServiceDataset
+
+    def make() -> ds.Dataset:
+        return ds.Dataset.range(50).apply(
+            ds.distribute(DYNAMIC, service.dispatcher.target, exactly_once=True)
+        )
+
+    loader = ServiceDataset(make())
+    assert loader.state_dict() == {}
+    it = iter(loader)
+    before = [int(next(it)) for _ in range(20)]
+    state = _roundtrip(loader.state_dict())
+    it.close()
+    resumed = ServiceDataset(make())
+    resumed.load_state_dict(state)
+    after = [int(x) for x in resumed]
+    assert sorted(before + after) == list(range(50))

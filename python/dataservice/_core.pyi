@@ -208,8 +208,11 @@ class ShmRingConsumer:
     """The consumer (trainer) end of a shared-memory ring: maps a received memfd after
     checking its seals, size, magic, layout version and nonce. One consumer thread.
 
-    Numpy leaves of at least `copy_threshold_bytes` come back as writeable views of the
-    ring (page-aligned), kept valid by a `RingLease`; smaller leaves are copied. While
+    The numpy array leaves of an element whose array leaves hold at least
+    `copy_threshold_bytes` in all come back as writeable views of the ring (those of at
+    least 64 KiB page-aligned), kept valid by one `RingLease` over the element's frame: an
+    element of many small leaves costs a view per leaf, not a copy. Smaller elements are
+    copied (their small array leaves into one private buffer, each a view of it). While
     leased frames would pin more than `max_pinned_fraction` of the ring, frames are copied
     instead; if the producer still stalls on leased frames, they are moved to private
     memory (detach), so keeping every element never deadlocks.
@@ -220,7 +223,8 @@ class ShmRingConsumer:
         pid: The producer's pid, watched with a pidfd.
         nonce: The 16 bytes from the handshake.
         zero_copy: False copies every leaf.
-        copy_threshold_bytes: Smallest leaf handed out as a view (bytes).
+        copy_threshold_bytes: Smallest total of an element's array bytes handed out as
+            views (bytes).
         max_pinned_fraction: Share of the ring leases may pin before frames are copied.
 
     Raises:

@@ -6,18 +6,20 @@
 
 use std::collections::HashMap;
 
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyList};
 
 use crate::error::Error;
-use crate::py::lease::PyLease;
 use crate::transport::codec::{self, DecodeSpec};
 use crate::transport::frame::{self, FrameHeader, LeafDesc, LeafKind, Spec};
+use crate::transport::npy;
 
-/// Makes a lease for an array leaf (its descriptor and payload bytes), or None to copy it.
-pub(crate) type LeaseFn<'a, 'py> =
-    dyn FnMut(Python<'py>, &LeafDesc, &[u8]) -> PyResult<Option<Bound<'py, PyLease>>> + 'a;
+/// Makes a view source for an array leaf (its descriptor, its payload bytes, and the
+/// bytes of all the frame's array leaves): an object that keeps the leaf's bytes valid and
+/// writable (a `RingLease`, a caller's bytearray), and the address of those bytes, or None
+/// to copy the leaf.
+pub(crate) type LeaseFn<'a, 'py> = dyn FnMut(Python<'py>, &LeafDesc, &[u8], u64) -> PyResult<Option<(Bound<'py, PyAny>, *const u8)>>
+    + 'a;
 
 /// A decoded leaf, or a numpy scalar still in its column.
 enum Val {
@@ -48,9 +50,38 @@ fn corrupted(pos: u64, what: &str) -> PyErr {
     .into()
 }
 
+/// Copied array leaves smaller than this share one private buffer per frame (one
+/// allocation and one Python object for all of them, then a numpy view each): an element of
+/// many small leaves costs a view per leaf, not an allocation and a copy call per leaf. A
+/// view kept alive keeps that buffer (at most the frame's copied bytes) alive.
+pub const SHARED_COPY_MAX_BYTES: u64 = 64 << 10;
+/// Offsets of leaves in the shared buffer are multiples of this (numpy's own allocations
+/// are 16-aligned: any dtype's alignment).
+const SHARED_COPY_ALIGN: u64 = 16;
+
+/// A writeable numpy view of leaf `desc`'s bytes at `data`, which `base` keeps valid.
+///
+/// # Safety
+/// `data` must point to `desc.nbytes` writable bytes that stay valid while `base` lives, and
+/// `desc` must have been checked by `frame::parse_leaves` (nbytes = prod(dims) * itemsize).
+unsafe fn view_of<'py>(
+    py: Python<'py>,
+    spec: &DecodeSpec,
+    index: usize,
+    desc: &LeafDesc,
+    data: *const u8,
+    base: &Bound<'py, PyAny>,
+) -> PyResult<Py<PyAny>> {
+    let dtype = spec.dtypes[index].as_ref().expect("array leaf has a dtype");
+    // SAFETY: the caller's duties; DecodeSpec::new checked that the dtype's itemsize is the
+    // spec's, which parse_leaves matched against nbytes and dims.
+    Ok(unsafe { npy::view(py, dtype.bind(py), &desc.dims, data, true, base)? }.unbind())
+}
+
 /// Decodes the DATA frame `bytes` (at ring or window position `pos`) of spec `spec` into
-/// `batch`. Array leaves `lease` hands a lease for become views of it; the rest is copied.
-/// Returns how many leaves were leased.
+/// `batch`. Array leaves `lease` hands a buffer for become views of it; other array leaves
+/// are copied (those under [`SHARED_COPY_MAX_BYTES`] into one buffer shared by the frame's
+/// leaves); the rest is decoded from its bytes. Returns how many leaves were leased.
 ///
 /// Raises `DataLossError` (RingCorrupted) when the frame is not a valid DATA frame of
 /// `spec_id`.
@@ -78,8 +109,16 @@ pub(crate) fn decode_data<'py>(
     if batch.columns.len() != spec.leaves.len() {
         batch.columns = vec![Vec::new(); spec.leaves.len()];
     }
+    let array_bytes: u64 = descs
+        .iter()
+        .filter(|d| d.kind == LeafKind::Array)
+        .map(|d| d.nbytes)
+        .sum();
     let mut leased = 0;
     let mut vals = Vec::with_capacity(descs.len());
+    // Array leaves to copy into the shared buffer: (leaf index, offset in the buffer).
+    let mut shared: Vec<(usize, u64)> = Vec::new();
+    let mut shared_bytes = 0u64;
     for (i, d) in descs.iter().enumerate() {
         let payload = &bytes[d.offset as usize..(d.offset + d.nbytes) as usize];
         match d.kind {
@@ -87,23 +126,70 @@ pub(crate) fn decode_data<'py>(
                 batch.columns[i].extend_from_slice(payload);
                 vals.push(Val::Col(i));
             }
-            LeafKind::Array => match lease(py, d, payload)? {
-                Some(buf) => {
-                    let api = codec::api(py)?;
-                    let dtype = spec.dtypes[i].as_ref().expect("array has dtype");
-                    let arr = api.frombuffer.bind(py).call1((buf, dtype.bind(py)))?;
-                    let arr =
-                        arr.call_method1(intern!(py, "reshape"), (PyTuple::new(py, &d.dims)?,))?;
+            LeafKind::Array => match lease(py, d, payload, array_bytes)? {
+                Some((base, data)) => {
                     leased += 1;
-                    vals.push(Val::Obj(arr.unbind()));
+                    // SAFETY: `lease` returns the address of this leaf's bytes and an object
+                    // keeping them valid and writable (LeaseFn's contract); parse_leaves
+                    // checked the descriptor.
+                    vals.push(Val::Obj(unsafe { view_of(py, spec, i, d, data, &base)? }));
+                }
+                None if d.nbytes > 0 && d.nbytes < SHARED_COPY_MAX_BYTES => {
+                    shared_bytes = shared_bytes.next_multiple_of(SHARED_COPY_ALIGN);
+                    if shared_bytes + d.nbytes > SHARED_COPY_MAX_BYTES {
+                        // The buffer is full: the leaves so far get theirs (glibc maps
+                        // bigger blocks afresh, each a round of page faults).
+                        flush_shared(py, spec, bytes, &descs, &shared, shared_bytes, &mut vals)?;
+                        shared.clear();
+                        shared_bytes = 0;
+                    }
+                    shared.push((i, shared_bytes));
+                    shared_bytes += d.nbytes;
+                    vals.push(Val::Col(usize::MAX)); // filled by flush_shared
                 }
                 None => vals.push(Val::Obj(codec::copy_leaf(py, spec, i, d, payload, pos)?)),
             },
             _ => vals.push(Val::Obj(codec::copy_leaf(py, spec, i, d, payload, pos)?)),
         }
     }
+    flush_shared(py, spec, bytes, &descs, &shared, shared_bytes, &mut vals)?;
     batch.elements.push(vals);
     Ok(leased)
+}
+
+/// Copies the array leaves `shared` ((leaf index, offset)) of the frame `bytes` into one new
+/// writeable buffer of `len` bytes and puts a numpy view of it for each into `vals`. The
+/// copies are small (each under [`SHARED_COPY_MAX_BYTES`]): they run with the GIL held.
+fn flush_shared(
+    py: Python<'_>,
+    spec: &DecodeSpec,
+    bytes: &[u8],
+    descs: &[LeafDesc],
+    shared: &[(usize, u64)],
+    len: u64,
+    vals: &mut [Val],
+) -> PyResult<()> {
+    if shared.is_empty() {
+        return Ok(());
+    }
+    let buf = PyByteArray::new_with(py, len as usize, |dst| {
+        for &(i, off) in shared {
+            let d = &descs[i];
+            let src = &bytes[d.offset as usize..(d.offset + d.nbytes) as usize];
+            dst[off as usize..off as usize + src.len()].copy_from_slice(src);
+        }
+        Ok(())
+    })?;
+    let start = buf.data() as *const u8;
+    let base = buf.into_any();
+    for &(i, off) in shared {
+        // SAFETY: [off, off + nbytes) lies within the bytearray's `len` bytes (offsets were
+        // laid out from the leaves' sizes), which `base` keeps valid; nothing resizes it
+        // (numpy's view holds it, and no one else has it).
+        let data = unsafe { start.add(off as usize) };
+        vals[i] = Val::Obj(unsafe { view_of(py, spec, i, &descs[i], data, &base)? });
+    }
+    Ok(())
 }
 
 /// Builds the batch's elements (of spec `spec`) as Python objects, appending to `out`.

@@ -8,6 +8,7 @@
 //! hands out large ones as views kept alive by a lease (see `rust/py/decode.rs`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -17,6 +18,7 @@ use pyo3::{ffi, intern};
 
 use crate::error::Error;
 use crate::transport::frame::{self, LeafDesc, LeafIn, LeafKind, LeafSpec, Payload, Spec};
+use crate::transport::npy;
 
 /// numpy, pickle and collections callables, imported once.
 pub struct Api {
@@ -126,15 +128,61 @@ struct DtypeInfo {
 }
 
 /// Producer side: flattens elements into leaves and tracks the current spec.
+///
+/// The structures of the last few elements are kept compiled ([`Compiled`]): an element of
+/// one of them is flattened by walking it along that structure (dict items looked up by
+/// their cached key objects, arrays read through numpy's struct), without building or
+/// comparing a `Spec`; any difference sends it down the general walk, which compiles its
+/// structure in turn.
 #[derive(Default)]
 pub struct Encoder {
     dtypes: HashMap<usize, DtypeInfo>,
     scalar_types: HashMap<usize, DtypeInfo>,
+    /// Most recently used first, at most `MAX_COMPILED`.
+    compiled: Vec<Compiled>,
+}
+
+/// Structures an encoder keeps compiled: a stream's, and a few more for an encoder shared
+/// by several streams (the gRPC path's).
+const MAX_COMPILED: usize = 4;
+/// Most leaves a frame holds (its header counts them in a u16); an element with more is
+/// pickled whole, as one leaf.
+pub const MAX_LEAVES: usize = u16::MAX as usize;
+
+/// A structure seen before, with the Python objects that identify its parts.
+struct Compiled {
+    spec: Arc<Spec>,
+    node: CNode,
+}
+
+/// One node of a compiled structure: what an element's value there must be.
+enum CNode {
+    /// An exact numpy.ndarray of this dtype object (native, raw), C-contiguous, of `ndim`.
+    Array {
+        dtype: Py<PyAny>,
+        ndim: usize,
+        itemsize: u32,
+    },
+    /// A numpy scalar of this exact type.
+    Scalar {
+        ty: Py<PyType>,
+        itemsize: u32,
+    },
+    Bytes,
+    Str,
+    PyInt,
+    PyFloat,
+    PyBool,
+    None,
+    Tuple(Vec<CNode>),
+    List(Vec<CNode>),
+    Dict(Vec<(Py<PyString>, CNode)>),
+    NamedTuple(Py<PyType>, Vec<CNode>),
 }
 
 /// One flattened element: its structure, leaves, and the buffers pinning the leaves' bytes.
 pub struct Flat {
-    pub spec: Spec,
+    pub spec: Arc<Spec>,
     pub leaves: Vec<LeafIn<'static>>,
     /// Must outlive every use of `leaves` (their Borrowed slices point into these).
     pub holders: Vec<HeldBuffer>,
@@ -172,13 +220,116 @@ impl Encoder {
     /// Flattens `obj` into leaves (tf.nest order: dicts by sorted key).
     pub fn flatten(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Flat> {
         let mut flat = Flat {
-            spec: Spec::Tuple(vec![]),
+            spec: Arc::new(Spec::Tuple(vec![])),
             leaves: Vec::new(),
             holders: Vec::new(),
             objects: Vec::new(),
         };
-        flat.spec = self.walk(obj, &mut flat, 0)?;
+        for i in 0..self.compiled.len() {
+            if fast_walk(obj, &self.compiled[i].node, &mut flat)? {
+                flat.spec = self.compiled[i].spec.clone();
+                if i > 0 {
+                    let c = self.compiled.remove(i);
+                    self.compiled.insert(0, c);
+                }
+                return Ok(flat);
+            }
+            flat.leaves.clear();
+            flat.holders.clear();
+            flat.objects.clear();
+        }
+        let spec = self.walk(obj, &mut flat, 0)?;
+        if flat.leaves.len() > MAX_LEAVES {
+            flat.leaves.clear();
+            flat.holders.clear();
+            flat.objects.clear();
+            let spec = self.pickle_leaf(obj, &mut flat)?;
+            flat.spec = Arc::new(spec);
+            return Ok(flat);
+        }
+        let spec = Arc::new(spec);
+        if let Some(node) = self.compile(obj, &spec)? {
+            self.compiled.truncate(MAX_COMPILED - 1);
+            self.compiled.insert(
+                0,
+                Compiled {
+                    spec: spec.clone(),
+                    node,
+                },
+            );
+        }
+        flat.spec = spec;
         Ok(flat)
+    }
+
+    /// The compiled form of `spec`, the structure the general walk found for `obj`; None if
+    /// a leaf has no fast form (pickled, object array, byte-swapped, a subclass, ...).
+    fn compile(&mut self, obj: &Bound<'_, PyAny>, spec: &Spec) -> PyResult<Option<CNode>> {
+        let py = obj.py();
+        Ok(Some(match spec {
+            Spec::Leaf(leaf) => match leaf.kind {
+                LeafKind::Array => {
+                    if !npy::is_exact_ndarray(obj)? {
+                        return Ok(None);
+                    }
+                    let dtype = obj.getattr(intern!(py, "dtype"))?;
+                    let info = self.dtype_info(&dtype)?;
+                    if !info.raw_ok || !info.native || info.str_ != leaf.dtype {
+                        return Ok(None);
+                    }
+                    CNode::Array {
+                        dtype: dtype.unbind(),
+                        ndim: leaf.ndim as usize,
+                        itemsize: info.itemsize,
+                    }
+                }
+                LeafKind::Scalar => CNode::Scalar {
+                    ty: obj.get_type().unbind(),
+                    itemsize: leaf.itemsize,
+                },
+                LeafKind::Bytes => CNode::Bytes,
+                LeafKind::Str => CNode::Str,
+                LeafKind::PyInt => CNode::PyInt,
+                LeafKind::PyFloat => CNode::PyFloat,
+                LeafKind::PyBool => CNode::PyBool,
+                LeafKind::None => CNode::None,
+                LeafKind::Pickle | LeafKind::VarBytes => return Ok(None),
+            },
+            Spec::Tuple(items) | Spec::List(items) | Spec::NamedTuple { items, .. } => {
+                let seq = obj.cast::<PyTuple>().map(|t| t.iter().collect::<Vec<_>>());
+                let seq = match seq {
+                    Ok(v) => v,
+                    Err(_) => obj.cast::<PyList>()?.iter().collect(),
+                };
+                let mut nodes = Vec::with_capacity(items.len());
+                for (item, s) in seq.iter().zip(items) {
+                    match self.compile(item, s)? {
+                        Some(n) => nodes.push(n),
+                        None => return Ok(None),
+                    }
+                }
+                match spec {
+                    Spec::Tuple(_) => CNode::Tuple(nodes),
+                    Spec::List(_) => CNode::List(nodes),
+                    _ => CNode::NamedTuple(obj.get_type().unbind(), nodes),
+                }
+            }
+            Spec::Dict(items) => {
+                let d = obj.cast::<PyDict>()?;
+                let mut nodes = Vec::with_capacity(items.len());
+                for (k, s) in items {
+                    let key = PyString::intern(py, k);
+                    let Some(item) = d.get_item(&key)? else {
+                        return Ok(None);
+                    };
+                    match self.compile(&item, s)? {
+                        Some(n) => nodes.push((key.unbind(), n)),
+                        None => return Ok(None),
+                    }
+                }
+                CNode::Dict(nodes)
+            }
+        }))
     }
 
     fn walk(&mut self, obj: &Bound<'_, PyAny>, flat: &mut Flat, depth: usize) -> PyResult<Spec> {
@@ -458,12 +609,239 @@ impl Encoder {
     }
 }
 
-/// A spec as the consumer uses it: numpy dtypes and namedtuple classes resolved once.
+/// Flattens `obj` along the compiled structure `node` into `flat`'s leaves; false (leaves
+/// partly filled, for the caller to clear) as soon as `obj` differs from it.
+fn fast_walk(obj: &Bound<'_, PyAny>, node: &CNode, flat: &mut Flat) -> PyResult<bool> {
+    let py = obj.py();
+    let leaf = |flat: &mut Flat, kind, itemsize, dims, payload| {
+        flat.leaves.push(LeafIn {
+            kind,
+            itemsize,
+            dims,
+            payload,
+        });
+        true
+    };
+    Ok(match node {
+        CNode::Array {
+            dtype,
+            ndim,
+            itemsize,
+        } => {
+            if !npy::is_exact_ndarray(obj)? {
+                return Ok(false);
+            }
+            let Some(info) = npy::array_info(obj)? else {
+                return Ok(false);
+            };
+            if info.descr != dtype.as_ptr() || info.dims.len() != *ndim || !info.c_contiguous {
+                return Ok(false);
+            }
+            let dims: Vec<u64> = info.dims.iter().map(|&d| d as u64).collect();
+            let n = dims.iter().product::<u64>() * u64::from(*itemsize);
+            let bytes: &'static [u8] = if n == 0 || info.data.is_null() {
+                &[]
+            } else {
+                // SAFETY: a C-contiguous ndarray of these dims and dtype holds n bytes at
+                // `data`. The array is kept alive in flat.objects until the frame is copied;
+                // its bytes can move only through `ndarray.resize(refcheck=False)`, which
+                // numpy documents as unsafe while other references exist (we hold one).
+                unsafe { std::slice::from_raw_parts(info.data, n as usize) }
+            };
+            flat.objects.push(obj.clone().unbind());
+            leaf(
+                flat,
+                LeafKind::Array,
+                *itemsize,
+                dims,
+                Payload::Borrowed(bytes),
+            )
+        }
+        CNode::Scalar { ty, itemsize } => {
+            if !obj.get_type().is(ty.bind(py)) {
+                return Ok(false);
+            }
+            match HeldBuffer::get(obj, ffi::PyBUF_SIMPLE) {
+                Some(b) if b.bytes().len() == *itemsize as usize => leaf(
+                    flat,
+                    LeafKind::Scalar,
+                    *itemsize,
+                    vec![],
+                    Payload::Owned(b.bytes().to_vec()),
+                ),
+                _ => false,
+            }
+        }
+        CNode::Bytes => match obj.cast_exact::<PyBytes>() {
+            Ok(b) => {
+                let bytes = b.as_bytes();
+                // SAFETY: the bytes object is kept alive in flat.objects; bytes are immutable.
+                let s: &'static [u8] =
+                    unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
+                flat.objects.push(obj.clone().unbind());
+                leaf(flat, LeafKind::Bytes, 0, vec![], Payload::Borrowed(s))
+            }
+            Err(_) => false,
+        },
+        CNode::Str => match obj.cast_exact::<PyString>().map(|s| s.to_str()) {
+            Ok(Ok(text)) => {
+                // SAFETY: the UTF-8 buffer is cached inside the str object, which
+                // flat.objects keeps alive; str is immutable.
+                let b: &'static [u8] =
+                    unsafe { std::slice::from_raw_parts(text.as_ptr(), text.len()) };
+                flat.objects.push(obj.clone().unbind());
+                leaf(flat, LeafKind::Str, 0, vec![], Payload::Borrowed(b))
+            }
+            _ => false,
+        },
+        CNode::PyInt => {
+            if !obj.is_exact_instance_of::<PyInt>() {
+                return Ok(false);
+            }
+            match obj.extract::<i64>() {
+                Ok(v) => leaf(
+                    flat,
+                    LeafKind::PyInt,
+                    0,
+                    vec![],
+                    Payload::Owned(v.to_le_bytes().to_vec()),
+                ),
+                Err(_) => false,
+            }
+        }
+        CNode::PyFloat => {
+            if !obj.is_exact_instance_of::<PyFloat>() {
+                return Ok(false);
+            }
+            let v: f64 = obj.extract()?;
+            leaf(
+                flat,
+                LeafKind::PyFloat,
+                0,
+                vec![],
+                Payload::Owned(v.to_le_bytes().to_vec()),
+            )
+        }
+        CNode::PyBool => {
+            if !obj.is_exact_instance_of::<PyBool>() {
+                return Ok(false);
+            }
+            let v = u8::from(obj.extract::<bool>()?);
+            leaf(flat, LeafKind::PyBool, 0, vec![], Payload::Owned(vec![v]))
+        }
+        CNode::None => {
+            if !obj.is_none() {
+                return Ok(false);
+            }
+            leaf(flat, LeafKind::None, 0, vec![], Payload::Owned(vec![]))
+        }
+        CNode::Tuple(items) => match obj.cast_exact::<PyTuple>() {
+            Ok(t) if t.len() == items.len() => walk_items(t.iter(), items, flat)?,
+            _ => false,
+        },
+        CNode::NamedTuple(ty, items) => {
+            if !obj.get_type().is(ty.bind(py)) {
+                return Ok(false);
+            }
+            match obj.cast::<PyTuple>() {
+                Ok(t) if t.len() == items.len() => walk_items(t.iter(), items, flat)?,
+                _ => false,
+            }
+        }
+        CNode::List(items) => match obj.cast_exact::<PyList>() {
+            Ok(l) if l.len() == items.len() => walk_items(l.iter(), items, flat)?,
+            _ => false,
+        },
+        CNode::Dict(items) => match obj.cast_exact::<PyDict>() {
+            // Same length and every compiled key present: the same keys.
+            Ok(d) if d.len() == items.len() => {
+                for (key, item) in items {
+                    match d.get_item(key.bind(py))? {
+                        Some(v) => {
+                            if !fast_walk(&v, item, flat)? {
+                                return Ok(false);
+                            }
+                        }
+                        None => return Ok(false),
+                    }
+                }
+                true
+            }
+            _ => false,
+        },
+    })
+}
+
+fn walk_items<'py>(
+    values: impl Iterator<Item = Bound<'py, PyAny>>,
+    nodes: &[CNode],
+    flat: &mut Flat,
+) -> PyResult<bool> {
+    for (v, n) in values.zip(nodes) {
+        if !fast_walk(&v, n, flat)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Whether `current` (a stream's spec so far) is `spec`: the same compiled structure (one
+/// pointer compare) or an equal one.
+pub fn same_spec(current: Option<&Arc<Spec>>, spec: &Arc<Spec>) -> bool {
+    current.is_some_and(|c| Arc::ptr_eq(c, spec) || **c == **spec)
+}
+
+/// A spec as the consumer uses it: numpy dtypes, dict keys (as Python str objects) and
+/// namedtuple classes resolved once, so building an element makes no key or class lookup.
 pub struct DecodeSpec {
     pub spec: Spec,
     pub leaves: Vec<LeafSpec>,
     pub dtypes: Vec<Option<Py<PyAny>>>,
-    classes: HashMap<(String, String), Py<PyAny>>,
+    node: Node,
+}
+
+/// `Spec` with its Python objects made: what `DecodeSpec::build` walks.
+enum Node {
+    Leaf,
+    Tuple(Vec<Node>),
+    List(Vec<Node>),
+    Dict(Vec<(Py<PyString>, Node)>),
+    NamedTuple(Py<PyAny>, Vec<Node>),
+}
+
+impl Node {
+    fn new(
+        py: Python<'_>,
+        spec: &Spec,
+        classes: &HashMap<(String, String), Py<PyAny>>,
+    ) -> PyResult<Node> {
+        let items = |items: &[Spec]| -> PyResult<Vec<Node>> {
+            items.iter().map(|i| Node::new(py, i, classes)).collect()
+        };
+        Ok(match spec {
+            Spec::Leaf(_) => Node::Leaf,
+            Spec::Tuple(i) => Node::Tuple(items(i)?),
+            Spec::List(i) => Node::List(items(i)?),
+            Spec::Dict(kv) => Node::Dict(
+                kv.iter()
+                    .map(|(k, v)| {
+                        Ok((PyString::intern(py, k).unbind(), Node::new(py, v, classes)?))
+                    })
+                    .collect::<PyResult<_>>()?,
+            ),
+            Spec::NamedTuple {
+                module,
+                name,
+                items: i,
+                ..
+            } => {
+                let cls = classes
+                    .get(&(module.clone(), name.clone()))
+                    .ok_or_else(|| PyValueError::new_err("namedtuple class not resolved"))?;
+                Node::NamedTuple(cls.clone_ref(py), items(i)?)
+            }
+        })
+    }
 }
 
 impl DecodeSpec {
@@ -498,11 +876,12 @@ impl DecodeSpec {
         }
         let mut classes = HashMap::new();
         resolve_classes(py, &spec, &mut classes)?;
+        let node = Node::new(py, &spec, &classes)?;
         Ok(DecodeSpec {
             spec,
             leaves,
             dtypes,
-            classes,
+            node,
         })
     }
 
@@ -512,57 +891,35 @@ impl DecodeSpec {
         py: Python<'_>,
         leaves: &mut impl Iterator<Item = Py<PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.build_node(py, &self.spec, leaves)
+        build_node(py, &self.node, leaves)
     }
+}
 
-    fn build_node(
-        &self,
-        py: Python<'_>,
-        node: &Spec,
-        leaves: &mut impl Iterator<Item = Py<PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        let missing = || PyValueError::new_err("element has fewer leaves than its spec");
-        Ok(match node {
-            Spec::Leaf(_) => leaves.next().ok_or_else(missing)?,
-            Spec::Tuple(items) => {
-                let v: PyResult<Vec<_>> = items
-                    .iter()
-                    .map(|i| self.build_node(py, i, leaves))
-                    .collect();
-                PyTuple::new(py, v?)?.into_any().unbind()
+fn build_node(
+    py: Python<'_>,
+    node: &Node,
+    leaves: &mut impl Iterator<Item = Py<PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let missing = || PyValueError::new_err("element has fewer leaves than its spec");
+    let items = |items: &[Node], leaves: &mut _| -> PyResult<Vec<Py<PyAny>>> {
+        items.iter().map(|i| build_node(py, i, leaves)).collect()
+    };
+    Ok(match node {
+        Node::Leaf => leaves.next().ok_or_else(missing)?,
+        Node::Tuple(i) => PyTuple::new(py, items(i, leaves)?)?.into_any().unbind(),
+        Node::List(i) => PyList::new(py, items(i, leaves)?)?.into_any().unbind(),
+        Node::Dict(kv) => {
+            let d = PyDict::new(py);
+            for (k, v) in kv {
+                d.set_item(k.bind(py), build_node(py, v, leaves)?)?;
             }
-            Spec::List(items) => {
-                let v: PyResult<Vec<_>> = items
-                    .iter()
-                    .map(|i| self.build_node(py, i, leaves))
-                    .collect();
-                PyList::new(py, v?)?.into_any().unbind()
-            }
-            Spec::Dict(items) => {
-                let d = PyDict::new(py);
-                for (k, v) in items {
-                    d.set_item(k, self.build_node(py, v, leaves)?)?;
-                }
-                d.into_any().unbind()
-            }
-            Spec::NamedTuple {
-                module,
-                name,
-                items,
-                ..
-            } => {
-                let v: PyResult<Vec<_>> = items
-                    .iter()
-                    .map(|i| self.build_node(py, i, leaves))
-                    .collect();
-                let cls = self
-                    .classes
-                    .get(&(module.clone(), name.clone()))
-                    .ok_or_else(missing)?;
-                cls.bind(py).call1(PyTuple::new(py, v?)?)?.unbind()
-            }
-        })
-    }
+            d.into_any().unbind()
+        }
+        Node::NamedTuple(cls, i) => cls
+            .bind(py)
+            .call1(PyTuple::new(py, items(i, leaves)?)?)?
+            .unbind(),
+    })
 }
 
 /// Imports each namedtuple class by module and qualname, or recreates it by name.

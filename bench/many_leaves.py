@@ -177,8 +177,12 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(
-            {"machine": os.uname().nodename, "cpus": os.cpu_count(), "cells": cells,
-             "targets": targets},
+            {
+                "machine": os.uname().nodename,
+                "cpus": os.cpu_count(),
+                "cells": cells,
+                "targets": targets,
+            },
             f,
             indent=2,
         )

@@ -21,6 +21,9 @@ __all__ = [
     "TFRecordReader",
     "TFRecordWriter",
     "crc32c",
+    "decode_element",
+    "element_signature",
+    "encode_element",
     "masked_crc32c",
     "read_tfrecord_file",
 ]
@@ -147,6 +150,35 @@ def crc32c(data: Buffer) -> int:
 
 def masked_crc32c(data: Buffer) -> int:
     """The masked CRC32C TFRecord stores: ((crc >> 15) | (crc << 17)) + 0xa282ead8 (mod 2**32)."""
+
+def encode_element(element: Any) -> bytes:
+    """`element` as one self-contained buffer (the gRPC path's form): its structure, then
+    one DATA frame of its leaves, encoded as the shared-memory ring encodes them (numpy
+    arrays of any fixed-size dtype, numpy scalars, bytes, str, int/float/bool/None, object
+    arrays of bytes, nested tuple/list/dict/namedtuple; anything else pickled). Structures
+    of recent elements stay compiled, so an element of a known structure is walked once,
+    with no Python call per leaf.
+
+    Raises:
+        Exception: What pickling a leaf raises (e.g. TypeError for a lock).
+    """
+
+def decode_element(data: Buffer) -> Any:
+    """Rebuilds an element from `encode_element`'s bytes. Numpy leaves come back
+    writeable: views of `data` (through a memoryview) when it is a bytearray, else copied
+    out of it (small array leaves into one shared buffer, each a view of it).
+
+    Raises:
+        dataservice.errors.DataLossError: `data` is not an encoded element or is damaged
+            (the message says what and at which byte).
+        TypeError: `data` is not a buffer.
+    """
+
+def element_signature(element: Any) -> tuple[bytes, int] | None:
+    """`(key, nbytes)`: the element's structure as bytes, equal for two elements exactly
+    when `dataservice.transfer.codec.signature` is, and its size as `element_nbytes`
+    counts it; None for an element of a leaf that is not a plain numpy value (then walk
+    it in Python), one nested deeper than 32 or of more than 10,000 values."""
 
 @final
 class ShmRingProducer:

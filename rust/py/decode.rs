@@ -1,15 +1,20 @@
 //! The one DATA-frame decoder of `_core`, used by the ring's consumer (`py::consumer`) and
 //! the cache window's classes (`py::window_reader`, `py::window_writer`): leaf descriptors are parsed and checked by
 //! `transport::frame`, numpy scalars are gathered column-wise (one `frombuffer` per leaf per
-//! batch), small leaves are copied (`transport::codec`), and large numpy leaves become views
-//! of a `RingLease` when the caller's `lease` function hands one out.
+//! batch), array leaves become numpy views (`transport::npy`) of what the caller's `lease`
+//! function hands out (a `RingLease` over the frame) or else of one private copy of the
+//! frame's small array leaves, and the other leaves are decoded by `transport::codec`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use pyo3::exceptions::PyMemoryError;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyList};
+use pyo3::types::{PyBytes, PyList};
 
 use crate::error::Error;
+use crate::py::lease::{LeaseOwner, PyLease};
+use crate::transport::chunk::HeapBuf;
 use crate::transport::codec::{self, DecodeSpec};
 use crate::transport::frame::{self, FrameHeader, LeafDesc, LeafKind, Spec};
 use crate::transport::npy;
@@ -172,20 +177,28 @@ fn flush_shared(
     if shared.is_empty() {
         return Ok(());
     }
-    let buf = PyByteArray::new_with(py, len as usize, |dst| {
-        for &(i, off) in shared {
-            let d = &descs[i];
-            let src = &bytes[d.offset as usize..(d.offset + d.nbytes) as usize];
-            dst[off as usize..off as usize + src.len()].copy_from_slice(src);
-        }
-        Ok(())
-    })?;
-    let start = buf.data() as *const u8;
-    let base = buf.into_any();
+    // Rust-owned memory behind a frozen RingLease: Python code can neither resize nor free
+    // it while a view lives (a bytearray base could be cleared through `arr.base`).
+    let heap = Arc::new(HeapBuf::new(len as usize).ok_or_else(|| {
+        PyMemoryError::new_err(format!(
+            "cannot allocate {len} bytes for an element's leaves"
+        ))
+    })?);
+    let start = heap.as_mut_ptr();
     for &(i, off) in shared {
-        // SAFETY: [off, off + nbytes) lies within the bytearray's `len` bytes (offsets were
-        // laid out from the leaves' sizes), which `base` keeps valid; nothing resizes it
-        // (numpy's view holds it, and no one else has it).
+        let d = &descs[i];
+        let src = &bytes[d.offset as usize..(d.offset + d.nbytes) as usize];
+        // SAFETY: [off, off + nbytes) lies within the buffer's `len` bytes (the offsets
+        // were laid out from these leaves' sizes); nothing else has the buffer yet.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), start.add(off as usize), src.len()) };
+    }
+    let base = Bound::new(
+        py,
+        PyLease::new(LeaseOwner::Heap(heap), start, len as usize),
+    )?
+    .into_any();
+    for &(i, off) in shared {
+        // SAFETY: as above, in bounds; the lease keeps the buffer alive and writable.
         let data = unsafe { start.add(off as usize) };
         vals[i] = Val::Obj(unsafe { view_of(py, spec, i, &descs[i], data, &base)? });
     }

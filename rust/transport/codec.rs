@@ -65,7 +65,7 @@ pub struct HeldBuffer {
 
 impl HeldBuffer {
     /// `PyObject_GetBuffer(obj, flags)`, or None (error cleared) if `obj` refuses.
-    fn get(obj: &Bound<'_, PyAny>, flags: std::ffi::c_int) -> Option<Self> {
+    pub fn get(obj: &Bound<'_, PyAny>, flags: std::ffi::c_int) -> Option<Self> {
         let mut view = Box::new(ffi::Py_buffer::new());
         // SAFETY: obj is a live object (we hold the GIL via Bound); view is a valid,
         // zeroed Py_buffer we own.
@@ -78,7 +78,7 @@ impl HeldBuffer {
         Some(HeldBuffer { view })
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub fn bytes(&self) -> &[u8] {
         if self.view.len == 0 || self.view.buf.is_null() {
             return &[];
         }
@@ -1087,3 +1087,198 @@ pub const GIL_FREE_COPY_BYTES: usize = 256 << 10;
 pub struct SendPtr(pub *mut u8);
 // SAFETY: used only to move a pointer into a GIL-free section whose memory the caller pins.
 unsafe impl Send for SendPtr {}
+
+/// Most values [`signature_key`] walks; past it (a long list) Python's `element_nbytes`
+/// estimates, so the key gives up (codec.py's `MAX_WALK_NODES`).
+const SIGNATURE_MAX_NODES: usize = 10_000;
+/// Deepest container [`signature_key`] walks (codec.py's `_MAX_DEPTH`: deeper nests are
+/// pickled).
+const SIGNATURE_MAX_DEPTH: usize = 32;
+
+/// An element's structure as bytes, equal for two elements exactly when Python's
+/// `codec.signature` is (the kind and dtype of each leaf, not shapes; a string dtype
+/// without its width; dict keys sorted; a namedtuple's class), and the element's bytes as
+/// `codec.element_nbytes` counts them. None for an element the key does not cover, which
+/// Python then walks: a leaf that is not a plain numpy value (object arrays, numpy str and
+/// bytes scalars, subclasses of ndarray, list, dict or str, non-str dict keys), a nest
+/// deeper than 32 or more than 10,000 values.
+pub fn signature_key(obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u8>, u64)>> {
+    let mut key = Vec::new();
+    let mut nodes = 0usize;
+    let mut dtypes: HashMap<usize, Option<(Vec<u8>, u64)>> = HashMap::new();
+    Ok(sig_walk(obj, &mut key, &mut nodes, &mut dtypes, 0)?.map(|n| (key, n)))
+}
+
+/// The signature bytes of a dtype (its `str`, without a string dtype's width) and its
+/// itemsize, or None for one holding objects.
+fn dtype_sig(dtype: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u8>, u64)>> {
+    let py = dtype.py();
+    if dtype.getattr(intern!(py, "hasobject"))?.extract::<bool>()? {
+        return Ok(None);
+    }
+    let text: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+    let kind: char = dtype.getattr(intern!(py, "kind"))?.extract()?;
+    let itemsize: u64 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+    let text = if matches!(kind, 'U' | 'S') {
+        text.get(..2).unwrap_or(&text).to_string()
+    } else {
+        text
+    };
+    Ok(Some((text.into_bytes(), itemsize)))
+}
+
+fn put_key_str(key: &mut Vec<u8>, s: &[u8]) {
+    key.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    key.extend_from_slice(s);
+}
+
+fn sig_walk(
+    obj: &Bound<'_, PyAny>,
+    key: &mut Vec<u8>,
+    nodes: &mut usize,
+    dtypes: &mut HashMap<usize, Option<(Vec<u8>, u64)>>,
+    depth: usize,
+) -> PyResult<Option<u64>> {
+    let py = obj.py();
+    *nodes += 1;
+    if *nodes > SIGNATURE_MAX_NODES {
+        return Ok(None);
+    }
+    let mut dtype_of = |descr: &Bound<'_, PyAny>| -> PyResult<Option<(Vec<u8>, u64)>> {
+        let k = descr.as_ptr() as usize;
+        if let Some(v) = dtypes.get(&k) {
+            return Ok(v.clone());
+        }
+        let v = dtype_sig(descr)?;
+        dtypes.insert(k, v.clone());
+        Ok(v)
+    };
+    if npy::is_exact_ndarray(obj)? {
+        let Some(info) = npy::array_info(obj)? else {
+            return Ok(None);
+        };
+        // SAFETY: `descr` is the array's dtype, a live object the array holds; the borrow
+        // ends before the array could be dropped (we hold `obj`).
+        let descr = unsafe { Bound::from_borrowed_ptr(py, info.descr) };
+        let Some((text, itemsize)) = dtype_of(&descr)? else {
+            return Ok(None);
+        };
+        key.push(b'A');
+        put_key_str(key, &text);
+        key.push(info.dims.len() as u8);
+        let items: u64 = info.dims.iter().map(|&d| d as u64).product();
+        return Ok(Some(items * itemsize));
+    }
+    if obj.is_instance(api(py)?.generic.bind(py))? {
+        let descr = obj.getattr(intern!(py, "dtype"))?;
+        let kind: char = descr.getattr(intern!(py, "kind"))?.extract()?;
+        // numpy str and bytes scalars are also str and bytes (counted by length).
+        if !matches!(kind, 'b' | 'i' | 'u' | 'f' | 'c' | 'M' | 'm') {
+            return Ok(None);
+        }
+        let Some((text, itemsize)) = dtype_of(&descr)? else {
+            return Ok(None);
+        };
+        key.push(b'S');
+        put_key_str(key, &text);
+        return Ok(Some(itemsize));
+    }
+    if let Ok(b) = obj.cast_exact::<PyBytes>() {
+        key.push(b'b');
+        return Ok(Some(b.as_bytes().len() as u64));
+    }
+    if let Ok(s) = obj.cast_exact::<PyString>() {
+        key.push(b's');
+        // SAFETY: `s` is a str (checked above); the GIL is held.
+        let n = unsafe { ffi::PyUnicode_GetLength(s.as_ptr()) };
+        return Ok(Some(n.max(0) as u64));
+    }
+    let leaf = |tag: u8, key: &mut Vec<u8>| {
+        key.push(tag);
+        Ok(Some(8))
+    };
+    if obj.is_exact_instance_of::<PyBool>() {
+        return leaf(b'B', key);
+    }
+    if obj.is_exact_instance_of::<PyInt>() {
+        return leaf(b'i', key);
+    }
+    if obj.is_exact_instance_of::<PyFloat>() {
+        return leaf(b'f', key);
+    }
+    if obj.is_none() {
+        return leaf(b'N', key);
+    }
+    if depth >= SIGNATURE_MAX_DEPTH {
+        return Ok(None);
+    }
+    let items = |it: &mut dyn Iterator<Item = Bound<'_, PyAny>>,
+                 key: &mut Vec<u8>,
+                 nodes: &mut usize,
+                 dtypes: &mut HashMap<usize, Option<(Vec<u8>, u64)>>|
+     -> PyResult<Option<u64>> {
+        let mut total = 0;
+        for item in it {
+            match sig_walk(&item, key, nodes, dtypes, depth + 1)? {
+                Some(n) => total += n,
+                None => return Ok(None),
+            }
+        }
+        key.push(b')');
+        Ok(Some(total))
+    };
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        if obj.is_exact_instance_of::<PyTuple>() {
+            key.push(b'(');
+        } else if obj.get_type().hasattr(intern!(py, "_fields"))? {
+            key.push(b'T');
+            key.extend_from_slice(&(obj.get_type().as_ptr() as usize).to_le_bytes());
+        } else {
+            return Ok(None);
+        }
+        if *nodes + t.len() > SIGNATURE_MAX_NODES {
+            return Ok(None); // give up before walking, not after
+        }
+        key.extend_from_slice(&(t.len() as u32).to_le_bytes());
+        return items(&mut t.iter(), key, nodes, dtypes);
+    }
+    if let Ok(l) = obj.cast_exact::<PyList>() {
+        if *nodes + l.len() > SIGNATURE_MAX_NODES {
+            return Ok(None);
+        }
+        key.push(b'[');
+        key.extend_from_slice(&(l.len() as u32).to_le_bytes());
+        return items(&mut l.iter(), key, nodes, dtypes);
+    }
+    if let Ok(d) = obj.cast_exact::<PyDict>() {
+        let mut keyed: Vec<(Bound<'_, PyString>, Bound<'_, PyAny>)> = Vec::with_capacity(d.len());
+        for (k, v) in d.iter() {
+            match k.cast_exact::<PyString>() {
+                Ok(k) => keyed.push((k.clone(), v)),
+                Err(_) => return Ok(None),
+            }
+        }
+        let mut texts = Vec::with_capacity(keyed.len());
+        for (k, v) in &keyed {
+            match k.to_str() {
+                Ok(t) => texts.push((t, v)),
+                Err(_) => return Ok(None), // lone surrogates
+            }
+        }
+        // Python sorts str by code point: UTF-8 bytes sort the same way.
+        texts.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        key.push(b'{');
+        key.extend_from_slice(&(texts.len() as u32).to_le_bytes());
+        let mut total = 0;
+        for (k, v) in texts {
+            put_key_str(key, k.as_bytes());
+            match sig_walk(v, key, nodes, dtypes, depth + 1)? {
+                Some(n) => total += n,
+                None => return Ok(None),
+            }
+        }
+        key.push(b'}');
+        return Ok(Some(total));
+    }
+    Ok(None)
+}

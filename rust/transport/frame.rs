@@ -673,5 +673,65 @@ pub fn parse_error_body(body: &[u8], pos: u64) -> Result<(String, String), Error
     Ok((t.to_string(), m.to_string()))
 }
 
+/// First bytes of a self-contained element: the form the gRPC path sends, which has no SPEC
+/// frames of its own. Layout: `b"DSF1"`, `u32 spec_bytes`, the spec ([`Spec::encode`]), zero
+/// padding to a multiple of 64, then one DATA frame (`spec_id` 0) to the end.
+pub const ELEMENT_MAGIC: [u8; 4] = *b"DSF1";
+
+/// The bytes of a self-contained element before its DATA frame (see [`ELEMENT_MAGIC`]).
+pub fn element_prefix(spec: &[u8]) -> Vec<u8> {
+    let len = (8 + spec.len()).next_multiple_of(64);
+    let mut out = Vec::with_capacity(len);
+    out.extend_from_slice(&ELEMENT_MAGIC);
+    out.extend_from_slice(&(spec.len() as u32).to_le_bytes());
+    out.extend_from_slice(spec);
+    out.resize(len, 0);
+    out
+}
+
+/// Splits a self-contained element into its spec bytes and the offset of its DATA frame,
+/// checking the magic, the spec's length and the frame's header (kind DATA, `total_bytes`
+/// reaching exactly to the end). Errors are `ElementCorrupted` naming the byte offset.
+pub fn split_element(buf: &[u8]) -> Result<(&[u8], usize), Error> {
+    let bad = |offset: usize, what: &str| Error::ElementCorrupted {
+        offset: offset as u64,
+        len: buf.len() as u64,
+        what: what.to_string(),
+    };
+    if buf.len() < 8 || buf[..4] != ELEMENT_MAGIC {
+        return Err(bad(0, "not a dataservice element (bad magic)"));
+    }
+    let spec_len = u32::from_le_bytes(buf[4..8].try_into().unwrap()) as usize;
+    let frame_start = (8 + spec_len).next_multiple_of(64);
+    if frame_start > buf.len() {
+        return Err(bad(
+            4,
+            &format!("its {spec_len}-byte spec runs past the end"),
+        ));
+    }
+    if buf.len() - frame_start < HEADER_BYTES {
+        return Err(bad(frame_start, "the element's frame is truncated"));
+    }
+    let header =
+        FrameHeader::parse(&buf[frame_start..]).map_err(|_| bad(frame_start, "bad frame magic"))?;
+    if header.kind != KIND_DATA {
+        return Err(bad(
+            frame_start,
+            &format!("frame kind {} is not DATA", header.kind),
+        ));
+    }
+    if header.total_bytes != (buf.len() - frame_start) as u64 {
+        return Err(bad(
+            frame_start,
+            &format!(
+                "the frame declares {} bytes, {} follow",
+                header.total_bytes,
+                buf.len() - frame_start
+            ),
+        ));
+    }
+    Ok((&buf[8..8 + spec_len], frame_start))
+}
+
 #[cfg(test)]
 mod tests;

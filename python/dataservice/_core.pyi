@@ -13,6 +13,7 @@ from typing import Any, Self, final
 from typing_extensions import Buffer
 
 __all__ = [
+    "ElementCheck",
     "RingLease",
     "ShmRingConsumer",
     "ShmRingProducer",
@@ -22,7 +23,6 @@ __all__ = [
     "TFRecordWriter",
     "crc32c",
     "decode_element",
-    "element_signature",
     "encode_element",
     "masked_crc32c",
     "read_tfrecord_file",
@@ -174,11 +174,23 @@ def decode_element(data: Buffer) -> Any:
         TypeError: `data` is not a buffer.
     """
 
-def element_signature(element: Any) -> tuple[bytes, int] | None:
-    """`(key, nbytes)`: the element's structure as bytes, equal for two elements exactly
-    when `dataservice.transfer.codec.signature` is, and its size as `element_nbytes`
-    counts it; None for an element of a leaf that is not a plain numpy value (then walk
-    it in Python), one nested deeper than 32 or of more than 10,000 values."""
+@final
+class ElementCheck:
+    """A stream's element structure, learnt from one element, that later elements are
+    checked against in one walk, without a Python call per leaf. An element matches when
+    its containers have the same exact types, lengths and dict keys and each leaf the
+    same exact type (arrays: the same dtype object and rank); a match has the learnt
+    element's `dataservice.transfer.codec.signature`. Thread-compatible."""
+
+    def __new__(cls) -> Self: ...
+    def learn(self, element: Any) -> bool:
+        """Learns `element`'s structure; False (and nothing learnt) if it holds anything
+        but plain numpy values (numpy arrays without objects and numeric numpy scalars,
+        bytes, str, int, float, bool, None; exact tuples, lists, dicts with str keys and
+        namedtuples), is nested deeper than 32 or holds more than 10,000 values."""
+    def nbytes_if_same(self, element: Any) -> int | None:
+        """The element's bytes as `codec.element_nbytes` counts them if it has the learnt
+        structure, else None."""
 
 @final
 class ShmRingProducer:

@@ -1,7 +1,7 @@
 //! Functions of `dataservice._core` over one element at a time, for the gRPC path (which has
 //! no ring and no SPEC frames) and the worker's structure check: `encode_element` /
 //! `decode_element` (a self-contained element, `transport::frame::ELEMENT_MAGIC`) and
-//! `element_signature` (`transport::codec::signature_key`). They convert and forward.
+//! `ElementCheck` (`transport::codec::PlainStructure`). They convert and forward.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,7 +12,9 @@ use pyo3::types::{PyByteArray, PyBytes, PyList};
 
 use crate::error::Error;
 use crate::py::decode::{self, Batch};
-use crate::transport::codec::{self, DecodeSpec, Encoder, SendPtr, GIL_FREE_COPY_BYTES};
+use crate::transport::codec::{
+    self, DecodeSpec, Encoder, PlainStructure, SendPtr, GIL_FREE_COPY_BYTES,
+};
 use crate::transport::frame::{self, FramePlan, Spec};
 
 /// The encoder `encode_element` uses: it keeps the structures of recent elements compiled.
@@ -156,11 +158,34 @@ fn damaged(py: Python<'_>, err: PyErr, frame_start: u64, len: u64) -> PyErr {
     .into()
 }
 
-/// `(key, nbytes)`: the element's structure as bytes and its size (see `_core.pyi`).
-#[pyfunction]
-pub fn element_signature<'py>(
-    py: Python<'py>,
-    element: &Bound<'py, PyAny>,
-) -> PyResult<Option<(Bound<'py, PyBytes>, u64)>> {
-    Ok(codec::signature_key(element)?.map(|(key, n)| (PyBytes::new(py, &key), n)))
+/// A stream's element structure, learnt from one element, that the next ones are checked
+/// against in one walk (see `_core.pyi`). Thread-compatible (the worker's producer thread).
+#[pyclass(name = "ElementCheck", module = "dataservice._core")]
+#[derive(Default)]
+pub struct PyElementCheck {
+    structure: Option<PlainStructure>,
+}
+
+#[pymethods]
+impl PyElementCheck {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// Learns `element`'s structure; False (and nothing learnt) if it holds anything but
+    /// plain numpy values.
+    fn learn(&mut self, element: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.structure = PlainStructure::learn(element)?;
+        Ok(self.structure.is_some())
+    }
+
+    /// The element's bytes (as `element_nbytes` counts them) if it has the learnt
+    /// structure, else None.
+    fn nbytes_if_same(&self, element: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        match &self.structure {
+            Some(s) => s.nbytes_if_same(element),
+            None => Ok(None),
+        }
+    }
 }

@@ -1088,197 +1088,224 @@ pub struct SendPtr(pub *mut u8);
 // SAFETY: used only to move a pointer into a GIL-free section whose memory the caller pins.
 unsafe impl Send for SendPtr {}
 
-/// Most values [`signature_key`] walks; past it (a long list) Python's `element_nbytes`
-/// estimates, so the key gives up (codec.py's `MAX_WALK_NODES`).
-const SIGNATURE_MAX_NODES: usize = 10_000;
-/// Deepest container [`signature_key`] walks (codec.py's `_MAX_DEPTH`: deeper nests are
+/// Most values a [`PlainStructure`] holds (codec.py's `MAX_WALK_NODES`: past it Python's
+/// `element_nbytes` estimates).
+const PLAIN_MAX_NODES: usize = 10_000;
+/// Deepest container a [`PlainStructure`] holds (codec.py's `_MAX_DEPTH`: deeper nests are
 /// pickled).
-const SIGNATURE_MAX_DEPTH: usize = 32;
+const PLAIN_MAX_DEPTH: usize = 32;
 
-/// An element's structure as bytes, equal for two elements exactly when Python's
-/// `codec.signature` is (the kind and dtype of each leaf, not shapes; a string dtype
-/// without its width; dict keys sorted; a namedtuple's class), and the element's bytes as
-/// `codec.element_nbytes` counts them. None for an element the key does not cover, which
-/// Python then walks: a leaf that is not a plain numpy value (object arrays, numpy str and
-/// bytes scalars, subclasses of ndarray, list, dict or str, non-str dict keys), a nest
-/// deeper than 32 or more than 10,000 values.
-pub fn signature_key(obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u8>, u64)>> {
-    let mut key = Vec::new();
-    let mut nodes = 0usize;
-    let mut dtypes: HashMap<usize, Option<(Vec<u8>, u64)>> = HashMap::new();
-    Ok(sig_walk(obj, &mut key, &mut nodes, &mut dtypes, 0)?.map(|n| (key, n)))
+/// The structure of an element of plain numpy values, learnt from one element, to check
+/// the next ones of a stream against without a Python call per leaf: an element matches
+/// when its containers are of the same exact types, lengths and dict keys, and each leaf of
+/// the same exact type (arrays: the same dtype object and rank; numpy scalars: the same
+/// type). A match has the learnt element's `codec.signature` (the converse need not hold:
+/// an equal dtype that is another object does not match, and Python decides).
+pub struct PlainStructure {
+    node: CNode,
 }
 
-/// The signature bytes of a dtype (its `str`, without a string dtype's width) and its
-/// itemsize, or None for one holding objects.
-fn dtype_sig(dtype: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u8>, u64)>> {
-    let py = dtype.py();
-    if dtype.getattr(intern!(py, "hasobject"))?.extract::<bool>()? {
-        return Ok(None);
+impl PlainStructure {
+    /// The structure of `obj`, or None if it holds anything but plain numpy values: numpy
+    /// arrays (exact type, no objects) and numeric numpy scalars, bytes, str, int, float,
+    /// bool and None (exact types), in exact tuples, lists and dicts with str keys and in
+    /// namedtuples; at most 32 levels deep and 10,000 values.
+    pub fn learn(obj: &Bound<'_, PyAny>) -> PyResult<Option<PlainStructure>> {
+        let mut nodes = 0;
+        Ok(plain_node(obj, &mut nodes, 0)?.map(|node| PlainStructure { node }))
     }
-    let text: String = dtype.getattr(intern!(py, "str"))?.extract()?;
-    let kind: char = dtype.getattr(intern!(py, "kind"))?.extract()?;
-    let itemsize: u64 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
-    let text = if matches!(kind, 'U' | 'S') {
-        text.get(..2).unwrap_or(&text).to_string()
-    } else {
-        text
-    };
-    Ok(Some((text.into_bytes(), itemsize)))
+
+    /// The bytes of `obj` as `codec.element_nbytes` counts them if it has this structure,
+    /// else None.
+    pub fn nbytes_if_same(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        plain_nbytes(obj, &self.node)
+    }
 }
 
-fn put_key_str(key: &mut Vec<u8>, s: &[u8]) {
-    key.extend_from_slice(&(s.len() as u32).to_le_bytes());
-    key.extend_from_slice(s);
-}
-
-fn sig_walk(
-    obj: &Bound<'_, PyAny>,
-    key: &mut Vec<u8>,
-    nodes: &mut usize,
-    dtypes: &mut HashMap<usize, Option<(Vec<u8>, u64)>>,
-    depth: usize,
-) -> PyResult<Option<u64>> {
+fn plain_node(obj: &Bound<'_, PyAny>, nodes: &mut usize, depth: usize) -> PyResult<Option<CNode>> {
     let py = obj.py();
     *nodes += 1;
-    if *nodes > SIGNATURE_MAX_NODES {
+    if *nodes > PLAIN_MAX_NODES {
         return Ok(None);
     }
-    let mut dtype_of = |descr: &Bound<'_, PyAny>| -> PyResult<Option<(Vec<u8>, u64)>> {
-        let k = descr.as_ptr() as usize;
-        if let Some(v) = dtypes.get(&k) {
-            return Ok(v.clone());
-        }
-        let v = dtype_sig(descr)?;
-        dtypes.insert(k, v.clone());
-        Ok(v)
-    };
     if npy::is_exact_ndarray(obj)? {
         let Some(info) = npy::array_info(obj)? else {
             return Ok(None);
         };
-        // SAFETY: `descr` is the array's dtype, a live object the array holds; the borrow
-        // ends before the array could be dropped (we hold `obj`).
-        let descr = unsafe { Bound::from_borrowed_ptr(py, info.descr) };
-        let Some((text, itemsize)) = dtype_of(&descr)? else {
+        let ndim = info.dims.len();
+        let dtype = obj.getattr(intern!(py, "dtype"))?;
+        if dtype.getattr(intern!(py, "hasobject"))?.extract::<bool>()? {
             return Ok(None);
-        };
-        key.push(b'A');
-        put_key_str(key, &text);
-        key.push(info.dims.len() as u8);
-        let items: u64 = info.dims.iter().map(|&d| d as u64).product();
-        return Ok(Some(items * itemsize));
+        }
+        let itemsize: u32 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        return Ok(Some(CNode::Array {
+            dtype: dtype.unbind(),
+            ndim,
+            itemsize,
+        }));
     }
     if obj.is_instance(api(py)?.generic.bind(py))? {
-        let descr = obj.getattr(intern!(py, "dtype"))?;
-        let kind: char = descr.getattr(intern!(py, "kind"))?.extract()?;
+        let dtype = obj.getattr(intern!(py, "dtype"))?;
+        let kind: char = dtype.getattr(intern!(py, "kind"))?.extract()?;
         // numpy str and bytes scalars are also str and bytes (counted by length).
         if !matches!(kind, 'b' | 'i' | 'u' | 'f' | 'c' | 'M' | 'm') {
             return Ok(None);
         }
-        let Some((text, itemsize)) = dtype_of(&descr)? else {
-            return Ok(None);
-        };
-        key.push(b'S');
-        put_key_str(key, &text);
-        return Ok(Some(itemsize));
+        let itemsize: u32 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        return Ok(Some(CNode::Scalar {
+            ty: obj.get_type().unbind(),
+            itemsize,
+        }));
     }
-    if let Ok(b) = obj.cast_exact::<PyBytes>() {
-        key.push(b'b');
-        return Ok(Some(b.as_bytes().len() as u64));
+    if obj.is_exact_instance_of::<PyBytes>() {
+        return Ok(Some(CNode::Bytes));
     }
-    if let Ok(s) = obj.cast_exact::<PyString>() {
-        key.push(b's');
-        // SAFETY: `s` is a str (checked above); the GIL is held.
-        let n = unsafe { ffi::PyUnicode_GetLength(s.as_ptr()) };
-        return Ok(Some(n.max(0) as u64));
+    if obj.is_exact_instance_of::<PyString>() {
+        return Ok(Some(CNode::Str));
     }
-    let leaf = |tag: u8, key: &mut Vec<u8>| {
-        key.push(tag);
-        Ok(Some(8))
-    };
     if obj.is_exact_instance_of::<PyBool>() {
-        return leaf(b'B', key);
+        return Ok(Some(CNode::PyBool));
     }
     if obj.is_exact_instance_of::<PyInt>() {
-        return leaf(b'i', key);
+        return Ok(Some(CNode::PyInt));
     }
     if obj.is_exact_instance_of::<PyFloat>() {
-        return leaf(b'f', key);
+        return Ok(Some(CNode::PyFloat));
     }
     if obj.is_none() {
-        return leaf(b'N', key);
+        return Ok(Some(CNode::None));
     }
-    if depth >= SIGNATURE_MAX_DEPTH {
+    if depth >= PLAIN_MAX_DEPTH {
         return Ok(None);
     }
     let items = |it: &mut dyn Iterator<Item = Bound<'_, PyAny>>,
-                 key: &mut Vec<u8>,
-                 nodes: &mut usize,
-                 dtypes: &mut HashMap<usize, Option<(Vec<u8>, u64)>>|
-     -> PyResult<Option<u64>> {
-        let mut total = 0;
-        for item in it {
-            match sig_walk(&item, key, nodes, dtypes, depth + 1)? {
-                Some(n) => total += n,
-                None => return Ok(None),
-            }
-        }
-        key.push(b')');
-        Ok(Some(total))
-    };
-    if let Ok(t) = obj.cast::<PyTuple>() {
-        if obj.is_exact_instance_of::<PyTuple>() {
-            key.push(b'(');
-        } else if obj.get_type().hasattr(intern!(py, "_fields"))? {
-            key.push(b'T');
-            key.extend_from_slice(&(obj.get_type().as_ptr() as usize).to_le_bytes());
-        } else {
-            return Ok(None);
-        }
-        if *nodes + t.len() > SIGNATURE_MAX_NODES {
+                 n: usize,
+                 nodes: &mut usize|
+     -> PyResult<Option<Vec<CNode>>> {
+        if *nodes + n > PLAIN_MAX_NODES {
             return Ok(None); // give up before walking, not after
         }
-        key.extend_from_slice(&(t.len() as u32).to_le_bytes());
-        return items(&mut t.iter(), key, nodes, dtypes);
-    }
-    if let Ok(l) = obj.cast_exact::<PyList>() {
-        if *nodes + l.len() > SIGNATURE_MAX_NODES {
-            return Ok(None);
-        }
-        key.push(b'[');
-        key.extend_from_slice(&(l.len() as u32).to_le_bytes());
-        return items(&mut l.iter(), key, nodes, dtypes);
-    }
-    if let Ok(d) = obj.cast_exact::<PyDict>() {
-        let mut keyed: Vec<(Bound<'_, PyString>, Bound<'_, PyAny>)> = Vec::with_capacity(d.len());
-        for (k, v) in d.iter() {
-            match k.cast_exact::<PyString>() {
-                Ok(k) => keyed.push((k.clone(), v)),
-                Err(_) => return Ok(None),
-            }
-        }
-        let mut texts = Vec::with_capacity(keyed.len());
-        for (k, v) in &keyed {
-            match k.to_str() {
-                Ok(t) => texts.push((t, v)),
-                Err(_) => return Ok(None), // lone surrogates
-            }
-        }
-        // Python sorts str by code point: UTF-8 bytes sort the same way.
-        texts.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        key.push(b'{');
-        key.extend_from_slice(&(texts.len() as u32).to_le_bytes());
-        let mut total = 0;
-        for (k, v) in texts {
-            put_key_str(key, k.as_bytes());
-            match sig_walk(v, key, nodes, dtypes, depth + 1)? {
-                Some(n) => total += n,
+        let mut out = Vec::with_capacity(n);
+        for item in it {
+            match plain_node(&item, nodes, depth + 1)? {
+                Some(node) => out.push(node),
                 None => return Ok(None),
             }
         }
-        key.push(b'}');
-        return Ok(Some(total));
+        Ok(Some(out))
+    };
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        let named = !obj.is_exact_instance_of::<PyTuple>();
+        if named && !obj.get_type().hasattr(intern!(py, "_fields"))? {
+            return Ok(None);
+        }
+        return Ok(items(&mut t.iter(), t.len(), nodes)?.map(|v| {
+            if named {
+                CNode::NamedTuple(obj.get_type().unbind(), v)
+            } else {
+                CNode::Tuple(v)
+            }
+        }));
+    }
+    if let Ok(l) = obj.cast_exact::<PyList>() {
+        return Ok(items(&mut l.iter(), l.len(), nodes)?.map(CNode::List));
+    }
+    if let Ok(d) = obj.cast_exact::<PyDict>() {
+        if *nodes + d.len() > PLAIN_MAX_NODES {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(d.len());
+        for (k, v) in d.iter() {
+            let Ok(k) = k.cast_exact::<PyString>() else {
+                return Ok(None);
+            };
+            match plain_node(&v, nodes, depth + 1)? {
+                Some(node) => out.push((k.clone().unbind(), node)),
+                None => return Ok(None),
+            }
+        }
+        return Ok(Some(CNode::Dict(out)));
     }
     Ok(None)
+}
+
+fn plain_nbytes(obj: &Bound<'_, PyAny>, node: &CNode) -> PyResult<Option<u64>> {
+    let py = obj.py();
+    let same_items = |values: &mut dyn Iterator<Item = Bound<'_, PyAny>>,
+                      nodes: &[CNode]|
+     -> PyResult<Option<u64>> {
+        let mut total = 0;
+        for (v, n) in values.zip(nodes) {
+            match plain_nbytes(&v, n)? {
+                Some(b) => total += b,
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(total))
+    };
+    Ok(match node {
+        CNode::Array {
+            dtype,
+            ndim,
+            itemsize,
+        } => {
+            if !npy::is_exact_ndarray(obj)? {
+                return Ok(None);
+            }
+            match npy::array_info(obj)? {
+                Some(info) if info.descr == dtype.as_ptr() && info.dims.len() == *ndim => Some(
+                    info.dims.iter().map(|&d| d as u64).product::<u64>() * u64::from(*itemsize),
+                ),
+                _ => None,
+            }
+        }
+        CNode::Scalar { ty, itemsize } => obj
+            .get_type()
+            .is(ty.bind(py))
+            .then_some(u64::from(*itemsize)),
+        CNode::Bytes => obj
+            .cast_exact::<PyBytes>()
+            .ok()
+            .map(|b| b.as_bytes().len() as u64),
+        CNode::Str => match obj.cast_exact::<PyString>() {
+            // SAFETY: `s` is a str; the GIL is held.
+            Ok(s) => Some(unsafe { ffi::PyUnicode_GetLength(s.as_ptr()) }.max(0) as u64),
+            Err(_) => None,
+        },
+        CNode::PyInt => obj.is_exact_instance_of::<PyInt>().then_some(8),
+        CNode::PyFloat => obj.is_exact_instance_of::<PyFloat>().then_some(8),
+        CNode::PyBool => obj.is_exact_instance_of::<PyBool>().then_some(8),
+        CNode::None => obj.is_none().then_some(8),
+        CNode::Tuple(items) => match obj.cast_exact::<PyTuple>() {
+            Ok(t) if t.len() == items.len() => same_items(&mut t.iter(), items)?,
+            _ => None,
+        },
+        CNode::NamedTuple(ty, items) => match obj.cast::<PyTuple>() {
+            Ok(t) if obj.get_type().is(ty.bind(py)) && t.len() == items.len() => {
+                same_items(&mut t.iter(), items)?
+            }
+            _ => None,
+        },
+        CNode::List(items) => match obj.cast_exact::<PyList>() {
+            Ok(l) if l.len() == items.len() => same_items(&mut l.iter(), items)?,
+            _ => None,
+        },
+        CNode::Dict(items) => match obj.cast_exact::<PyDict>() {
+            // Same length and every learnt key present: the same keys.
+            Ok(d) if d.len() == items.len() => {
+                let mut total = 0;
+                for (key, item) in items {
+                    let Some(v) = d.get_item(key.bind(py))? else {
+                        return Ok(None);
+                    };
+                    match plain_nbytes(&v, item)? {
+                        Some(b) => total += b,
+                        None => return Ok(None),
+                    }
+                }
+                Some(total)
+            }
+            _ => None,
+        },
+    })
 }

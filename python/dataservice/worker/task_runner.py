@@ -81,8 +81,8 @@ class _StructureCheck:
     (`codec.signature`) and returns its `codec.element_nbytes`; a single array
     (of a numeric dtype) or scalar leaf of the same type and dtype object takes a
     fast path, and an element of plain numpy values (any nest of them) is
-    checked in one Rust walk (`_core.element_signature`: its structure as bytes,
-    compared with the stream's). Unless `allow_pickled`, an element holding a
+    checked in one Rust walk against the stream's structure learnt from an
+    element that passed (`_core.ElementCheck`). Unless `allow_pickled`, an element holding a
     leaf that is not a numpy value raises `InvalidArgumentError` naming its path
     and type."""
 
@@ -94,7 +94,7 @@ class _StructureCheck:
         self._type: type | None = None
         self._dtype: Any = None
         self._ndim = -1
-        self._key: bytes | None = None  # the stream's `_core.element_signature` key
+        self._fast = _core.ElementCheck()  # the stream's structure, once learnt
 
     def __call__(self, element: Any) -> int:
         self._index += 1
@@ -110,9 +110,9 @@ class _StructureCheck:
                 return len(element)
             elif kind in _PLAIN_SCALARS:
                 return 8
-        fast = _core.element_signature(element)
-        if fast is not None and fast[0] == self._key:
-            return fast[1]
+        fast = self._fast.nbytes_if_same(element)
+        if fast is not None:
+            return fast
         # Leaves that are not numpy values first: they would also differ in structure.
         try:
             nbytes = codec.element_nbytes(element, allow_pickled=self._allow_pickled)
@@ -122,8 +122,8 @@ class _StructureCheck:
             ) from None
         sig = codec.signature(element)
         if self._signature is None or sig == self._signature:
-            # Keys are equal exactly when signatures are: this one stands for the stream's.
-            self._key = None if fast is None else fast[0]
+            # An element matching this one's structure has the stream's signature.
+            self._fast.learn(element)
         if self._signature is None:
             self._signature = sig
             if (kind is np.ndarray and not element.dtype.hasobject) or (

@@ -198,8 +198,10 @@ fn flush_shared(
     )?
     .into_any();
     for &(i, off) in shared {
-        // SAFETY: as above, in bounds; the lease keeps the buffer alive and writable.
+        // SAFETY: as above, off + nbytes is within the buffer's len bytes.
         let data = unsafe { start.add(off as usize) };
+        // SAFETY: `data` holds the leaf's nbytes (copied above); the lease over the heap
+        // buffer keeps them valid and writable; parse_leaves checked the descriptor.
         vals[i] = Val::Obj(unsafe { view_of(py, spec, i, &descs[i], data, &base)? });
     }
     Ok(())

@@ -138,10 +138,7 @@ pub fn decode_element<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResul
 
 /// A frame-level DataLossError (worded for the ring) reworded for a self-contained element.
 fn damaged(py: Python<'_>, err: PyErr, frame_start: u64, len: u64) -> PyErr {
-    let is_data_loss = err
-        .get_type(py)
-        .name()
-        .is_ok_and(|n| n.to_string() == "DataLossError");
+    let is_data_loss = err.get_type(py).name().is_ok_and(|n| n == "DataLossError");
     if !is_data_loss {
         return err;
     }

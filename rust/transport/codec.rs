@@ -225,19 +225,34 @@ impl Encoder {
             holders: Vec::new(),
             objects: Vec::new(),
         };
-        for i in 0..self.compiled.len() {
-            if fast_walk(obj, &self.compiled[i].node, &mut flat)? {
-                flat.spec = self.compiled[i].spec.clone();
-                if i > 0 {
-                    let c = self.compiled.remove(i);
-                    self.compiled.insert(0, c);
+        // Taken out for the walk, which may use the general path for a leaf (&mut self).
+        let mut compiled = std::mem::take(&mut self.compiled);
+        let mut hit = None;
+        for i in 0..compiled.len() {
+            match self.fast_walk(obj, &compiled[i].node, &mut flat) {
+                Ok(true) => {
+                    hit = Some(i);
+                    break;
                 }
-                return Ok(flat);
+                Ok(false) => {
+                    flat.leaves.clear();
+                    flat.holders.clear();
+                    flat.objects.clear();
+                }
+                Err(e) => {
+                    self.compiled = compiled;
+                    return Err(e);
+                }
             }
-            flat.leaves.clear();
-            flat.holders.clear();
-            flat.objects.clear();
         }
+        if let Some(i) = hit {
+            let c = compiled.remove(i);
+            flat.spec = c.spec.clone();
+            compiled.insert(0, c);
+            self.compiled = compiled;
+            return Ok(flat);
+        }
+        self.compiled = compiled;
         let spec = self.walk(obj, &mut flat, 0)?;
         if flat.leaves.len() > MAX_LEAVES {
             flat.leaves.clear();
@@ -249,6 +264,7 @@ impl Encoder {
         }
         let spec = Arc::new(spec);
         if let Some(node) = self.compile(obj, &spec)? {
+            self.compiled.retain(|c| *c.spec != *spec);
             self.compiled.truncate(MAX_COMPILED - 1);
             self.compiled.insert(
                 0,
@@ -609,180 +625,193 @@ impl Encoder {
     }
 }
 
-/// Flattens `obj` along the compiled structure `node` into `flat`'s leaves; false (leaves
-/// partly filled, for the caller to clear) as soon as `obj` differs from it.
-fn fast_walk(obj: &Bound<'_, PyAny>, node: &CNode, flat: &mut Flat) -> PyResult<bool> {
-    let py = obj.py();
-    let leaf = |flat: &mut Flat, kind, itemsize, dims, payload| {
-        flat.leaves.push(LeafIn {
-            kind,
-            itemsize,
-            dims,
-            payload,
-        });
-        true
-    };
-    Ok(match node {
-        CNode::Array {
-            dtype,
-            ndim,
-            itemsize,
-        } => {
-            if !npy::is_exact_ndarray(obj)? {
-                return Ok(false);
-            }
-            let Some(info) = npy::array_info(obj)? else {
-                return Ok(false);
-            };
-            if info.descr != dtype.as_ptr() || info.dims.len() != *ndim || !info.c_contiguous {
-                return Ok(false);
-            }
-            let dims: Vec<u64> = info.dims.iter().map(|&d| d as u64).collect();
-            let n = dims.iter().product::<u64>() * u64::from(*itemsize);
-            let bytes: &'static [u8] = if n == 0 || info.data.is_null() {
-                &[]
-            } else {
-                // SAFETY: a C-contiguous ndarray of these dims and dtype holds n bytes at
-                // `data`. The array is kept alive in flat.objects until the frame is copied;
-                // its bytes can move only through `ndarray.resize(refcheck=False)`, which
-                // numpy documents as unsafe while other references exist (we hold one).
-                unsafe { std::slice::from_raw_parts(info.data, n as usize) }
-            };
-            flat.objects.push(obj.clone().unbind());
-            leaf(
-                flat,
-                LeafKind::Array,
-                *itemsize,
+impl Encoder {
+    /// Flattens `obj` along the compiled structure `node` into `flat`'s leaves; false (leaves
+    /// partly filled, for the caller to clear) as soon as `obj` differs from it.
+    fn fast_walk(
+        &mut self,
+        obj: &Bound<'_, PyAny>,
+        node: &CNode,
+        flat: &mut Flat,
+    ) -> PyResult<bool> {
+        let py = obj.py();
+        let leaf = |flat: &mut Flat, kind, itemsize, dims, payload| {
+            flat.leaves.push(LeafIn {
+                kind,
+                itemsize,
                 dims,
-                Payload::Borrowed(bytes),
-            )
-        }
-        CNode::Scalar { ty, itemsize } => {
-            if !obj.get_type().is(ty.bind(py)) {
-                return Ok(false);
-            }
-            match HeldBuffer::get(obj, ffi::PyBUF_SIMPLE) {
-                Some(b) if b.bytes().len() == *itemsize as usize => leaf(
+                payload,
+            });
+            true
+        };
+        Ok(match node {
+            CNode::Array {
+                dtype,
+                ndim,
+                itemsize,
+            } => {
+                if !npy::is_exact_ndarray(obj)? {
+                    return Ok(false);
+                }
+                let Some(info) = npy::array_info(obj)? else {
+                    return Ok(false);
+                };
+                if info.descr != dtype.as_ptr() || info.dims.len() != *ndim {
+                    return Ok(false);
+                }
+                if !info.c_contiguous {
+                    // A strided view: the general path makes it contiguous; the leaf is the same.
+                    let spec = self.array_leaf(obj, flat)?;
+                    return Ok(matches!(spec, Spec::Leaf(l) if l.kind == LeafKind::Array));
+                }
+                let dims: Vec<u64> = info.dims.iter().map(|&d| d as u64).collect();
+                let n = dims.iter().product::<u64>() * u64::from(*itemsize);
+                let bytes: &'static [u8] = if n == 0 || info.data.is_null() {
+                    &[]
+                } else {
+                    // SAFETY: a C-contiguous ndarray of these dims and dtype holds n bytes at
+                    // `data`. The array is kept alive in flat.objects until the frame is copied;
+                    // its bytes can move only through `ndarray.resize(refcheck=False)`, which
+                    // numpy documents as unsafe while other references exist (we hold one).
+                    unsafe { std::slice::from_raw_parts(info.data, n as usize) }
+                };
+                flat.objects.push(obj.clone().unbind());
+                leaf(
                     flat,
-                    LeafKind::Scalar,
+                    LeafKind::Array,
                     *itemsize,
-                    vec![],
-                    Payload::Owned(b.bytes().to_vec()),
-                ),
+                    dims,
+                    Payload::Borrowed(bytes),
+                )
+            }
+            CNode::Scalar { ty, itemsize } => {
+                if !obj.get_type().is(ty.bind(py)) {
+                    return Ok(false);
+                }
+                match HeldBuffer::get(obj, ffi::PyBUF_SIMPLE) {
+                    Some(b) if b.bytes().len() == *itemsize as usize => leaf(
+                        flat,
+                        LeafKind::Scalar,
+                        *itemsize,
+                        vec![],
+                        Payload::Owned(b.bytes().to_vec()),
+                    ),
+                    _ => false,
+                }
+            }
+            CNode::Bytes => match obj.cast_exact::<PyBytes>() {
+                Ok(b) => {
+                    let bytes = b.as_bytes();
+                    // SAFETY: the bytes object is kept alive in flat.objects; bytes are immutable.
+                    let s: &'static [u8] =
+                        unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
+                    flat.objects.push(obj.clone().unbind());
+                    leaf(flat, LeafKind::Bytes, 0, vec![], Payload::Borrowed(s))
+                }
+                Err(_) => false,
+            },
+            CNode::Str => match obj.cast_exact::<PyString>().map(|s| s.to_str()) {
+                Ok(Ok(text)) => {
+                    // SAFETY: the UTF-8 buffer is cached inside the str object, which
+                    // flat.objects keeps alive; str is immutable.
+                    let b: &'static [u8] =
+                        unsafe { std::slice::from_raw_parts(text.as_ptr(), text.len()) };
+                    flat.objects.push(obj.clone().unbind());
+                    leaf(flat, LeafKind::Str, 0, vec![], Payload::Borrowed(b))
+                }
                 _ => false,
+            },
+            CNode::PyInt => {
+                if !obj.is_exact_instance_of::<PyInt>() {
+                    return Ok(false);
+                }
+                match obj.extract::<i64>() {
+                    Ok(v) => leaf(
+                        flat,
+                        LeafKind::PyInt,
+                        0,
+                        vec![],
+                        Payload::Owned(v.to_le_bytes().to_vec()),
+                    ),
+                    Err(_) => false,
+                }
             }
-        }
-        CNode::Bytes => match obj.cast_exact::<PyBytes>() {
-            Ok(b) => {
-                let bytes = b.as_bytes();
-                // SAFETY: the bytes object is kept alive in flat.objects; bytes are immutable.
-                let s: &'static [u8] =
-                    unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
-                flat.objects.push(obj.clone().unbind());
-                leaf(flat, LeafKind::Bytes, 0, vec![], Payload::Borrowed(s))
-            }
-            Err(_) => false,
-        },
-        CNode::Str => match obj.cast_exact::<PyString>().map(|s| s.to_str()) {
-            Ok(Ok(text)) => {
-                // SAFETY: the UTF-8 buffer is cached inside the str object, which
-                // flat.objects keeps alive; str is immutable.
-                let b: &'static [u8] =
-                    unsafe { std::slice::from_raw_parts(text.as_ptr(), text.len()) };
-                flat.objects.push(obj.clone().unbind());
-                leaf(flat, LeafKind::Str, 0, vec![], Payload::Borrowed(b))
-            }
-            _ => false,
-        },
-        CNode::PyInt => {
-            if !obj.is_exact_instance_of::<PyInt>() {
-                return Ok(false);
-            }
-            match obj.extract::<i64>() {
-                Ok(v) => leaf(
+            CNode::PyFloat => {
+                if !obj.is_exact_instance_of::<PyFloat>() {
+                    return Ok(false);
+                }
+                let v: f64 = obj.extract()?;
+                leaf(
                     flat,
-                    LeafKind::PyInt,
+                    LeafKind::PyFloat,
                     0,
                     vec![],
                     Payload::Owned(v.to_le_bytes().to_vec()),
-                ),
-                Err(_) => false,
+                )
             }
-        }
-        CNode::PyFloat => {
-            if !obj.is_exact_instance_of::<PyFloat>() {
-                return Ok(false);
-            }
-            let v: f64 = obj.extract()?;
-            leaf(
-                flat,
-                LeafKind::PyFloat,
-                0,
-                vec![],
-                Payload::Owned(v.to_le_bytes().to_vec()),
-            )
-        }
-        CNode::PyBool => {
-            if !obj.is_exact_instance_of::<PyBool>() {
-                return Ok(false);
-            }
-            let v = u8::from(obj.extract::<bool>()?);
-            leaf(flat, LeafKind::PyBool, 0, vec![], Payload::Owned(vec![v]))
-        }
-        CNode::None => {
-            if !obj.is_none() {
-                return Ok(false);
-            }
-            leaf(flat, LeafKind::None, 0, vec![], Payload::Owned(vec![]))
-        }
-        CNode::Tuple(items) => match obj.cast_exact::<PyTuple>() {
-            Ok(t) if t.len() == items.len() => walk_items(t.iter(), items, flat)?,
-            _ => false,
-        },
-        CNode::NamedTuple(ty, items) => {
-            if !obj.get_type().is(ty.bind(py)) {
-                return Ok(false);
-            }
-            match obj.cast::<PyTuple>() {
-                Ok(t) if t.len() == items.len() => walk_items(t.iter(), items, flat)?,
-                _ => false,
-            }
-        }
-        CNode::List(items) => match obj.cast_exact::<PyList>() {
-            Ok(l) if l.len() == items.len() => walk_items(l.iter(), items, flat)?,
-            _ => false,
-        },
-        CNode::Dict(items) => match obj.cast_exact::<PyDict>() {
-            // Same length and every compiled key present: the same keys.
-            Ok(d) if d.len() == items.len() => {
-                for (key, item) in items {
-                    match d.get_item(key.bind(py))? {
-                        Some(v) => {
-                            if !fast_walk(&v, item, flat)? {
-                                return Ok(false);
-                            }
-                        }
-                        None => return Ok(false),
-                    }
+            CNode::PyBool => {
+                if !obj.is_exact_instance_of::<PyBool>() {
+                    return Ok(false);
                 }
-                true
+                let v = u8::from(obj.extract::<bool>()?);
+                leaf(flat, LeafKind::PyBool, 0, vec![], Payload::Owned(vec![v]))
             }
-            _ => false,
-        },
-    })
-}
-
-fn walk_items<'py>(
-    values: impl Iterator<Item = Bound<'py, PyAny>>,
-    nodes: &[CNode],
-    flat: &mut Flat,
-) -> PyResult<bool> {
-    for (v, n) in values.zip(nodes) {
-        if !fast_walk(&v, n, flat)? {
-            return Ok(false);
-        }
+            CNode::None => {
+                if !obj.is_none() {
+                    return Ok(false);
+                }
+                leaf(flat, LeafKind::None, 0, vec![], Payload::Owned(vec![]))
+            }
+            CNode::Tuple(items) => match obj.cast_exact::<PyTuple>() {
+                Ok(t) if t.len() == items.len() => self.walk_items(t.iter(), items, flat)?,
+                _ => false,
+            },
+            CNode::NamedTuple(ty, items) => {
+                if !obj.get_type().is(ty.bind(py)) {
+                    return Ok(false);
+                }
+                match obj.cast::<PyTuple>() {
+                    Ok(t) if t.len() == items.len() => self.walk_items(t.iter(), items, flat)?,
+                    _ => false,
+                }
+            }
+            CNode::List(items) => match obj.cast_exact::<PyList>() {
+                Ok(l) if l.len() == items.len() => self.walk_items(l.iter(), items, flat)?,
+                _ => false,
+            },
+            CNode::Dict(items) => match obj.cast_exact::<PyDict>() {
+                // Same length and every compiled key present: the same keys.
+                Ok(d) if d.len() == items.len() => {
+                    for (key, item) in items {
+                        match d.get_item(key.bind(py))? {
+                            Some(v) => {
+                                if !self.fast_walk(&v, item, flat)? {
+                                    return Ok(false);
+                                }
+                            }
+                            None => return Ok(false),
+                        }
+                    }
+                    true
+                }
+                _ => false,
+            },
+        })
     }
-    Ok(true)
+
+    fn walk_items<'py>(
+        &mut self,
+        values: impl Iterator<Item = Bound<'py, PyAny>>,
+        nodes: &[CNode],
+        flat: &mut Flat,
+    ) -> PyResult<bool> {
+        for (v, n) in values.zip(nodes) {
+            if !self.fast_walk(&v, n, flat)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
 }
 
 /// Whether `current` (a stream's spec so far) is `spec`: the same compiled structure (one
@@ -805,7 +834,9 @@ enum Node {
     Leaf,
     Tuple(Vec<Node>),
     List(Vec<Node>),
-    Dict(Vec<(Py<PyString>, Node)>),
+    /// Its items, and a dict of its keys (values None) that each element's dict is copied
+    /// from: built at its final size, not grown key by key.
+    Dict(Vec<(Py<PyString>, Node)>, Py<PyDict>),
     NamedTuple(Py<PyAny>, Vec<Node>),
 }
 
@@ -822,13 +853,16 @@ impl Node {
             Spec::Leaf(_) => Node::Leaf,
             Spec::Tuple(i) => Node::Tuple(items(i)?),
             Spec::List(i) => Node::List(items(i)?),
-            Spec::Dict(kv) => Node::Dict(
-                kv.iter()
-                    .map(|(k, v)| {
-                        Ok((PyString::intern(py, k).unbind(), Node::new(py, v, classes)?))
-                    })
-                    .collect::<PyResult<_>>()?,
-            ),
+            Spec::Dict(kv) => {
+                let template = PyDict::new(py);
+                let mut items = Vec::with_capacity(kv.len());
+                for (k, v) in kv {
+                    let key = PyString::intern(py, k);
+                    template.set_item(&key, py.None())?;
+                    items.push((key.unbind(), Node::new(py, v, classes)?));
+                }
+                Node::Dict(items, template.unbind())
+            }
             Spec::NamedTuple {
                 module,
                 name,
@@ -908,8 +942,8 @@ fn build_node(
         Node::Leaf => leaves.next().ok_or_else(missing)?,
         Node::Tuple(i) => PyTuple::new(py, items(i, leaves)?)?.into_any().unbind(),
         Node::List(i) => PyList::new(py, items(i, leaves)?)?.into_any().unbind(),
-        Node::Dict(kv) => {
-            let d = PyDict::new(py);
+        Node::Dict(kv, template) => {
+            let d = template.bind(py).copy()?;
             for (k, v) in kv {
                 d.set_item(k.bind(py), build_node(py, v, leaves)?)?;
             }
@@ -1005,7 +1039,7 @@ pub fn copy_leaf(
     Ok(match desc.kind {
         LeafKind::Array => {
             let dtype = spec.dtypes[index].as_ref().expect("array leaf has a dtype");
-            let shape = PyTuple::new(py, &desc.dims)?;
+            let shape = PyTuple::new(py, desc.dims.iter())?;
             let arr = api.empty.bind(py).call1((shape, dtype.bind(py)))?;
             if !payload.is_empty() {
                 let held = HeldBuffer::get(&arr, ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS)
@@ -1073,7 +1107,7 @@ pub fn copy_leaf(
                 }
                 arr
             };
-            arr.call_method1("reshape", (PyTuple::new(py, &desc.dims)?,))?
+            arr.call_method1("reshape", (PyTuple::new(py, desc.dims.iter())?,))?
                 .unbind()
         }
         LeafKind::Scalar => unreachable!("scalars are decoded column-wise"),

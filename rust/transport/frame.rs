@@ -355,7 +355,43 @@ pub struct LeafDesc {
     pub itemsize: u32,
     pub offset: u64,
     pub nbytes: u64,
-    pub dims: Vec<u64>,
+    pub dims: Dims,
+}
+
+/// A leaf's dims: up to [`INLINE_DIMS`] held inline (no allocation per leaf of an element
+/// of many small arrays), more on the heap. Derefs to `[u64]`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Dims {
+    len: usize,
+    inline: [u64; INLINE_DIMS],
+    heap: Vec<u64>,
+}
+
+pub const INLINE_DIMS: usize = 4;
+
+impl Dims {
+    pub fn push(&mut self, d: u64) {
+        if self.len < INLINE_DIMS {
+            self.inline[self.len] = d;
+        } else {
+            if self.heap.is_empty() {
+                self.heap.extend_from_slice(&self.inline);
+            }
+            self.heap.push(d);
+        }
+        self.len += 1;
+    }
+}
+
+impl std::ops::Deref for Dims {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        if self.len <= INLINE_DIMS {
+            &self.inline[..self.len]
+        } else {
+            &self.heap
+        }
+    }
 }
 
 impl LeafDesc {
@@ -571,7 +607,7 @@ pub fn parse_leaves(
         if ndim != expected_ndim {
             return Err(corrupt(pos, "leaf ndim differs from the spec"));
         }
-        let mut dims = Vec::with_capacity(ndim);
+        let mut dims = Dims::default();
         for _ in 0..ndim {
             dims.push(r.u64()?);
         }

@@ -258,3 +258,14 @@ fn self_contained_element_round_trip_and_damage() {
     extra.extend_from_slice(&[0; 64]);
     assert!(err(&extra).contains("declares"));
 }
+
+#[test]
+fn dims_hold_few_inline_and_many_on_the_heap() {
+    for n in 0..10u64 {
+        let mut d = Dims::default();
+        for i in 0..n {
+            d.push(i * 3);
+        }
+        assert_eq!(&*d, &(0..n).map(|i| i * 3).collect::<Vec<_>>()[..]);
+    }
+}

@@ -80,13 +80,15 @@ fn decode_spec(py: Python<'_>, spec_bytes: &[u8], frame_start: u64) -> PyResult<
     // Resolving imports namedtuple classes (Python code): outside the lock.
     let spec = Spec::decode(spec_bytes)?;
     let spec = Arc::new(DecodeSpec::new(py, spec, frame_start)?);
+    let mut evicted = None;
     if let Ok(mut guard) = SPECS.lock() {
         let map = guard.get_or_insert_with(HashMap::new);
         if map.len() >= MAX_SPECS {
-            map.clear();
+            evicted = Some(std::mem::take(map));
         }
         map.insert(spec_bytes.to_vec(), spec.clone());
     }
+    drop(evicted); // its Python objects go after the lock is released
     Ok(spec)
 }
 

@@ -47,7 +47,7 @@ pub fn encode_element<'py>(
         objects,
         ..
     } = flat;
-    let plan = FramePlan::data(0, leaves);
+    let plan = FramePlan::data_aligned(0, leaves, false);
     let total = prefix.len() + plan.total_bytes as usize;
     let out = PyBytes::new_with(py, total, |buf| {
         buf[..prefix.len()].copy_from_slice(&prefix);

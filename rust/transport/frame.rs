@@ -439,6 +439,12 @@ pub struct LeafIn<'a> {
 impl<'a> FramePlan<'a> {
     /// Lays out a DATA frame of `leaves` (seq filled in at write time).
     pub fn data(spec_id: u32, leaves: Vec<LeafIn<'a>>) -> Self {
+        Self::data_aligned(spec_id, leaves, true)
+    }
+
+    /// As [`FramePlan::data`]; `page_align_large` false keeps every payload 64-B aligned
+    /// (a self-contained element, which is never leased page by page, wastes no padding).
+    pub fn data_aligned(spec_id: u32, leaves: Vec<LeafIn<'a>>, page_align_large: bool) -> Self {
         let descs_len: u64 = leaves
             .iter()
             .map(|l| LeafDesc::encoded_len(l.dims.len()))
@@ -461,7 +467,7 @@ impl<'a> FramePlan<'a> {
         let mut payload_bytes = 0;
         for leaf in leaves {
             let n = leaf.payload.as_slice().len() as u64;
-            let align = if n >= LEASE_ALIGN_MIN {
+            let align = if page_align_large && n >= LEASE_ALIGN_MIN {
                 page_align = true;
                 LEASE_ALIGN
             } else {

@@ -269,3 +269,21 @@ fn dims_hold_few_inline_and_many_on_the_heap() {
         assert_eq!(&*d, &(0..n).map(|i| i * 3).collect::<Vec<_>>()[..]);
     }
 }
+
+#[test]
+fn packed_frames_keep_large_payloads_64_byte_aligned() {
+    let big = vec![7u8; 100_000];
+    let leaf = |p: &'static [u8]| LeafIn {
+        kind: LeafKind::Array,
+        itemsize: 1,
+        dims: vec![p.len() as u64],
+        payload: Payload::Borrowed(p),
+    };
+    let big: &'static [u8] = Box::leak(big.into_boxed_slice());
+    let paged = FramePlan::data(0, vec![leaf(big)]);
+    let packed = FramePlan::data_aligned(0, vec![leaf(big)], false);
+    assert!(paged.page_align && !packed.page_align);
+    assert_eq!(paged.payloads[0].0 % LEASE_ALIGN, 0);
+    assert_eq!(packed.payloads[0].0, 64);
+    assert_eq!(packed.total_bytes, (64 + 100_000u64).next_multiple_of(64));
+}

@@ -17,7 +17,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyT
 use pyo3::{ffi, intern};
 
 use crate::error::Error;
-use crate::transport::frame::{self, LeafDesc, LeafIn, LeafKind, LeafSpec, Payload, Spec};
+use crate::transport::frame::{self, Dims, LeafDesc, LeafIn, LeafKind, LeafSpec, Payload, Spec};
 use crate::transport::npy;
 
 /// numpy, pickle and collections callables, imported once.
@@ -509,7 +509,7 @@ impl Encoder {
         flat.leaves.push(LeafIn {
             kind,
             itemsize,
-            dims,
+            dims: dims.into(),
             payload,
         });
         Spec::Leaf(LeafSpec {
@@ -664,7 +664,7 @@ impl Encoder {
                     let spec = self.array_leaf(obj, flat)?;
                     return Ok(matches!(spec, Spec::Leaf(l) if l.kind == LeafKind::Array));
                 }
-                let dims: Vec<u64> = info.dims.iter().map(|&d| d as u64).collect();
+                let dims: Dims = info.dims.iter().map(|&d| d as u64).collect();
                 let n = dims.iter().product::<u64>() * u64::from(*itemsize);
                 let bytes: &'static [u8] = if n == 0 || info.data.is_null() {
                     &[]
@@ -693,7 +693,7 @@ impl Encoder {
                         flat,
                         LeafKind::Scalar,
                         *itemsize,
-                        vec![],
+                        Dims::default(),
                         Payload::Owned(b.bytes().to_vec()),
                     ),
                     _ => false,
@@ -706,7 +706,13 @@ impl Encoder {
                     let s: &'static [u8] =
                         unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
                     flat.objects.push(obj.clone().unbind());
-                    leaf(flat, LeafKind::Bytes, 0, vec![], Payload::Borrowed(s))
+                    leaf(
+                        flat,
+                        LeafKind::Bytes,
+                        0,
+                        Dims::default(),
+                        Payload::Borrowed(s),
+                    )
                 }
                 Err(_) => false,
             },
@@ -717,7 +723,13 @@ impl Encoder {
                     let b: &'static [u8] =
                         unsafe { std::slice::from_raw_parts(text.as_ptr(), text.len()) };
                     flat.objects.push(obj.clone().unbind());
-                    leaf(flat, LeafKind::Str, 0, vec![], Payload::Borrowed(b))
+                    leaf(
+                        flat,
+                        LeafKind::Str,
+                        0,
+                        Dims::default(),
+                        Payload::Borrowed(b),
+                    )
                 }
                 _ => false,
             },
@@ -730,7 +742,7 @@ impl Encoder {
                         flat,
                         LeafKind::PyInt,
                         0,
-                        vec![],
+                        Dims::default(),
                         Payload::Owned(v.to_le_bytes().to_vec()),
                     ),
                     Err(_) => false,
@@ -745,7 +757,7 @@ impl Encoder {
                     flat,
                     LeafKind::PyFloat,
                     0,
-                    vec![],
+                    Dims::default(),
                     Payload::Owned(v.to_le_bytes().to_vec()),
                 )
             }
@@ -754,13 +766,25 @@ impl Encoder {
                     return Ok(false);
                 }
                 let v = u8::from(obj.extract::<bool>()?);
-                leaf(flat, LeafKind::PyBool, 0, vec![], Payload::Owned(vec![v]))
+                leaf(
+                    flat,
+                    LeafKind::PyBool,
+                    0,
+                    Dims::default(),
+                    Payload::Owned(vec![v]),
+                )
             }
             CNode::None => {
                 if !obj.is_none() {
                     return Ok(false);
                 }
-                leaf(flat, LeafKind::None, 0, vec![], Payload::Owned(vec![]))
+                leaf(
+                    flat,
+                    LeafKind::None,
+                    0,
+                    Dims::default(),
+                    Payload::Owned(vec![]),
+                )
             }
             CNode::Tuple(items) => match obj.cast_exact::<PyTuple>() {
                 Ok(t) if t.len() == items.len() => self.walk_items(t.iter(), items, flat)?,

@@ -383,6 +383,22 @@ impl Dims {
     }
 }
 
+impl From<Vec<u64>> for Dims {
+    fn from(v: Vec<u64>) -> Self {
+        v.into_iter().collect()
+    }
+}
+
+impl FromIterator<u64> for Dims {
+    fn from_iter<I: IntoIterator<Item = u64>>(iter: I) -> Self {
+        let mut d = Dims::default();
+        for x in iter {
+            d.push(x);
+        }
+        d
+    }
+}
+
 impl std::ops::Deref for Dims {
     type Target = [u64];
     fn deref(&self) -> &[u64] {
@@ -432,7 +448,7 @@ pub struct FramePlan<'a> {
 pub struct LeafIn<'a> {
     pub kind: LeafKind,
     pub itemsize: u32,
-    pub dims: Vec<u64>,
+    pub dims: Dims,
     pub payload: Payload<'a>,
 }
 
@@ -480,7 +496,7 @@ impl<'a> FramePlan<'a> {
             head.extend_from_slice(&leaf.itemsize.to_le_bytes());
             head.extend_from_slice(&off.to_le_bytes());
             head.extend_from_slice(&n.to_le_bytes());
-            for d in &leaf.dims {
+            for d in leaf.dims.iter() {
                 head.extend_from_slice(&d.to_le_bytes());
             }
             payloads.push((off, leaf.payload));

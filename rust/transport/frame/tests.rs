@@ -47,13 +47,13 @@ fn two_leaf_frame(n: u64, items: &[&[u8]]) -> (Vec<u8>, [LeafSpec; 2]) {
         LeafIn {
             kind: LeafKind::Array,
             itemsize: 2,
-            dims: vec![n, 3],
+            dims: vec![n, 3].into(),
             payload: Payload::Owned(array),
         },
         LeafIn {
             kind: LeafKind::VarBytes,
             itemsize: 0,
-            dims: vec![items.len() as u64],
+            dims: vec![items.len() as u64].into(),
             payload: Payload::Owned(varbytes_payload(items)),
         },
     ];
@@ -158,13 +158,13 @@ fn data_frame_round_trip() {
         LeafIn {
             kind: LeafKind::Array,
             itemsize: 1,
-            dims: vec![100_000],
+            dims: vec![100_000].into(),
             payload: Payload::Borrowed(&data),
         },
         LeafIn {
             kind: LeafKind::PyInt,
             itemsize: 0,
-            dims: vec![],
+            dims: vec![].into(),
             payload: Payload::Owned(5i64.to_le_bytes().to_vec()),
         },
     ];
@@ -219,7 +219,7 @@ fn self_contained_element_round_trip_and_damage() {
         vec![LeafIn {
             kind: LeafKind::Array,
             itemsize: 4,
-            dims: vec![2],
+            dims: vec![2].into(),
             payload: Payload::Borrowed(&payload),
         }],
     );
@@ -276,7 +276,7 @@ fn packed_frames_keep_large_payloads_64_byte_aligned() {
     let leaf = |p: &'static [u8]| LeafIn {
         kind: LeafKind::Array,
         itemsize: 1,
-        dims: vec![p.len() as u64],
+        dims: vec![p.len() as u64].into(),
         payload: Payload::Borrowed(p),
     };
     let big: &'static [u8] = Box::leak(big.into_boxed_slice());

@@ -55,6 +55,9 @@ pub enum Error {
     /// The bytes of a shared-memory ring are not well-formed frames (never trusted).
     #[error("shared-memory ring corrupted at position {pos}: {what}")]
     RingCorrupted { pos: u64, what: String },
+    /// A self-contained element (the gRPC path's) that is not well-formed (never trusted).
+    #[error("damaged element of {len} bytes (at byte {offset}): {what}")]
+    ElementCorrupted { offset: u64, len: u64, what: String },
     /// A ring size that is not a power of two in [64 KiB, 4 GiB].
     #[error("shm ring size {capacity_bytes} bytes is not a power of two between 64 KiB and 4 GiB")]
     InvalidRingSize { capacity_bytes: u64 },
@@ -166,6 +169,11 @@ impl Clone for Error {
                 pos: *pos,
                 what: what.clone(),
             },
+            Error::ElementCorrupted { offset, len, what } => Error::ElementCorrupted {
+                offset: *offset,
+                len: *len,
+                what: what.clone(),
+            },
             Error::InvalidRingSize { capacity_bytes } => Error::InvalidRingSize {
                 capacity_bytes: *capacity_bytes,
             },
@@ -225,7 +233,9 @@ mod python {
                 Error::UnknownCompression(_) | Error::Closed { .. } => {
                     PyValueError::new_err(message)
                 }
-                Error::RingCorrupted { .. } => dataservice_error("DataLossError", message),
+                Error::RingCorrupted { .. } | Error::ElementCorrupted { .. } => {
+                    dataservice_error("DataLossError", message)
+                }
                 Error::ShmExhausted { .. } => dataservice_error("ResourceExhaustedError", message),
                 Error::ElementTooLarge { .. } => dataservice_error("ElementTooLargeError", message),
                 Error::PeerDied { .. } => dataservice_error("UnavailableError", message),

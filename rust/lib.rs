@@ -19,6 +19,9 @@ fn _core(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     m.add_function(wrap_pyfunction!(py::tfrecord::read_tfrecord_file, m)?)?;
     m.add_function(wrap_pyfunction!(py::tfrecord::crc32c, m)?)?;
     m.add_function(wrap_pyfunction!(py::tfrecord::masked_crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(py::element::encode_element, m)?)?;
+    m.add_function(wrap_pyfunction!(py::element::decode_element, m)?)?;
+    m.add_class::<py::element::PyElementCheck>()?;
     m.add_class::<py::producer::PyRingProducer>()?;
     m.add_class::<py::consumer::PyRingConsumer>()?;
     m.add_class::<py::lease::PyLease>()?;

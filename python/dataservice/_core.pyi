@@ -13,6 +13,7 @@ from typing import Any, Self, final
 from typing_extensions import Buffer
 
 __all__ = [
+    "ElementCheck",
     "RingLease",
     "ShmRingConsumer",
     "ShmRingProducer",
@@ -21,6 +22,8 @@ __all__ = [
     "TFRecordReader",
     "TFRecordWriter",
     "crc32c",
+    "decode_element",
+    "encode_element",
     "masked_crc32c",
     "read_tfrecord_file",
 ]
@@ -148,6 +151,47 @@ def crc32c(data: Buffer) -> int:
 def masked_crc32c(data: Buffer) -> int:
     """The masked CRC32C TFRecord stores: ((crc >> 15) | (crc << 17)) + 0xa282ead8 (mod 2**32)."""
 
+def encode_element(element: Any) -> bytes:
+    """`element` as one self-contained buffer (the gRPC path's form): its structure, then
+    one DATA frame of its leaves, encoded as the shared-memory ring encodes them (numpy
+    arrays of any fixed-size dtype, numpy scalars, bytes, str, int/float/bool/None, object
+    arrays of bytes, nested tuple/list/dict/namedtuple; anything else pickled). Structures
+    of recent elements stay compiled, so an element of a known structure is walked once,
+    with no Python call per leaf.
+
+    Raises:
+        Exception: What pickling a leaf raises (e.g. TypeError for a lock).
+    """
+
+def decode_element(data: Buffer) -> Any:
+    """Rebuilds an element from `encode_element`'s bytes. Numpy leaves come back
+    writeable: views of `data` (through a memoryview) when it is a bytearray, else copied
+    out of it (small array leaves into one shared buffer, each a view of it).
+
+    Raises:
+        dataservice.errors.DataLossError: `data` is not an encoded element or is damaged
+            (the message says what and at which byte).
+        TypeError: `data` is not a buffer.
+    """
+
+@final
+class ElementCheck:
+    """A stream's element structure, learnt from one element, that later elements are
+    checked against in one walk, without a Python call per leaf. An element matches when
+    its containers have the same exact types, lengths and dict keys and each leaf the
+    same exact type (arrays: the same dtype object and rank); a match has the learnt
+    element's `dataservice.transfer.codec.signature`. Thread-compatible."""
+
+    def __new__(cls) -> Self: ...
+    def learn(self, element: Any) -> bool:
+        """Learns `element`'s structure; False (and nothing learnt) if it holds anything
+        but plain numpy values (numpy arrays without objects and numeric numpy scalars,
+        bytes, str, int, float, bool, None; exact tuples, lists, dicts with str keys and
+        namedtuples), is nested deeper than 32 or holds more than 10,000 values."""
+    def nbytes_if_same(self, element: Any) -> int | None:
+        """The element's bytes as `codec.element_nbytes` counts them if it has the learnt
+        structure, else None."""
+
 @final
 class ShmRingProducer:
     """The producer (worker) end of a shared-memory ring: creates a sealed, pre-faulted
@@ -208,8 +252,11 @@ class ShmRingConsumer:
     """The consumer (trainer) end of a shared-memory ring: maps a received memfd after
     checking its seals, size, magic, layout version and nonce. One consumer thread.
 
-    Numpy leaves of at least `copy_threshold_bytes` come back as writeable views of the
-    ring (page-aligned), kept valid by a `RingLease`; smaller leaves are copied. While
+    The numpy array leaves of an element whose array leaves hold at least
+    `copy_threshold_bytes` in all come back as writeable views of the ring (those of at
+    least 64 KiB page-aligned), kept valid by one `RingLease` over the element's frame: an
+    element of many small leaves costs a view per leaf, not a copy. Smaller elements are
+    copied (their small array leaves into one private buffer, each a view of it). While
     leased frames would pin more than `max_pinned_fraction` of the ring, frames are copied
     instead; if the producer still stalls on leased frames, they are moved to private
     memory (detach), so keeping every element never deadlocks.
@@ -220,7 +267,8 @@ class ShmRingConsumer:
         pid: The producer's pid, watched with a pidfd.
         nonce: The 16 bytes from the handshake.
         zero_copy: False copies every leaf.
-        copy_threshold_bytes: Smallest leaf handed out as a view (bytes).
+        copy_threshold_bytes: Smallest total of an element's array bytes handed out as
+            views (bytes).
         max_pinned_fraction: Share of the ring leases may pin before frames are copied.
 
     Raises:

@@ -97,29 +97,34 @@ impl ConsumerState {
                     let frame_end = f.pos + f.len;
                     // The frame's lease, made at its first leased leaf (copy on pressure:
                     // only while pinned bytes stay under the cap), or None to copy it all.
-                    let mut owner: Option<Option<LeaseOwner>> = None;
+                    // One RingLease spans the frame; each leased leaf is a view of it at
+                    // its offset. Leased: every array leaf of a frame whose array bytes
+                    // reach the threshold, so many small leaves cost a view each, not a copy.
+                    let mut owner: Option<Option<Bound<'py, PyAny>>> = None;
                     let (zero_copy, threshold, max_pinned) =
                         (self.zero_copy, self.copy_threshold, self.max_pinned);
+                    let (frame_ptr, frame_len) = (bytes.as_ptr(), bytes.len());
                     let ring = &mut self.ring;
                     let mut lease = |py: Python<'py>,
-                                     d: &frame::LeafDesc,
-                                     payload: &[u8]|
-                     -> PyResult<Option<Bound<'py, PyLease>>> {
-                        if !zero_copy || d.nbytes < threshold {
+                                     _: &frame::LeafDesc,
+                                     payload: &[u8],
+                                     array_bytes: u64|
+                     -> PyResult<Option<(Bound<'py, PyAny>, *const u8)>> {
+                        if !zero_copy || array_bytes < threshold {
                             return Ok(None);
                         }
-                        let owner = owner.get_or_insert_with(|| {
+                        if owner.is_none() {
                             let (pinned_start, _) = ring.reclaim.pinned();
-                            (frame_end - pinned_start <= max_pinned)
-                                .then(|| LeaseOwner::Frame(Arc::new(ring.lease(frame_end))))
-                        });
-                        match owner {
-                            Some(o) => Ok(Some(Bound::new(
-                                py,
-                                PyLease::new(o.clone_ref(), payload.as_ptr(), payload.len()),
-                            )?)),
-                            None => Ok(None),
+                            owner = Some(if frame_end - pinned_start <= max_pinned {
+                                let o = LeaseOwner::Frame(Arc::new(ring.lease(frame_end)));
+                                let l = PyLease::new(o, frame_ptr, frame_len);
+                                Some(Bound::new(py, l)?.into_any())
+                            } else {
+                                None
+                            });
                         }
+                        let buf = owner.as_ref().and_then(|o| o.as_ref());
+                        Ok(buf.map(|b| (b.clone(), payload.as_ptr())))
                     };
                     let r = match &self.spec {
                         Some((id, spec)) => {
@@ -146,18 +151,23 @@ impl ConsumerState {
                     if let Some(buf) = self.stream.chunks.finish(header.flags, f.pos)? {
                         let whole = buf.as_slice();
                         let (zero_copy, threshold) = (self.zero_copy, self.copy_threshold);
-                        let mut lease =
-                            |py: Python<'py>,
-                             d: &frame::LeafDesc,
-                             payload: &[u8]|
-                             -> PyResult<Option<Bound<'py, PyLease>>> {
-                                if !zero_copy || d.nbytes < threshold {
-                                    return Ok(None);
-                                }
+                        // One RingLease over the rebuilt element, as for a DATA frame.
+                        let mut whole_lease: Option<Bound<'py, PyAny>> = None;
+                        let mut lease = |py: Python<'py>,
+                                         _: &frame::LeafDesc,
+                                         payload: &[u8],
+                                         array_bytes: u64|
+                         -> PyResult<Option<(Bound<'py, PyAny>, *const u8)>> {
+                            if !zero_copy || array_bytes < threshold {
+                                return Ok(None);
+                            }
+                            if whole_lease.is_none() {
                                 let owner = LeaseOwner::Heap(buf.clone());
-                                let lease = PyLease::new(owner, payload.as_ptr(), payload.len());
-                                Ok(Some(Bound::new(py, lease)?))
-                            };
+                                let l = PyLease::new(owner, whole.as_ptr(), whole.len());
+                                whole_lease = Some(Bound::new(py, l)?.into_any());
+                            }
+                            Ok(whole_lease.clone().map(|b| (b, payload.as_ptr())))
+                        };
                         let (id, spec) = self.spec(f.pos)?;
                         self.leased += decode::decode_data(
                             py, whole, f.pos, id, spec, &mut batch, &mut lease,
@@ -208,7 +218,8 @@ type GetMany<'py> = (Bound<'py, PyList>, u64, bool, Option<(String, String)>);
 ///     control_fd: The handshake socket, watched for HUP (duplicated here).
 ///     pid: The producer's pid (a pidfd is watched).
 ///     nonce: The handshake's nonce; the ring's header must carry the same.
-///     zero_copy: Hand out numpy leaves >= `copy_threshold_bytes` as views of the ring.
+///     zero_copy: Hand out the numpy leaves of an element whose array leaves hold
+///         >= `copy_threshold_bytes` in all as views of the ring (one lease per frame).
 ///     max_pinned_fraction: Lease only while the held span stays under this share of the
 ///         ring; beyond it frames are copied (copy on pressure).
 ///

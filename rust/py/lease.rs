@@ -23,16 +23,6 @@ pub(crate) enum LeaseOwner {
     Window(#[allow(dead_code)] Arc<WindowLeaf>),
 }
 
-impl LeaseOwner {
-    pub(crate) fn clone_ref(&self) -> LeaseOwner {
-        match self {
-            LeaseOwner::Frame(f) => LeaseOwner::Frame(f.clone()),
-            LeaseOwner::Heap(h) => LeaseOwner::Heap(h.clone()),
-            LeaseOwner::Window(w) => LeaseOwner::Window(w.clone()),
-        }
-    }
-}
-
 /// A writable buffer over one leaf of a ring frame (or of a reassembled element, or of the
 /// cache window); numpy views made from it keep it, and so the frame, alive. Frozen; any
 /// thread.

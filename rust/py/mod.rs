@@ -5,6 +5,7 @@
 
 pub mod consumer;
 pub mod decode;
+pub mod element;
 pub mod lease;
 pub mod producer;
 pub mod tfrecord;

@@ -36,7 +36,7 @@ impl Unlock for Gil<'_> {
 struct ProducerState {
     writer: FrameWriter,
     encoder: Encoder,
-    spec: Option<Spec>,
+    spec: Option<Arc<Spec>>,
     pid: u32,
     max_element_bytes: u64,
     elements: u64,
@@ -157,7 +157,7 @@ impl PyRingProducer {
             for element in elements.try_iter()? {
                 let element = element?;
                 let flat = s.encoder.flatten(&element)?;
-                if s.spec.as_ref() != Some(&flat.spec) {
+                if !codec::same_spec(s.spec.as_ref(), &flat.spec) {
                     flush(&mut s.writer, &mut holders, &mut objects);
                     let mut spec_bytes = Vec::new();
                     flat.spec.encode(&mut spec_bytes);

@@ -200,8 +200,9 @@ impl PyWindowReader {
             let mut leased = 0u64;
             let mut lease = |py: Python<'py>,
                              d: &LeafDesc,
-                             _: &[u8]|
-             -> PyResult<Option<Bound<'py, PyLease>>> {
+                             _: &[u8],
+                             _: u64|
+             -> PyResult<Option<(Bound<'py, PyAny>, *const u8)>> {
                 if !zero_copy || d.nbytes < threshold {
                     return Ok(None);
                 }
@@ -211,10 +212,8 @@ impl PyWindowReader {
                 let ptr = leaf.ptr();
                 leased += 1;
                 let owner = LeaseOwner::Window(leaf);
-                Ok(Some(Bound::new(
-                    py,
-                    PyLease::new(owner, ptr, d.nbytes as usize),
-                )?))
+                let lease = PyLease::new(owner, ptr, d.nbytes as usize);
+                Ok(Some((Bound::new(py, lease)?.into_any(), ptr)))
             };
             let element = decode::decode_element(py, bytes, frame_pos, &s.specs, &mut lease)?;
             s.leased += leased;

@@ -33,7 +33,7 @@ fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> PyResult<MutexGuard<'a, T>> {
 struct WriterState {
     window: WindowWriter,
     encoder: Encoder,
-    spec: Option<Spec>,
+    spec: Option<Arc<Spec>>,
     spec_id: u32,
     /// Encoded specs by id (sent to trainers that have not seen them).
     spec_bodies: HashMap<u32, Vec<u8>>,
@@ -92,7 +92,7 @@ impl PyWindowWriter {
         let mut g = lock(&self.state, "cache window writer")?;
         let s = &mut *g;
         let flat = s.encoder.flatten(element)?;
-        if s.spec.as_ref() != Some(&flat.spec) {
+        if !codec::same_spec(s.spec.as_ref(), &flat.spec) {
             let mut body = Vec::new();
             flat.spec.encode(&mut body);
             s.spec_id = s.spec_id.wrapping_add(1);
@@ -238,7 +238,7 @@ impl PyWindowWriter {
             let bytes = unsafe {
                 std::slice::from_raw_parts(s.window.map().data().add(slot as usize), f.len as usize)
             };
-            let mut copy = |_: Python<'py>, _: &LeafDesc, _: &[u8]| Ok(None);
+            let mut copy = |_: Python<'py>, _: &LeafDesc, _: &[u8], _: u64| Ok(None);
             out.append(decode::decode_element(
                 py,
                 bytes,

@@ -110,6 +110,11 @@ impl HeapBuf {
         // SAFETY: ptr/len is our own live allocation.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
+
+    /// The start of the `len` bytes, for the one writer that fills them before sharing.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
 }
 
 impl Drop for HeapBuf {

@@ -8,6 +8,7 @@
 //! hands out large ones as views kept alive by a lease (see `rust/py/decode.rs`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -16,7 +17,8 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyT
 use pyo3::{ffi, intern};
 
 use crate::error::Error;
-use crate::transport::frame::{self, LeafDesc, LeafIn, LeafKind, LeafSpec, Payload, Spec};
+use crate::transport::frame::{self, Dims, LeafDesc, LeafIn, LeafKind, LeafSpec, Payload, Spec};
+use crate::transport::npy;
 
 /// numpy, pickle and collections callables, imported once.
 pub struct Api {
@@ -63,7 +65,7 @@ pub struct HeldBuffer {
 
 impl HeldBuffer {
     /// `PyObject_GetBuffer(obj, flags)`, or None (error cleared) if `obj` refuses.
-    fn get(obj: &Bound<'_, PyAny>, flags: std::ffi::c_int) -> Option<Self> {
+    pub fn get(obj: &Bound<'_, PyAny>, flags: std::ffi::c_int) -> Option<Self> {
         let mut view = Box::new(ffi::Py_buffer::new());
         // SAFETY: obj is a live object (we hold the GIL via Bound); view is a valid,
         // zeroed Py_buffer we own.
@@ -76,7 +78,7 @@ impl HeldBuffer {
         Some(HeldBuffer { view })
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub fn bytes(&self) -> &[u8] {
         if self.view.len == 0 || self.view.buf.is_null() {
             return &[];
         }
@@ -126,15 +128,61 @@ struct DtypeInfo {
 }
 
 /// Producer side: flattens elements into leaves and tracks the current spec.
+///
+/// The structures of the last few elements are kept compiled ([`Compiled`]): an element of
+/// one of them is flattened by walking it along that structure (dict items looked up by
+/// their cached key objects, arrays read through numpy's struct), without building or
+/// comparing a `Spec`; any difference sends it down the general walk, which compiles its
+/// structure in turn.
 #[derive(Default)]
 pub struct Encoder {
     dtypes: HashMap<usize, DtypeInfo>,
     scalar_types: HashMap<usize, DtypeInfo>,
+    /// Most recently used first, at most `MAX_COMPILED`.
+    compiled: Vec<Compiled>,
+}
+
+/// Structures an encoder keeps compiled: a stream's, and a few more for an encoder shared
+/// by several streams (the gRPC path's).
+const MAX_COMPILED: usize = 4;
+/// Most leaves a frame holds (its header counts them in a u16); an element with more is
+/// pickled whole, as one leaf.
+pub const MAX_LEAVES: usize = u16::MAX as usize;
+
+/// A structure seen before, with the Python objects that identify its parts.
+struct Compiled {
+    spec: Arc<Spec>,
+    node: CNode,
+}
+
+/// One node of a compiled structure: what an element's value there must be.
+enum CNode {
+    /// An exact numpy.ndarray of this dtype object (native, raw), C-contiguous, of `ndim`.
+    Array {
+        dtype: Py<PyAny>,
+        ndim: usize,
+        itemsize: u32,
+    },
+    /// A numpy scalar of this exact type.
+    Scalar {
+        ty: Py<PyType>,
+        itemsize: u32,
+    },
+    Bytes,
+    Str,
+    PyInt,
+    PyFloat,
+    PyBool,
+    None,
+    Tuple(Vec<CNode>),
+    List(Vec<CNode>),
+    Dict(Vec<(Py<PyString>, CNode)>),
+    NamedTuple(Py<PyType>, Vec<CNode>),
 }
 
 /// One flattened element: its structure, leaves, and the buffers pinning the leaves' bytes.
 pub struct Flat {
-    pub spec: Spec,
+    pub spec: Arc<Spec>,
     pub leaves: Vec<LeafIn<'static>>,
     /// Must outlive every use of `leaves` (their Borrowed slices point into these).
     pub holders: Vec<HeldBuffer>,
@@ -172,13 +220,132 @@ impl Encoder {
     /// Flattens `obj` into leaves (tf.nest order: dicts by sorted key).
     pub fn flatten(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Flat> {
         let mut flat = Flat {
-            spec: Spec::Tuple(vec![]),
+            spec: Arc::new(Spec::Tuple(vec![])),
             leaves: Vec::new(),
             holders: Vec::new(),
             objects: Vec::new(),
         };
-        flat.spec = self.walk(obj, &mut flat, 0)?;
+        // Taken out for the walk, which may use the general path for a leaf (&mut self).
+        let mut compiled = std::mem::take(&mut self.compiled);
+        let mut hit = None;
+        for i in 0..compiled.len() {
+            match self.fast_walk(obj, &compiled[i].node, &mut flat) {
+                Ok(true) => {
+                    hit = Some(i);
+                    break;
+                }
+                Ok(false) => {
+                    flat.leaves.clear();
+                    flat.holders.clear();
+                    flat.objects.clear();
+                }
+                Err(e) => {
+                    self.compiled = compiled;
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(i) = hit {
+            let c = compiled.remove(i);
+            flat.spec = c.spec.clone();
+            compiled.insert(0, c);
+            self.compiled = compiled;
+            return Ok(flat);
+        }
+        self.compiled = compiled;
+        let spec = self.walk(obj, &mut flat, 0)?;
+        if flat.leaves.len() > MAX_LEAVES {
+            flat.leaves.clear();
+            flat.holders.clear();
+            flat.objects.clear();
+            let spec = self.pickle_leaf(obj, &mut flat)?;
+            flat.spec = Arc::new(spec);
+            return Ok(flat);
+        }
+        let spec = Arc::new(spec);
+        if let Some(node) = self.compile(obj, &spec)? {
+            self.compiled.retain(|c| *c.spec != *spec);
+            self.compiled.truncate(MAX_COMPILED - 1);
+            self.compiled.insert(
+                0,
+                Compiled {
+                    spec: spec.clone(),
+                    node,
+                },
+            );
+        }
+        flat.spec = spec;
         Ok(flat)
+    }
+
+    /// The compiled form of `spec`, the structure the general walk found for `obj`; None if
+    /// a leaf has no fast form (pickled, object array, byte-swapped, a subclass, ...).
+    fn compile(&mut self, obj: &Bound<'_, PyAny>, spec: &Spec) -> PyResult<Option<CNode>> {
+        let py = obj.py();
+        Ok(Some(match spec {
+            Spec::Leaf(leaf) => match leaf.kind {
+                LeafKind::Array => {
+                    if !npy::is_exact_ndarray(obj)? {
+                        return Ok(None);
+                    }
+                    let dtype = obj.getattr(intern!(py, "dtype"))?;
+                    let info = self.dtype_info(&dtype)?;
+                    if !info.raw_ok || !info.native || info.str_ != leaf.dtype {
+                        return Ok(None);
+                    }
+                    CNode::Array {
+                        dtype: dtype.unbind(),
+                        ndim: leaf.ndim as usize,
+                        itemsize: info.itemsize,
+                    }
+                }
+                LeafKind::Scalar => CNode::Scalar {
+                    ty: obj.get_type().unbind(),
+                    itemsize: leaf.itemsize,
+                },
+                LeafKind::Bytes => CNode::Bytes,
+                LeafKind::Str => CNode::Str,
+                LeafKind::PyInt => CNode::PyInt,
+                LeafKind::PyFloat => CNode::PyFloat,
+                LeafKind::PyBool => CNode::PyBool,
+                LeafKind::None => CNode::None,
+                LeafKind::Pickle | LeafKind::VarBytes => return Ok(None),
+            },
+            Spec::Tuple(items) | Spec::List(items) | Spec::NamedTuple { items, .. } => {
+                let seq = obj.cast::<PyTuple>().map(|t| t.iter().collect::<Vec<_>>());
+                let seq = match seq {
+                    Ok(v) => v,
+                    Err(_) => obj.cast::<PyList>()?.iter().collect(),
+                };
+                let mut nodes = Vec::with_capacity(items.len());
+                for (item, s) in seq.iter().zip(items) {
+                    match self.compile(item, s)? {
+                        Some(n) => nodes.push(n),
+                        None => return Ok(None),
+                    }
+                }
+                match spec {
+                    Spec::Tuple(_) => CNode::Tuple(nodes),
+                    Spec::List(_) => CNode::List(nodes),
+                    _ => CNode::NamedTuple(obj.get_type().unbind(), nodes),
+                }
+            }
+            Spec::Dict(items) => {
+                let d = obj.cast::<PyDict>()?;
+                let mut nodes = Vec::with_capacity(items.len());
+                for (k, s) in items {
+                    let key = PyString::intern(py, k);
+                    let Some(item) = d.get_item(&key)? else {
+                        return Ok(None);
+                    };
+                    match self.compile(&item, s)? {
+                        Some(n) => nodes.push((key.unbind(), n)),
+                        None => return Ok(None),
+                    }
+                }
+                CNode::Dict(nodes)
+            }
+        }))
     }
 
     fn walk(&mut self, obj: &Bound<'_, PyAny>, flat: &mut Flat, depth: usize) -> PyResult<Spec> {
@@ -342,7 +509,7 @@ impl Encoder {
         flat.leaves.push(LeafIn {
             kind,
             itemsize,
-            dims,
+            dims: dims.into(),
             payload,
         });
         Spec::Leaf(LeafSpec {
@@ -458,12 +625,281 @@ impl Encoder {
     }
 }
 
-/// A spec as the consumer uses it: numpy dtypes and namedtuple classes resolved once.
+impl Encoder {
+    /// Flattens `obj` along the compiled structure `node` into `flat`'s leaves; false (leaves
+    /// partly filled, for the caller to clear) as soon as `obj` differs from it.
+    fn fast_walk(
+        &mut self,
+        obj: &Bound<'_, PyAny>,
+        node: &CNode,
+        flat: &mut Flat,
+    ) -> PyResult<bool> {
+        let py = obj.py();
+        let leaf = |flat: &mut Flat, kind, itemsize, dims, payload| {
+            flat.leaves.push(LeafIn {
+                kind,
+                itemsize,
+                dims,
+                payload,
+            });
+            true
+        };
+        Ok(match node {
+            CNode::Array {
+                dtype,
+                ndim,
+                itemsize,
+            } => {
+                if !npy::is_exact_ndarray(obj)? {
+                    return Ok(false);
+                }
+                let Some(info) = npy::array_info(obj)? else {
+                    return Ok(false);
+                };
+                if info.descr != dtype.as_ptr() || info.dims.len() != *ndim {
+                    return Ok(false);
+                }
+                if !info.c_contiguous {
+                    // A strided view: the general path makes it contiguous; the leaf is the same.
+                    let spec = self.array_leaf(obj, flat)?;
+                    return Ok(matches!(spec, Spec::Leaf(l) if l.kind == LeafKind::Array));
+                }
+                let dims: Dims = info.dims.iter().map(|&d| d as u64).collect();
+                let n = dims.iter().product::<u64>() * u64::from(*itemsize);
+                let bytes: &'static [u8] = if n == 0 || info.data.is_null() {
+                    &[]
+                } else {
+                    // SAFETY: a C-contiguous ndarray of these dims and dtype holds n bytes at
+                    // `data`. The array is kept alive in flat.objects until the frame is copied;
+                    // its bytes can move only through `ndarray.resize(refcheck=False)`, which
+                    // numpy documents as unsafe while other references exist (we hold one).
+                    unsafe { std::slice::from_raw_parts(info.data, n as usize) }
+                };
+                flat.objects.push(obj.clone().unbind());
+                leaf(
+                    flat,
+                    LeafKind::Array,
+                    *itemsize,
+                    dims,
+                    Payload::Borrowed(bytes),
+                )
+            }
+            CNode::Scalar { ty, itemsize } => {
+                if !obj.get_type().is(ty.bind(py)) {
+                    return Ok(false);
+                }
+                match HeldBuffer::get(obj, ffi::PyBUF_SIMPLE) {
+                    Some(b) if b.bytes().len() == *itemsize as usize => leaf(
+                        flat,
+                        LeafKind::Scalar,
+                        *itemsize,
+                        Dims::default(),
+                        Payload::Owned(b.bytes().to_vec()),
+                    ),
+                    _ => false,
+                }
+            }
+            CNode::Bytes => match obj.cast_exact::<PyBytes>() {
+                Ok(b) => {
+                    let bytes = b.as_bytes();
+                    // SAFETY: the bytes object is kept alive in flat.objects; bytes are immutable.
+                    let s: &'static [u8] =
+                        unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
+                    flat.objects.push(obj.clone().unbind());
+                    leaf(
+                        flat,
+                        LeafKind::Bytes,
+                        0,
+                        Dims::default(),
+                        Payload::Borrowed(s),
+                    )
+                }
+                Err(_) => false,
+            },
+            CNode::Str => match obj.cast_exact::<PyString>().map(|s| s.to_str()) {
+                Ok(Ok(text)) => {
+                    // SAFETY: the UTF-8 buffer is cached inside the str object, which
+                    // flat.objects keeps alive; str is immutable.
+                    let b: &'static [u8] =
+                        unsafe { std::slice::from_raw_parts(text.as_ptr(), text.len()) };
+                    flat.objects.push(obj.clone().unbind());
+                    leaf(
+                        flat,
+                        LeafKind::Str,
+                        0,
+                        Dims::default(),
+                        Payload::Borrowed(b),
+                    )
+                }
+                _ => false,
+            },
+            CNode::PyInt => {
+                if !obj.is_exact_instance_of::<PyInt>() {
+                    return Ok(false);
+                }
+                match obj.extract::<i64>() {
+                    Ok(v) => leaf(
+                        flat,
+                        LeafKind::PyInt,
+                        0,
+                        Dims::default(),
+                        Payload::Owned(v.to_le_bytes().to_vec()),
+                    ),
+                    Err(_) => false,
+                }
+            }
+            CNode::PyFloat => {
+                if !obj.is_exact_instance_of::<PyFloat>() {
+                    return Ok(false);
+                }
+                let v: f64 = obj.extract()?;
+                leaf(
+                    flat,
+                    LeafKind::PyFloat,
+                    0,
+                    Dims::default(),
+                    Payload::Owned(v.to_le_bytes().to_vec()),
+                )
+            }
+            CNode::PyBool => {
+                if !obj.is_exact_instance_of::<PyBool>() {
+                    return Ok(false);
+                }
+                let v = u8::from(obj.extract::<bool>()?);
+                leaf(
+                    flat,
+                    LeafKind::PyBool,
+                    0,
+                    Dims::default(),
+                    Payload::Owned(vec![v]),
+                )
+            }
+            CNode::None => {
+                if !obj.is_none() {
+                    return Ok(false);
+                }
+                leaf(
+                    flat,
+                    LeafKind::None,
+                    0,
+                    Dims::default(),
+                    Payload::Owned(vec![]),
+                )
+            }
+            CNode::Tuple(items) => match obj.cast_exact::<PyTuple>() {
+                Ok(t) if t.len() == items.len() => self.walk_items(t.iter(), items, flat)?,
+                _ => false,
+            },
+            CNode::NamedTuple(ty, items) => {
+                if !obj.get_type().is(ty.bind(py)) {
+                    return Ok(false);
+                }
+                match obj.cast::<PyTuple>() {
+                    Ok(t) if t.len() == items.len() => self.walk_items(t.iter(), items, flat)?,
+                    _ => false,
+                }
+            }
+            CNode::List(items) => match obj.cast_exact::<PyList>() {
+                Ok(l) if l.len() == items.len() => self.walk_items(l.iter(), items, flat)?,
+                _ => false,
+            },
+            CNode::Dict(items) => match obj.cast_exact::<PyDict>() {
+                // Same length and every compiled key present: the same keys.
+                Ok(d) if d.len() == items.len() => {
+                    for (key, item) in items {
+                        match d.get_item(key.bind(py))? {
+                            Some(v) => {
+                                if !self.fast_walk(&v, item, flat)? {
+                                    return Ok(false);
+                                }
+                            }
+                            None => return Ok(false),
+                        }
+                    }
+                    true
+                }
+                _ => false,
+            },
+        })
+    }
+
+    fn walk_items<'py>(
+        &mut self,
+        values: impl Iterator<Item = Bound<'py, PyAny>>,
+        nodes: &[CNode],
+        flat: &mut Flat,
+    ) -> PyResult<bool> {
+        for (v, n) in values.zip(nodes) {
+            if !self.fast_walk(&v, n, flat)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Whether `current` (a stream's spec so far) is `spec`: the same compiled structure (one
+/// pointer compare) or an equal one.
+pub fn same_spec(current: Option<&Arc<Spec>>, spec: &Arc<Spec>) -> bool {
+    current.is_some_and(|c| Arc::ptr_eq(c, spec) || **c == **spec)
+}
+
+/// A spec as the consumer uses it: numpy dtypes, dict keys (as Python str objects) and
+/// namedtuple classes resolved once, so building an element makes no key or class lookup.
 pub struct DecodeSpec {
     pub spec: Spec,
     pub leaves: Vec<LeafSpec>,
     pub dtypes: Vec<Option<Py<PyAny>>>,
-    classes: HashMap<(String, String), Py<PyAny>>,
+    node: Node,
+}
+
+/// `Spec` with its Python objects made: what `DecodeSpec::build` walks.
+enum Node {
+    Leaf,
+    Tuple(Vec<Node>),
+    List(Vec<Node>),
+    /// Its items, and a dict of its keys (values None) that each element's dict is copied
+    /// from: built at its final size, not grown key by key.
+    Dict(Vec<(Py<PyString>, Node)>, Py<PyDict>),
+    NamedTuple(Py<PyAny>, Vec<Node>),
+}
+
+impl Node {
+    fn new(
+        py: Python<'_>,
+        spec: &Spec,
+        classes: &HashMap<(String, String), Py<PyAny>>,
+    ) -> PyResult<Node> {
+        let items = |items: &[Spec]| -> PyResult<Vec<Node>> {
+            items.iter().map(|i| Node::new(py, i, classes)).collect()
+        };
+        Ok(match spec {
+            Spec::Leaf(_) => Node::Leaf,
+            Spec::Tuple(i) => Node::Tuple(items(i)?),
+            Spec::List(i) => Node::List(items(i)?),
+            Spec::Dict(kv) => {
+                let template = PyDict::new(py);
+                let mut items = Vec::with_capacity(kv.len());
+                for (k, v) in kv {
+                    let key = PyString::intern(py, k);
+                    template.set_item(&key, py.None())?;
+                    items.push((key.unbind(), Node::new(py, v, classes)?));
+                }
+                Node::Dict(items, template.unbind())
+            }
+            Spec::NamedTuple {
+                module,
+                name,
+                items: i,
+                ..
+            } => {
+                let cls = classes
+                    .get(&(module.clone(), name.clone()))
+                    .ok_or_else(|| PyValueError::new_err("namedtuple class not resolved"))?;
+                Node::NamedTuple(cls.clone_ref(py), items(i)?)
+            }
+        })
+    }
 }
 
 impl DecodeSpec {
@@ -498,11 +934,12 @@ impl DecodeSpec {
         }
         let mut classes = HashMap::new();
         resolve_classes(py, &spec, &mut classes)?;
+        let node = Node::new(py, &spec, &classes)?;
         Ok(DecodeSpec {
             spec,
             leaves,
             dtypes,
-            classes,
+            node,
         })
     }
 
@@ -512,57 +949,35 @@ impl DecodeSpec {
         py: Python<'_>,
         leaves: &mut impl Iterator<Item = Py<PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.build_node(py, &self.spec, leaves)
+        build_node(py, &self.node, leaves)
     }
+}
 
-    fn build_node(
-        &self,
-        py: Python<'_>,
-        node: &Spec,
-        leaves: &mut impl Iterator<Item = Py<PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        let missing = || PyValueError::new_err("element has fewer leaves than its spec");
-        Ok(match node {
-            Spec::Leaf(_) => leaves.next().ok_or_else(missing)?,
-            Spec::Tuple(items) => {
-                let v: PyResult<Vec<_>> = items
-                    .iter()
-                    .map(|i| self.build_node(py, i, leaves))
-                    .collect();
-                PyTuple::new(py, v?)?.into_any().unbind()
+fn build_node(
+    py: Python<'_>,
+    node: &Node,
+    leaves: &mut impl Iterator<Item = Py<PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let missing = || PyValueError::new_err("element has fewer leaves than its spec");
+    let items = |items: &[Node], leaves: &mut _| -> PyResult<Vec<Py<PyAny>>> {
+        items.iter().map(|i| build_node(py, i, leaves)).collect()
+    };
+    Ok(match node {
+        Node::Leaf => leaves.next().ok_or_else(missing)?,
+        Node::Tuple(i) => PyTuple::new(py, items(i, leaves)?)?.into_any().unbind(),
+        Node::List(i) => PyList::new(py, items(i, leaves)?)?.into_any().unbind(),
+        Node::Dict(kv, template) => {
+            let d = template.bind(py).copy()?;
+            for (k, v) in kv {
+                d.set_item(k.bind(py), build_node(py, v, leaves)?)?;
             }
-            Spec::List(items) => {
-                let v: PyResult<Vec<_>> = items
-                    .iter()
-                    .map(|i| self.build_node(py, i, leaves))
-                    .collect();
-                PyList::new(py, v?)?.into_any().unbind()
-            }
-            Spec::Dict(items) => {
-                let d = PyDict::new(py);
-                for (k, v) in items {
-                    d.set_item(k, self.build_node(py, v, leaves)?)?;
-                }
-                d.into_any().unbind()
-            }
-            Spec::NamedTuple {
-                module,
-                name,
-                items,
-                ..
-            } => {
-                let v: PyResult<Vec<_>> = items
-                    .iter()
-                    .map(|i| self.build_node(py, i, leaves))
-                    .collect();
-                let cls = self
-                    .classes
-                    .get(&(module.clone(), name.clone()))
-                    .ok_or_else(missing)?;
-                cls.bind(py).call1(PyTuple::new(py, v?)?)?.unbind()
-            }
-        })
-    }
+            d.into_any().unbind()
+        }
+        Node::NamedTuple(cls, i) => cls
+            .bind(py)
+            .call1(PyTuple::new(py, items(i, leaves)?)?)?
+            .unbind(),
+    })
 }
 
 /// Imports each namedtuple class by module and qualname, or recreates it by name.
@@ -648,7 +1063,7 @@ pub fn copy_leaf(
     Ok(match desc.kind {
         LeafKind::Array => {
             let dtype = spec.dtypes[index].as_ref().expect("array leaf has a dtype");
-            let shape = PyTuple::new(py, &desc.dims)?;
+            let shape = PyTuple::new(py, desc.dims.iter())?;
             let arr = api.empty.bind(py).call1((shape, dtype.bind(py)))?;
             if !payload.is_empty() {
                 let held = HeldBuffer::get(&arr, ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS)
@@ -716,7 +1131,7 @@ pub fn copy_leaf(
                 }
                 arr
             };
-            arr.call_method1("reshape", (PyTuple::new(py, &desc.dims)?,))?
+            arr.call_method1("reshape", (PyTuple::new(py, desc.dims.iter())?,))?
                 .unbind()
         }
         LeafKind::Scalar => unreachable!("scalars are decoded column-wise"),
@@ -730,3 +1145,225 @@ pub const GIL_FREE_COPY_BYTES: usize = 256 << 10;
 pub struct SendPtr(pub *mut u8);
 // SAFETY: used only to move a pointer into a GIL-free section whose memory the caller pins.
 unsafe impl Send for SendPtr {}
+
+/// Most values a [`PlainStructure`] holds (codec.py's `MAX_WALK_NODES`: past it Python's
+/// `element_nbytes` estimates).
+const PLAIN_MAX_NODES: usize = 10_000;
+/// Deepest container a [`PlainStructure`] holds (codec.py's `_MAX_DEPTH`: deeper nests are
+/// pickled).
+const PLAIN_MAX_DEPTH: usize = 32;
+
+/// The structure of an element of plain numpy values, learnt from one element, to check
+/// the next ones of a stream against without a Python call per leaf: an element matches
+/// when its containers are of the same exact types, lengths and dict keys, and each leaf of
+/// the same exact type (arrays: the same dtype object and rank; numpy scalars: the same
+/// type). A match has the learnt element's `codec.signature` (the converse need not hold:
+/// an equal dtype that is another object does not match, and Python decides).
+pub struct PlainStructure {
+    node: CNode,
+}
+
+impl PlainStructure {
+    /// The structure of `obj`, or None if it holds anything but plain numpy values: numpy
+    /// arrays (exact type, no objects) and numeric numpy scalars, bytes, str, int, float,
+    /// bool and None (exact types), in exact tuples, lists and dicts with str keys and in
+    /// namedtuples; at most 32 levels deep and 10,000 values.
+    pub fn learn(obj: &Bound<'_, PyAny>) -> PyResult<Option<PlainStructure>> {
+        let mut nodes = 0;
+        Ok(plain_node(obj, &mut nodes, 0)?.map(|node| PlainStructure { node }))
+    }
+
+    /// The bytes of `obj` as `codec.element_nbytes` counts them if it has this structure,
+    /// else None.
+    pub fn nbytes_if_same(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        plain_nbytes(obj, &self.node)
+    }
+}
+
+fn plain_node(obj: &Bound<'_, PyAny>, nodes: &mut usize, depth: usize) -> PyResult<Option<CNode>> {
+    let py = obj.py();
+    *nodes += 1;
+    if *nodes > PLAIN_MAX_NODES {
+        return Ok(None);
+    }
+    if npy::is_exact_ndarray(obj)? {
+        let Some(info) = npy::array_info(obj)? else {
+            return Ok(None);
+        };
+        let ndim = info.dims.len();
+        let dtype = obj.getattr(intern!(py, "dtype"))?;
+        if dtype.getattr(intern!(py, "hasobject"))?.extract::<bool>()? {
+            return Ok(None);
+        }
+        let itemsize: u32 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        return Ok(Some(CNode::Array {
+            dtype: dtype.unbind(),
+            ndim,
+            itemsize,
+        }));
+    }
+    if obj.is_instance(api(py)?.generic.bind(py))? {
+        let dtype = obj.getattr(intern!(py, "dtype"))?;
+        let kind: char = dtype.getattr(intern!(py, "kind"))?.extract()?;
+        // numpy str and bytes scalars are also str and bytes (counted by length).
+        if !matches!(kind, 'b' | 'i' | 'u' | 'f' | 'c' | 'M' | 'm') {
+            return Ok(None);
+        }
+        let itemsize: u32 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        return Ok(Some(CNode::Scalar {
+            ty: obj.get_type().unbind(),
+            itemsize,
+        }));
+    }
+    if obj.is_exact_instance_of::<PyBytes>() {
+        return Ok(Some(CNode::Bytes));
+    }
+    if obj.is_exact_instance_of::<PyString>() {
+        return Ok(Some(CNode::Str));
+    }
+    if obj.is_exact_instance_of::<PyBool>() {
+        return Ok(Some(CNode::PyBool));
+    }
+    if obj.is_exact_instance_of::<PyInt>() {
+        return Ok(Some(CNode::PyInt));
+    }
+    if obj.is_exact_instance_of::<PyFloat>() {
+        return Ok(Some(CNode::PyFloat));
+    }
+    if obj.is_none() {
+        return Ok(Some(CNode::None));
+    }
+    if depth >= PLAIN_MAX_DEPTH {
+        return Ok(None);
+    }
+    let items = |it: &mut dyn Iterator<Item = Bound<'_, PyAny>>,
+                 n: usize,
+                 nodes: &mut usize|
+     -> PyResult<Option<Vec<CNode>>> {
+        if *nodes + n > PLAIN_MAX_NODES {
+            return Ok(None); // give up before walking, not after
+        }
+        let mut out = Vec::with_capacity(n);
+        for item in it {
+            match plain_node(&item, nodes, depth + 1)? {
+                Some(node) => out.push(node),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(out))
+    };
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        let named = !obj.is_exact_instance_of::<PyTuple>();
+        if named && !obj.get_type().hasattr(intern!(py, "_fields"))? {
+            return Ok(None);
+        }
+        return Ok(items(&mut t.iter(), t.len(), nodes)?.map(|v| {
+            if named {
+                CNode::NamedTuple(obj.get_type().unbind(), v)
+            } else {
+                CNode::Tuple(v)
+            }
+        }));
+    }
+    if let Ok(l) = obj.cast_exact::<PyList>() {
+        return Ok(items(&mut l.iter(), l.len(), nodes)?.map(CNode::List));
+    }
+    if let Ok(d) = obj.cast_exact::<PyDict>() {
+        if *nodes + d.len() > PLAIN_MAX_NODES {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(d.len());
+        for (k, v) in d.iter() {
+            let Ok(k) = k.cast_exact::<PyString>() else {
+                return Ok(None);
+            };
+            match plain_node(&v, nodes, depth + 1)? {
+                Some(node) => out.push((k.clone().unbind(), node)),
+                None => return Ok(None),
+            }
+        }
+        return Ok(Some(CNode::Dict(out)));
+    }
+    Ok(None)
+}
+
+fn plain_nbytes(obj: &Bound<'_, PyAny>, node: &CNode) -> PyResult<Option<u64>> {
+    let py = obj.py();
+    let same_items = |values: &mut dyn Iterator<Item = Bound<'_, PyAny>>,
+                      nodes: &[CNode]|
+     -> PyResult<Option<u64>> {
+        let mut total = 0;
+        for (v, n) in values.zip(nodes) {
+            match plain_nbytes(&v, n)? {
+                Some(b) => total += b,
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(total))
+    };
+    Ok(match node {
+        CNode::Array {
+            dtype,
+            ndim,
+            itemsize,
+        } => {
+            if !npy::is_exact_ndarray(obj)? {
+                return Ok(None);
+            }
+            match npy::array_info(obj)? {
+                Some(info) if info.descr == dtype.as_ptr() && info.dims.len() == *ndim => Some(
+                    info.dims.iter().map(|&d| d as u64).product::<u64>() * u64::from(*itemsize),
+                ),
+                _ => None,
+            }
+        }
+        CNode::Scalar { ty, itemsize } => obj
+            .get_type()
+            .is(ty.bind(py))
+            .then_some(u64::from(*itemsize)),
+        CNode::Bytes => obj
+            .cast_exact::<PyBytes>()
+            .ok()
+            .map(|b| b.as_bytes().len() as u64),
+        CNode::Str => match obj.cast_exact::<PyString>() {
+            // SAFETY: `s` is a str; the GIL is held.
+            Ok(s) => Some(unsafe { ffi::PyUnicode_GetLength(s.as_ptr()) }.max(0) as u64),
+            Err(_) => None,
+        },
+        CNode::PyInt => obj.is_exact_instance_of::<PyInt>().then_some(8),
+        CNode::PyFloat => obj.is_exact_instance_of::<PyFloat>().then_some(8),
+        CNode::PyBool => obj.is_exact_instance_of::<PyBool>().then_some(8),
+        CNode::None => obj.is_none().then_some(8),
+        CNode::Tuple(items) => match obj.cast_exact::<PyTuple>() {
+            Ok(t) if t.len() == items.len() => same_items(&mut t.iter(), items)?,
+            _ => None,
+        },
+        CNode::NamedTuple(ty, items) => match obj.cast::<PyTuple>() {
+            Ok(t) if obj.get_type().is(ty.bind(py)) && t.len() == items.len() => {
+                same_items(&mut t.iter(), items)?
+            }
+            _ => None,
+        },
+        CNode::List(items) => match obj.cast_exact::<PyList>() {
+            Ok(l) if l.len() == items.len() => same_items(&mut l.iter(), items)?,
+            _ => None,
+        },
+        CNode::Dict(items) => match obj.cast_exact::<PyDict>() {
+            // Same length and every learnt key present: the same keys.
+            Ok(d) if d.len() == items.len() => {
+                let mut total = 0;
+                for (key, item) in items {
+                    let Some(v) = d.get_item(key.bind(py))? else {
+                        return Ok(None);
+                    };
+                    match plain_nbytes(&v, item)? {
+                        Some(b) => total += b,
+                        None => return Ok(None),
+                    }
+                }
+                Some(total)
+            }
+            _ => None,
+        },
+    })
+}

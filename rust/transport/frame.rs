@@ -355,7 +355,59 @@ pub struct LeafDesc {
     pub itemsize: u32,
     pub offset: u64,
     pub nbytes: u64,
-    pub dims: Vec<u64>,
+    pub dims: Dims,
+}
+
+/// A leaf's dims: up to [`INLINE_DIMS`] held inline (no allocation per leaf of an element
+/// of many small arrays), more on the heap. Derefs to `[u64]`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Dims {
+    len: usize,
+    inline: [u64; INLINE_DIMS],
+    heap: Vec<u64>,
+}
+
+pub const INLINE_DIMS: usize = 4;
+
+impl Dims {
+    pub fn push(&mut self, d: u64) {
+        if self.len < INLINE_DIMS {
+            self.inline[self.len] = d;
+        } else {
+            if self.heap.is_empty() {
+                self.heap.extend_from_slice(&self.inline);
+            }
+            self.heap.push(d);
+        }
+        self.len += 1;
+    }
+}
+
+impl From<Vec<u64>> for Dims {
+    fn from(v: Vec<u64>) -> Self {
+        v.into_iter().collect()
+    }
+}
+
+impl FromIterator<u64> for Dims {
+    fn from_iter<I: IntoIterator<Item = u64>>(iter: I) -> Self {
+        let mut d = Dims::default();
+        for x in iter {
+            d.push(x);
+        }
+        d
+    }
+}
+
+impl std::ops::Deref for Dims {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        if self.len <= INLINE_DIMS {
+            &self.inline[..self.len]
+        } else {
+            &self.heap
+        }
+    }
 }
 
 impl LeafDesc {
@@ -396,13 +448,19 @@ pub struct FramePlan<'a> {
 pub struct LeafIn<'a> {
     pub kind: LeafKind,
     pub itemsize: u32,
-    pub dims: Vec<u64>,
+    pub dims: Dims,
     pub payload: Payload<'a>,
 }
 
 impl<'a> FramePlan<'a> {
     /// Lays out a DATA frame of `leaves` (seq filled in at write time).
     pub fn data(spec_id: u32, leaves: Vec<LeafIn<'a>>) -> Self {
+        Self::data_aligned(spec_id, leaves, true)
+    }
+
+    /// As [`FramePlan::data`]; `page_align_large` false keeps every payload 64-B aligned
+    /// (a self-contained element, which is never leased page by page, wastes no padding).
+    pub fn data_aligned(spec_id: u32, leaves: Vec<LeafIn<'a>>, page_align_large: bool) -> Self {
         let descs_len: u64 = leaves
             .iter()
             .map(|l| LeafDesc::encoded_len(l.dims.len()))
@@ -425,7 +483,7 @@ impl<'a> FramePlan<'a> {
         let mut payload_bytes = 0;
         for leaf in leaves {
             let n = leaf.payload.as_slice().len() as u64;
-            let align = if n >= LEASE_ALIGN_MIN {
+            let align = if page_align_large && n >= LEASE_ALIGN_MIN {
                 page_align = true;
                 LEASE_ALIGN
             } else {
@@ -438,7 +496,7 @@ impl<'a> FramePlan<'a> {
             head.extend_from_slice(&leaf.itemsize.to_le_bytes());
             head.extend_from_slice(&off.to_le_bytes());
             head.extend_from_slice(&n.to_le_bytes());
-            for d in &leaf.dims {
+            for d in leaf.dims.iter() {
                 head.extend_from_slice(&d.to_le_bytes());
             }
             payloads.push((off, leaf.payload));
@@ -571,7 +629,7 @@ pub fn parse_leaves(
         if ndim != expected_ndim {
             return Err(corrupt(pos, "leaf ndim differs from the spec"));
         }
-        let mut dims = Vec::with_capacity(ndim);
+        let mut dims = Dims::default();
         for _ in 0..ndim {
             dims.push(r.u64()?);
         }
@@ -671,6 +729,66 @@ pub fn parse_error_body(body: &[u8], pos: u64) -> Result<(String, String), Error
     let t = r.str().map_err(|_| corrupt(pos, "bad ERROR frame"))?;
     let m = r.str().map_err(|_| corrupt(pos, "bad ERROR frame"))?;
     Ok((t.to_string(), m.to_string()))
+}
+
+/// First bytes of a self-contained element: the form the gRPC path sends, which has no SPEC
+/// frames of its own. Layout: `b"DSF1"`, `u32 spec_bytes`, the spec ([`Spec::encode`]), zero
+/// padding to a multiple of 64, then one DATA frame (`spec_id` 0) to the end.
+pub const ELEMENT_MAGIC: [u8; 4] = *b"DSF1";
+
+/// The bytes of a self-contained element before its DATA frame (see [`ELEMENT_MAGIC`]).
+pub fn element_prefix(spec: &[u8]) -> Vec<u8> {
+    let len = (8 + spec.len()).next_multiple_of(64);
+    let mut out = Vec::with_capacity(len);
+    out.extend_from_slice(&ELEMENT_MAGIC);
+    out.extend_from_slice(&(spec.len() as u32).to_le_bytes());
+    out.extend_from_slice(spec);
+    out.resize(len, 0);
+    out
+}
+
+/// Splits a self-contained element into its spec bytes and the offset of its DATA frame,
+/// checking the magic, the spec's length and the frame's header (kind DATA, `total_bytes`
+/// reaching exactly to the end). Errors are `ElementCorrupted` naming the byte offset.
+pub fn split_element(buf: &[u8]) -> Result<(&[u8], usize), Error> {
+    let bad = |offset: usize, what: &str| Error::ElementCorrupted {
+        offset: offset as u64,
+        len: buf.len() as u64,
+        what: what.to_string(),
+    };
+    if buf.len() < 8 || buf[..4] != ELEMENT_MAGIC {
+        return Err(bad(0, "not a dataservice element (bad magic)"));
+    }
+    let spec_len = u32::from_le_bytes(buf[4..8].try_into().unwrap()) as usize;
+    let frame_start = (8 + spec_len).next_multiple_of(64);
+    if frame_start > buf.len() {
+        return Err(bad(
+            4,
+            &format!("its {spec_len}-byte spec runs past the end"),
+        ));
+    }
+    if buf.len() - frame_start < HEADER_BYTES {
+        return Err(bad(frame_start, "the element's frame is truncated"));
+    }
+    let header =
+        FrameHeader::parse(&buf[frame_start..]).map_err(|_| bad(frame_start, "bad frame magic"))?;
+    if header.kind != KIND_DATA {
+        return Err(bad(
+            frame_start,
+            &format!("frame kind {} is not DATA", header.kind),
+        ));
+    }
+    if header.total_bytes != (buf.len() - frame_start) as u64 {
+        return Err(bad(
+            frame_start,
+            &format!(
+                "the frame declares {} bytes, {} follow",
+                header.total_bytes,
+                buf.len() - frame_start
+            ),
+        ));
+    }
+    Ok((&buf[8..8 + spec_len], frame_start))
 }
 
 #[cfg(test)]

@@ -5,6 +5,8 @@ pub mod chunk;
 #[cfg(feature = "python")]
 pub mod codec;
 pub mod frame;
+#[cfg(feature = "python")]
+pub mod npy;
 #[cfg(not(loom))]
 pub mod peer;
 pub mod reader;

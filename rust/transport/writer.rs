@@ -353,7 +353,7 @@ mod tests {
             vec![LeafIn {
                 kind: LeafKind::Bytes,
                 itemsize: 1,
-                dims: vec![],
+                dims: vec![].into(),
                 payload: Payload::Owned(vec![byte; n]),
             }],
         )

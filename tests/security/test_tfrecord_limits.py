@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -97,13 +98,40 @@ def test_tfrecord_dataset_reports_the_bad_file(tmp_path):
         list(TFRecordDataset([path], compression_type="GZIP"))
 
 
+def _element_field(data: bytes, field: str) -> tuple[int, int]:
+    """(offset, width in bytes) of a length or count field of an encoded element."""
+    frame = (8 + struct.unpack_from("<I", data, 4)[0] + 63) // 64 * 64
+    return {
+        "spec_bytes": (4, 4),
+        "frame_bytes": (frame + 8, 8),
+        "n_leaves": (frame + 28, 2),
+        "leaf_offset": (frame + 32 + 8, 8),
+        "leaf_nbytes": (frame + 32 + 16, 8),
+        "leaf_dim": (frame + 32 + 24, 8),
+    }[field]
+
+
 @pytest.mark.parametrize(
-    "n_buffers, header_bytes", [(2**32 - 1, 0), (0, 2**63), (3, 10), (1 << 28, 1 << 40)]
+    "field, value, what",
+    [
+        ("spec_bytes", 2**32 - 1, "runs past the end"),
+        ("frame_bytes", 2**63, "declares"),
+        ("frame_bytes", 10, "declares"),
+        ("n_leaves", 2**16 - 1, "leaves, its spec"),
+        ("leaf_offset", 2**64 - 8, "overflows|outside its frame"),
+        ("leaf_nbytes", 1 << 40, "outside its frame"),
+        ("leaf_dim", 2**63, "does not match|overflows"),
+    ],
 )
-def test_element_counts_are_checked_against_its_size(n_buffers, header_bytes):
-    data = b"DSE1" + struct.pack("<IQ", n_buffers, header_bytes) + b"\0" * 16
-    with pytest.raises(errors.DataLossError, match="more than it holds"):
-        codec.decode(data)
+def test_element_counts_are_checked_against_its_size(field, value, what):
+    import numpy as np
+
+    data = bytearray(codec.encode({"a": np.arange(10), "b": b"xyz"}))
+    offset, width = _element_field(bytes(data), field)
+    data[offset : offset + width] = value.to_bytes(width, "little")
+    with pytest.raises(errors.DataLossError, match="damaged element") as info:
+        codec.decode(bytes(data))
+    assert re.search(what, str(info.value)), str(info.value)
 
 
 def test_element_round_trip_still_decodes():

@@ -387,13 +387,50 @@ def _normalize_leaf(leaf: Any) -> Any:
 
 
 _PASS_THROUGH = (np.ndarray, np.generic, bytes, str)
+# Exact types of leaves `_normalize_leaf` keeps as they are (grown with the numpy scalar
+# types and str/bytes/ndarray subclasses met): one set lookup per leaf, no call.
+_PASS_TYPES: set[type] = {np.ndarray, bytes, str, type(None)}
 
 
 def normalize_element(element: Any) -> Any:
     """Turns Python scalar leaves into numpy scalars (int -> int64, float -> float64,
-    bool -> bool_, complex -> complex128); other leaves and the structure are kept."""
+    bool -> bool_, complex -> complex128); other leaves and the structure are kept (the
+    nest is rebuilt: new dicts, lists and tuples, in their own key order), as
+    `map_structure(_normalize_leaf, element)` does (a tuple whose items are all kept is
+    returned as is: it is immutable). Plain dicts, lists and tuples are rebuilt with one
+    comprehension each (or one C-level copy when no item changes), not through `flatten`
+    and `pack_sequence_as`: an element of many leaves costs a set lookup per leaf.
+
+    Raises:
+        TypeError: A dict has keys that cannot be sorted together (as `flatten`).
+    """
     if isinstance(element, _PASS_THROUGH):
         return element
-    if is_nested(element):
-        return map_structure(_normalize_leaf, element)
-    return _normalize_leaf(element)
+    return _normalized(element)
+
+
+def _normalized(value: Any) -> Any:
+    kind = type(value)
+    if kind in _PASS_TYPES:
+        return value
+    pass_types = _PASS_TYPES
+    keep = pass_types.__contains__
+    if kind is dict:
+        _sorted_keys(value)  # unsortable keys raise, as map_structure's flatten does
+        if all(map(keep, map(type, value.values()))):  # in C: no Python call per leaf
+            return dict(value)
+        return {k: v if type(v) in pass_types else _normalized(v) for k, v in value.items()}
+    if kind is list:
+        if all(map(keep, map(type, value))):
+            return list(value)
+        return [v if type(v) in pass_types else _normalized(v) for v in value]
+    if kind is tuple:
+        if all(map(keep, map(type, value))):
+            return value  # immutable, and every item kept
+        return tuple([v if type(v) in pass_types else _normalized(v) for v in value])
+    if isinstance(value, _PASS_THROUGH):
+        _PASS_TYPES.add(kind)
+        return value
+    if is_nested(value):  # namedtuples, dict/list/tuple subclasses
+        return map_structure(_normalize_leaf, value)
+    return _normalize_leaf(value)

@@ -1,30 +1,34 @@
-"""Encoding of one element for the gRPC transfer path.
+"""Encoding of one element for the gRPC transfer path, and what the worker checks
+of each element (`signature`, `element_nbytes`).
 
-An element (numpy arrays, numpy scalars, bytes, str, nested tuple / list /
-dict / namedtuple of those) is pickled with protocol 5 and its array payloads
-travel out of band, so an array costs one copy into the message and one out.
-Layout of an encoded element (little-endian):
+An element (numpy arrays, numpy scalars, bytes, str, int/float/bool/None, numpy
+object arrays of bytes, nested tuple / list / dict / namedtuple of those;
+anything else pickled as a leaf) is encoded by the same Rust frame codec as the
+shared-memory ring's (rust/transport/codec.rs, TRANSPORT.md §6), in one call
+and one buffer: its structure (the spec: dict keys, dtypes, ranks), then one
+DATA frame (a descriptor per leaf, then the payloads). Each array payload is
+copied once into the message and once out of it (or not at all out of a
+`bytearray` the caller hands over). Decoding resolves a spec once and reuses it
+for every element of that structure, so an element of many small leaves costs
+a numpy view per leaf, not a pickle call. As over shared memory: dicts come
+back with sorted keys (tf.nest's order), byte-swapped arrays in native byte
+order, non-contiguous and Fortran-order arrays C-ordered.
 
-    b"DSE1" | u32 n_buffers | u64 header_bytes | u64 buffer_bytes[n_buffers]
-    | header | buffer 0 | buffer 1 | ...
-
-Workers are trusted (they run the pipelines you registered), so decoding
-pickles is no new exposure; the shared-memory ring has its own frame codec.
+Workers are trusted (they run the pipelines you registered), so unpickling a
+pickled leaf is no new exposure; every length and offset of the frame is
+checked before it is used.
 """
 
 from __future__ import annotations
 
 import pickle
-import struct
 from typing import Any
 
 import numpy as np
 
-from dataservice import errors
+from dataservice import _core, errors
 
-_MAGIC = b"DSE1"
 _ZSTD_MAGIC = b"DSZ1"  # then a zstd frame of an encoded element
-_PREFIX = struct.Struct("<4sIQ")
 COMPRESSIONS = ("zstd",)
 
 
@@ -46,17 +50,13 @@ def compress(data: bytes, compression: str) -> bytes:
 
 
 def encode(element: Any) -> bytes:
-    """Returns the bytes of `element` (one copy of each array payload)."""
-    buffers: list[pickle.PickleBuffer] = []
-    header = pickle.dumps(element, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
-    parts: list[Any] = [
-        _PREFIX.pack(_MAGIC, len(raws), len(header)),
-        struct.pack(f"<{len(raws)}Q", *(r.nbytes for r in raws)),
-        header,
-    ]
-    parts.extend(raws)
-    return b"".join(parts)
+    """Returns the bytes of `element` (one copy of each array payload).
+
+    Raises:
+        Exception: What pickling a leaf the codec does not carry as a value raises
+            (e.g. `TypeError` for a lock).
+    """
+    return _core.encode_element(element)
 
 
 def decode(data: bytes | bytearray) -> Any:
@@ -65,43 +65,14 @@ def decode(data: bytes | bytearray) -> Any:
     element put together from gRPC pieces is not copied a second time).
 
     Raises:
-        DataLossError: `data` is not an encoded element.
+        DataLossError: `data` is not an encoded element, or a damaged one (the
+            message names the problem and where).
     """
     if data[:4] == _ZSTD_MAGIC:
         import zstandard
 
         data = zstandard.ZstdDecompressor().decompress(data[4:])
-    view = memoryview(data)
-    if len(view) < _PREFIX.size or bytes(view[:4]) != _MAGIC:
-        raise errors.DataLossError("received an element that is not in the dataservice format")
-    _, n_buffers, header_bytes = _PREFIX.unpack_from(view)
-    pos = _PREFIX.size
-    # The counts are checked against what `data` holds before they size anything.
-    if 8 * n_buffers + header_bytes > len(view) - pos:
-        raise errors.DataLossError(
-            f"element of {len(view)} bytes declares {n_buffers} buffers and a "
-            f"{header_bytes}-byte header, more than it holds"
-        )
-    sizes = struct.unpack_from(f"<{n_buffers}Q", view, pos)
-    pos += 8 * n_buffers
-    header = view[pos : pos + header_bytes]
-    pos += header_bytes
-    if not n_buffers:
-        return pickle.loads(header)
-    # One writeable copy of all payloads (or the caller's bytearray); each buffer is a
-    # slice of it.
-    payload = view[pos:] if isinstance(data, bytearray) else bytearray(view[pos:])
-    if len(payload) != sum(sizes):
-        raise errors.DataLossError(
-            f"element payload is {len(payload)} bytes, its header says {sum(sizes)}"
-        )
-    out = memoryview(payload)
-    bufs = []
-    off = 0
-    for size in sizes:
-        bufs.append(out[off : off + size])
-        off += size
-    return pickle.loads(header, buffers=bufs)
+    return _core.decode_element(data)
 
 
 def signature(element: Any) -> Any:

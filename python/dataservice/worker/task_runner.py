@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from dataservice import errors
+from dataservice import _core, errors
 from dataservice.metrics import WorkerCounters
 from dataservice.transfer import codec
 from dataservice.transfer.base import TaskRead
@@ -80,8 +80,11 @@ class _StructureCheck:
     """Checks that every element of a stream has the first one's structure
     (`codec.signature`) and returns its `codec.element_nbytes`; a single array
     (of a numeric dtype) or scalar leaf of the same type and dtype object takes a
-    fast path. Unless `allow_pickled`, an element holding a leaf that is not a
-    numpy value raises `InvalidArgumentError` naming its path and type."""
+    fast path, and an element of plain numpy values (any nest of them) is
+    checked in one Rust walk against the stream's structure learnt from an
+    element that passed (`_core.ElementCheck`). Unless `allow_pickled`, an element holding a
+    leaf that is not a numpy value raises `InvalidArgumentError` naming its path
+    and type."""
 
     def __init__(self, task_id: int, allow_pickled: bool = False) -> None:
         self._task_id = task_id
@@ -91,6 +94,7 @@ class _StructureCheck:
         self._type: type | None = None
         self._dtype: Any = None
         self._ndim = -1
+        self._fast = _core.ElementCheck()  # the stream's structure, once learnt
 
     def __call__(self, element: Any) -> int:
         self._index += 1
@@ -106,6 +110,9 @@ class _StructureCheck:
                 return len(element)
             elif kind in _PLAIN_SCALARS:
                 return 8
+        fast = self._fast.nbytes_if_same(element)
+        if fast is not None:
+            return fast
         # Leaves that are not numpy values first: they would also differ in structure.
         try:
             nbytes = codec.element_nbytes(element, allow_pickled=self._allow_pickled)
@@ -114,6 +121,9 @@ class _StructureCheck:
                 f"element {self._index - 1} of task {self._task_id}: {err}"
             ) from None
         sig = codec.signature(element)
+        if self._signature is None or sig == self._signature:
+            # An element matching this one's structure has the stream's signature.
+            self._fast.learn(element)
         if self._signature is None:
             self._signature = sig
             if (kind is np.ndarray and not element.dtype.hasobject) or (

@@ -47,13 +47,13 @@ fn two_leaf_frame(n: u64, items: &[&[u8]]) -> (Vec<u8>, [LeafSpec; 2]) {
         LeafIn {
             kind: LeafKind::Array,
             itemsize: 2,
-            dims: vec![n, 3],
+            dims: vec![n, 3].into(),
             payload: Payload::Owned(array),
         },
         LeafIn {
             kind: LeafKind::VarBytes,
             itemsize: 0,
-            dims: vec![items.len() as u64],
+            dims: vec![items.len() as u64].into(),
             payload: Payload::Owned(varbytes_payload(items)),
         },
     ];
@@ -158,13 +158,13 @@ fn data_frame_round_trip() {
         LeafIn {
             kind: LeafKind::Array,
             itemsize: 1,
-            dims: vec![100_000],
+            dims: vec![100_000].into(),
             payload: Payload::Borrowed(&data),
         },
         LeafIn {
             kind: LeafKind::PyInt,
             itemsize: 0,
-            dims: vec![],
+            dims: vec![].into(),
             payload: Payload::Owned(5i64.to_le_bytes().to_vec()),
         },
     ];
@@ -201,4 +201,89 @@ fn data_frame_round_trip() {
         at = to;
     }
     assert_eq!(buf, buf2);
+}
+
+#[test]
+fn self_contained_element_round_trip_and_damage() {
+    let spec = Spec::Tuple(vec![Spec::Leaf(LeafSpec {
+        kind: LeafKind::Array,
+        dtype: "<f4".into(),
+        ndim: 1,
+        itemsize: 4,
+    })]);
+    let mut spec_bytes = Vec::new();
+    spec.encode(&mut spec_bytes);
+    let payload = [1u8, 2, 3, 4, 5, 6, 7, 8];
+    let plan = FramePlan::data(
+        0,
+        vec![LeafIn {
+            kind: LeafKind::Array,
+            itemsize: 4,
+            dims: vec![2].into(),
+            payload: Payload::Borrowed(&payload),
+        }],
+    );
+    let mut buf = element_prefix(&spec_bytes);
+    assert_eq!(buf.len() % 64, 0);
+    let start = buf.len();
+    buf.resize(start + plan.total_bytes as usize, 0xAA);
+    // SAFETY: the destination holds total_bytes bytes of our own Vec.
+    unsafe { plan.copy_range(0, plan.total_bytes, buf.as_mut_ptr().add(start)) };
+
+    let (got_spec, frame_start) = split_element(&buf).unwrap();
+    assert_eq!(frame_start, start);
+    assert_eq!(Spec::decode(got_spec).unwrap(), spec);
+    let frame = &buf[frame_start..];
+    let header = FrameHeader::parse(frame).unwrap();
+    let leaves = spec.leaves();
+    let descs = parse_leaves(frame, &header, &leaves, frame_start as u64).unwrap();
+    let d = &descs[0];
+    assert_eq!(
+        &frame[d.offset as usize..(d.offset + d.nbytes) as usize],
+        &payload
+    );
+
+    let err = |b: &[u8]| split_element(b).unwrap_err().to_string();
+    assert!(err(b"DSE1\0\0\0\0").contains("bad magic"));
+    assert!(err(&buf[..6]).contains("bad magic"));
+    let mut long_spec = buf.clone();
+    long_spec[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(err(&long_spec).contains("runs past the end"));
+    assert!(err(&buf[..start + 16]).contains("truncated"));
+    assert!(err(&buf[..buf.len() - 64]).contains("declares"));
+    let mut not_data = buf.clone();
+    not_data[start] = KIND_END as u8;
+    assert!(err(&not_data).contains("is not DATA"));
+    let mut extra = buf.clone();
+    extra.extend_from_slice(&[0; 64]);
+    assert!(err(&extra).contains("declares"));
+}
+
+#[test]
+fn dims_hold_few_inline_and_many_on_the_heap() {
+    for n in 0..10u64 {
+        let mut d = Dims::default();
+        for i in 0..n {
+            d.push(i * 3);
+        }
+        assert_eq!(&*d, &(0..n).map(|i| i * 3).collect::<Vec<_>>()[..]);
+    }
+}
+
+#[test]
+fn packed_frames_keep_large_payloads_64_byte_aligned() {
+    let big = vec![7u8; 100_000];
+    let leaf = |p: &'static [u8]| LeafIn {
+        kind: LeafKind::Array,
+        itemsize: 1,
+        dims: vec![p.len() as u64].into(),
+        payload: Payload::Borrowed(p),
+    };
+    let big: &'static [u8] = Box::leak(big.into_boxed_slice());
+    let paged = FramePlan::data(0, vec![leaf(big)]);
+    let packed = FramePlan::data_aligned(0, vec![leaf(big)], false);
+    assert!(paged.page_align && !packed.page_align);
+    assert_eq!(paged.payloads[0].0 % LEASE_ALIGN, 0);
+    assert_eq!(packed.payloads[0].0, 64);
+    assert_eq!(packed.total_bytes, (64 + 100_000u64).next_multiple_of(64));
 }

@@ -1,0 +1,190 @@
+//! Functions of `dataservice._core` over one element at a time, for the gRPC path (which has
+//! no ring and no SPEC frames) and the worker's structure check: `encode_element` /
+//! `decode_element` (a self-contained element, `transport::frame::ELEMENT_MAGIC`) and
+//! `ElementCheck` (`transport::codec::PlainStructure`). They convert and forward.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyList};
+
+use crate::error::Error;
+use crate::py::decode::{self, Batch};
+use crate::transport::codec::{
+    self, DecodeSpec, Encoder, PlainStructure, SendPtr, GIL_FREE_COPY_BYTES,
+};
+use crate::transport::frame::{self, FramePlan, Spec};
+
+/// The encoder `encode_element` uses: it keeps the structures of recent elements compiled.
+/// Taken with `try_lock` only (a pickled leaf may run Python code that lets another thread
+/// in, which must not wait on it holding the GIL): a busy encoder means a fresh one.
+static ENCODER: Mutex<Option<Encoder>> = Mutex::new(None);
+
+/// Specs `decode_element` has resolved, by their bytes; cleared when it holds too many.
+static SPECS: Mutex<Option<HashMap<Vec<u8>, Arc<DecodeSpec>>>> = Mutex::new(None);
+const MAX_SPECS: usize = 64;
+
+/// The bytes of `element` as one self-contained element (see `_core.pyi`).
+#[pyfunction]
+pub fn encode_element<'py>(
+    py: Python<'py>,
+    element: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let flat = match ENCODER.try_lock() {
+        Ok(mut guard) => guard
+            .get_or_insert_with(Encoder::default)
+            .flatten(element)?,
+        Err(_) => Encoder::default().flatten(element)?,
+    };
+    let mut spec_bytes = Vec::new();
+    flat.spec.encode(&mut spec_bytes);
+    let prefix = frame::element_prefix(&spec_bytes);
+    let codec::Flat {
+        leaves,
+        holders,
+        objects,
+        ..
+    } = flat;
+    let plan = FramePlan::data_aligned(0, leaves, false);
+    let total = prefix.len() + plan.total_bytes as usize;
+    let out = PyBytes::new_with(py, total, |buf| {
+        buf[..prefix.len()].copy_from_slice(&prefix);
+        let dst = SendPtr(buf[prefix.len()..].as_mut_ptr());
+        let plan = &plan;
+        let copy = move || {
+            let dst = dst;
+            // SAFETY: dst is the new bytes object's last total_bytes bytes (not shared
+            // yet); the plan's payloads are pinned by `holders` and `objects` (held until
+            // after this call) and do not overlap a new object.
+            unsafe { plan.copy_range(0, plan.total_bytes, dst.0) }
+        };
+        if plan.payload_bytes as usize >= GIL_FREE_COPY_BYTES {
+            py.detach(copy);
+        } else {
+            copy();
+        }
+        Ok(())
+    })?;
+    drop((holders, objects));
+    Ok(out)
+}
+
+fn decode_spec(py: Python<'_>, spec_bytes: &[u8], frame_start: u64) -> PyResult<Arc<DecodeSpec>> {
+    if let Ok(guard) = SPECS.lock() {
+        if let Some(s) = guard.as_ref().and_then(|m| m.get(spec_bytes)) {
+            return Ok(s.clone());
+        }
+    }
+    // Resolving imports namedtuple classes (Python code): outside the lock.
+    let spec = Spec::decode(spec_bytes)?;
+    let spec = Arc::new(DecodeSpec::new(py, spec, frame_start)?);
+    let mut evicted = None;
+    if let Ok(mut guard) = SPECS.lock() {
+        let map = guard.get_or_insert_with(HashMap::new);
+        if map.len() >= MAX_SPECS {
+            evicted = Some(std::mem::take(map));
+        }
+        map.insert(spec_bytes.to_vec(), spec.clone());
+    }
+    drop(evicted); // its Python objects go after the lock is released
+    Ok(spec)
+}
+
+/// Rebuilds an element from `encode_element`'s bytes (see `_core.pyi`).
+#[pyfunction]
+pub fn decode_element<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Py<PyAny>> {
+    // A buffer export for the whole decode: a bytearray cannot be resized under it.
+    let held = codec::HeldBuffer::get(data, ffi::PyBUF_SIMPLE)
+        .ok_or_else(|| pyo3::exceptions::PyTypeError::new_err("data is not a buffer"))?;
+    let bytes = held.bytes();
+    let len = bytes.len() as u64;
+    let (spec_bytes, frame_start) = frame::split_element(bytes)?;
+    let spec = decode_spec(py, spec_bytes, frame_start as u64)
+        .map_err(|e| damaged(py, e, frame_start as u64, len))?;
+    // A bytearray is the caller's to hand over: array leaves become views of it (through a
+    // memoryview, as numpy.frombuffer does); other buffers are copied from.
+    let view_base = if data.is_exact_instance_of::<PyByteArray>() {
+        // SAFETY: `data` is a live bytearray; the GIL is held.
+        let mv = unsafe { ffi::PyMemoryView_FromObject(data.as_ptr()) };
+        // SAFETY: a new reference, or NULL with an error set.
+        Some(unsafe { Bound::from_owned_ptr_or_err(py, mv)? })
+    } else {
+        None
+    };
+    let mut lease = |_: Python<'py>,
+                     _: &frame::LeafDesc,
+                     payload: &[u8],
+                     _: u64|
+     -> PyResult<Option<(Bound<'py, PyAny>, *const u8)>> {
+        Ok(view_base.as_ref().map(|b| (b.clone(), payload.as_ptr())))
+    };
+    let frame_bytes = &bytes[frame_start..];
+    let mut batch = Batch::default();
+    let out = PyList::empty(py);
+    decode::decode_data(
+        py,
+        frame_bytes,
+        frame_start as u64,
+        0,
+        &spec,
+        &mut batch,
+        &mut lease,
+    )
+    .and_then(|_| decode::flush_batch(py, &spec, &mut batch, &out))
+    .map_err(|e| damaged(py, e, frame_start as u64, len))?;
+    drop(held);
+    Ok(out.get_item(0)?.unbind())
+}
+
+/// A frame-level DataLossError (worded for the ring) reworded for a self-contained element.
+fn damaged(py: Python<'_>, err: PyErr, frame_start: u64, len: u64) -> PyErr {
+    let is_data_loss = err.get_type(py).name().is_ok_and(|n| n == "DataLossError");
+    if !is_data_loss {
+        return err;
+    }
+    let message = err.value(py).to_string();
+    let what = match message.split_once(": ") {
+        Some((head, rest)) if head.starts_with("shared-memory ring corrupted") => rest.to_string(),
+        _ => message,
+    };
+    Error::ElementCorrupted {
+        offset: frame_start,
+        len,
+        what,
+    }
+    .into()
+}
+
+/// A stream's element structure, learnt from one element, that the next ones are checked
+/// against in one walk (see `_core.pyi`). Thread-compatible (the worker's producer thread).
+#[pyclass(name = "ElementCheck", module = "dataservice._core")]
+#[derive(Default)]
+pub struct PyElementCheck {
+    structure: Option<PlainStructure>,
+}
+
+#[pymethods]
+impl PyElementCheck {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// Learns `element`'s structure; False (and nothing learnt) if it holds anything but
+    /// plain numpy values.
+    fn learn(&mut self, element: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.structure = PlainStructure::learn(element)?;
+        Ok(self.structure.is_some())
+    }
+
+    /// The element's bytes (as `element_nbytes` counts them) if it has the learnt
+    /// structure, else None.
+    fn nbytes_if_same(&self, element: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        match &self.structure {
+            Some(s) => s.nbytes_if_same(element),
+            None => Ok(None),
+        }
+    }
+}

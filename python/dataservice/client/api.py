@@ -7,7 +7,6 @@ ops applied after `distribute` run in the consumer's process.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pickle
@@ -25,6 +24,7 @@ from dataservice.data.dataset import (
     IterContext,
 )
 from dataservice.data.ops import AllowPickledElementsDataset
+from dataservice.data.serialize import definition_fingerprint
 from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import util as rpc_util
@@ -422,7 +422,7 @@ def _register(
         dataset=data,
         element_spec=pickle.dumps(spec) if spec is not None else b"",
         dataset_id=dataset_id or "",
-        fingerprint=hashlib.sha256(data).hexdigest(),
+        fingerprint=definition_fingerprint(data),
         compression=compression or "",
         cardinality=dataset.cardinality(),
     )

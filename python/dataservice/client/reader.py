@@ -540,6 +540,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                     ask_at = now + ask_delay_s
                     ask_delay_s = min(ask_delay_s * 2, self.heartbeat_s)
                 self._check_worker_loss_locked(start)
+                self._check_unreachable_locked()
                 self._cv.wait(0.1)
                 slow.check()
         slow.done(f"consumer of {self._what_iteration()}: an element arrived")

@@ -395,6 +395,26 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
             )
             if failing:
                 what += "; fetches keep failing from " + ", ".join(failing[:4])
+            now = time.monotonic()
+            silent = sorted(
+                {
+                    f"{s.endpoint.worker_address} for {now - s.silent_since:.0f} s"
+                    for s in self._tasks.values()
+                    if s.silent_since is not None and not s.finished and not s.removed
+                }
+            )
+            if silent:
+                what += (
+                    "; the dispatcher has had no heartbeat from "
+                    + ", ".join(silent[:4])
+                    + " (it declares a worker lost after its worker_timeout_ms; this consumer "
+                    + (
+                        "waits for ever: worker_loss_timeout_ms=None)"
+                        if self.options.worker_loss_timeout_ms is None
+                        else "raises WorkerCrashedError after worker_loss_timeout_ms="
+                        f"{self.options.worker_loss_timeout_ms} of that)"
+                    )
+                )
         elif any(s.removed and not s.finished for s in self._tasks.values()):
             gone = sorted(
                 {

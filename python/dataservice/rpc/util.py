@@ -251,6 +251,8 @@ def data_channel_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.keepalive_time_ms", DATA_KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", DATA_KEEPALIVE_TIMEOUT_MS),
+        # (what bounds the wait for a ping's ack in gRPC >= 1.5x; 60 s by default)
+        ("grpc.http2.ping_timeout_ms", DATA_KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.http2.max_pings_without_data", 0),  # keep pinging a long poll
     ]

@@ -493,6 +493,12 @@ def distribute(
             `next()` raises `errors.MissingShardsError` naming each missing
             worker address and shard index; until then the iteration does not
             end, and a listed worker that registers late delivers its shard.
+            It also bounds how long a worker that this consumer reached before
+            and can no longer connect to, while the dispatcher still hears it
+            (a partition between the two hosts), is retried before `next()`
+            raises `errors.UnavailableError` naming its address; an address
+            never reached is given up after $DATASERVICE_UNREACHABLE_TIMEOUT_MS
+            (8 s) instead.
 
     Returns:
         A function `Dataset -> Dataset` for `dataset.apply(...)`.

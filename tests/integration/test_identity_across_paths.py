@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import dataservice as ds
+
 # A trainer: registers its pipeline, prints the dataset id, waits for the test's go
 # file (so that both trainers read the job at once), reads its share of the named
 # job and prints the elements it got. The pipeline holds what made the bytes differ
@@ -39,7 +41,7 @@ class Scale:
 def tag(x):
     time.sleep(0.005)
     small = str(int(x)) in SMALL
-    return {"x": x + OFFSET, "small": small, "file": os.path.basename(__file__)}
+    return {"x": x + OFFSET, "small": small, "file": __file__}
 
 
 dataset = ds.Dataset.range(300).map(Scale(BODY)).map(lambda x: x // BODY).map(tag)
@@ -117,8 +119,10 @@ def test_one_script_in_two_directories_shares_one_named_job(tmp_path, cluster):
     xs = sorted(x for share in shares for x, _, _ in share)
     assert xs == [1000 + i for i in range(300)]
     assert all(share for share in shares), [len(s) for s in shares]
-    # The workers run the functions with their module's `__file__` put back.
-    assert {f for share in shares for _, _, f in share} == {"train.py"}
+    # The workers run the functions with their module's `__file__` put back: the
+    # full path of the trainer that registered the dataset first.
+    files = {f for share in shares for _, _, f in share}
+    assert len(files) == 1 and files <= {str(s) for s in scripts}, files
     assert sorted(x - 1000 for share in shares for x, small, _ in share if small) == [
         1,
         2,
@@ -142,3 +146,40 @@ def test_another_function_body_is_another_dataset(tmp_path, cluster):
             p.kill()
             p.communicate()
     assert ids[0] != ids[1], ids
+
+
+def test_a_restarted_dispatcher_dedups_the_script_from_another_directory(tmp_path):
+    """The journal keeps the fingerprint (and the definition with its code paths):
+    after a restart the same script from another checkout gets the same id."""
+    work_dir = str(tmp_path / "work")
+    config = ds.DispatcherConfig(work_dir=work_dir, fault_tolerant_mode=True)
+    dispatcher = ds.DispatchServer(config)
+    port = int(dispatcher.target.rpartition(":")[2])
+    first = _write_trainer(tmp_path / "a")
+    proc = _start(first, dispatcher.target, "j", tmp_path / "never")
+    try:
+        before = _first_line(proc)["dataset_id"]
+    finally:
+        proc.kill()
+        proc.communicate()
+    dispatcher.stop()
+    restarted = ds.DispatchServer(
+        ds.DispatcherConfig(work_dir=work_dir, fault_tolerant_mode=True, port=port)
+    )
+    worker = ds.WorkerServer(ds.WorkerConfig(restarted.target, heartbeat_interval_ms=100))
+    try:
+        second = _write_trainer(tmp_path / "b" / "checkout")
+        go_file = tmp_path / "go"
+        go_file.touch()
+        proc = _start(second, restarted.target, "j2", go_file)
+        after = _first_line(proc)["dataset_id"]
+        rc, out, err = _finish(proc)
+        assert rc == 0, err
+        assert after == before
+        elements = json.loads(out.strip().splitlines()[-1])["elements"]
+        assert sorted(x for x, _, _ in elements) == [1000 + i for i in range(300)]
+        # The definition replayed from the journal kept the first registrant's path.
+        assert {f for _, _, f in elements} == {str(first)}
+    finally:
+        worker.stop()
+        restarted.stop()

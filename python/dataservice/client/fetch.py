@@ -124,6 +124,9 @@ class _TaskState:
     # time.monotonic() since which the dispatcher has not heard from the
     # task's worker (None: it heartbeats on time)
     silent_since: float | None = None
+    # the dispatcher's last word: the worker is registered, not restarting, and
+    # heartbeats on time (TaskInfo.worker_heartbeats_on_time)
+    heartbeats_on_time: bool = False
     # time.monotonic() since which every connection to the worker failed (refused,
     # no route, timed out, a dead link: `_LINK_ERRORS`); None once a fetch got through
     unreachable_since: float | None = None
@@ -364,13 +367,13 @@ class TaskFetching:
         reached its address (most likely an address that does not lead to it
         from here), or for `worker_loss_timeout_ms` (60 s by default; None:
         for ever) when it did (a partition between this host and the worker's;
-        a worker that restarts or dies stops heartbeating, and is the
-        dispatcher's to judge). A worker that is only slow never fails a
+        a worker that restarts, dies or stops heartbeating is the
+        dispatcher's to judge, and does not count). A worker that is only slow never fails a
         connection, and never trips it."""
         now = time.monotonic()
         for state in self._tasks.values():
             since = state.unreachable_since
-            if since is None or state.finished or state.removed or state.silent_since is not None:
+            if since is None or state.finished or state.removed or not state.heartbeats_on_time:
                 continue
             address = state.endpoint.worker_address
             reached = state.reached or rpc_util.was_reached(address)

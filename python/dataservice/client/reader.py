@@ -266,6 +266,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                 known = self._tasks.get(info.task_id)
                 if known is not None:
                     known.worker_pid = info.worker_pid
+                    known.heartbeats_on_time = info.worker_heartbeats_on_time
                     if not info.worker_silent_ms:
                         known.silent_since = None
                     elif known.silent_since is None:
@@ -280,7 +281,11 @@ class _Reader(CoordinatedReads, WorkerLossTracking, TaskFetching):
                     endpoint = transfer.TaskEndpoint(
                         info.task_id, info.worker_address, info.transfer_address, info.host_id
                     )
-                    state = _TaskState(endpoint, worker_pid=info.worker_pid)
+                    state = _TaskState(
+                        endpoint,
+                        worker_pid=info.worker_pid,
+                        heartbeats_on_time=info.worker_heartbeats_on_time,
+                    )
                     if info.worker_silent_ms:
                         state.silent_since = now - info.worker_silent_ms / 1000
                     self._tasks[info.task_id] = state

@@ -245,9 +245,11 @@ def tls_error(address: str, what: str, details: str) -> errors.UnavailableError 
     return errors.UnavailableError(message) if message else None
 
 
-def data_channel_options() -> list[tuple[str, Any]]:
+def data_channel_options(keepalive: bool = True) -> list[tuple[str, Any]]:
     """The data channels' keepalive (`DATA_KEEPALIVE_TIME_MS`), added to
-    `CHANNEL_OPTIONS`."""
+    `CHANNEL_OPTIONS`; none when `keepalive` is False."""
+    if not keepalive:
+        return []
     return [
         ("grpc.keepalive_time_ms", DATA_KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", DATA_KEEPALIVE_TIMEOUT_MS),
@@ -258,10 +260,19 @@ def data_channel_options() -> list[tuple[str, Any]]:
     ]
 
 
-def make_data_channel(address: str, *options: tuple[str, Any]) -> grpc.Channel:
+def make_data_channel(
+    address: str, *options: tuple[str, Any], keepalive: bool = True
+) -> grpc.Channel:
     """A channel to a worker's data service (`make_channel`: TLS as configured),
-    with keepalive (`data_channel_options`)."""
-    return make_channel(address, options=[*data_channel_options(), *options])
+    with keepalive (`data_channel_options`).
+
+    A ping's ack queues behind the data the worker already wrote: over a link
+    slower than the worker's replies it can take longer than the keepalive
+    timeout while the link is alive, so a client that found its link slow (a
+    reply's no-progress timeout) connects again without keepalive
+    (`keepalive=False`); the no-progress timeouts judge that link.
+    """
+    return make_channel(address, options=[*data_channel_options(keepalive), *options])
 
 
 def abort_with(context: grpc.ServicerContext, err: BaseException) -> None:

@@ -418,7 +418,9 @@ class GrpcTransferClient(base.TransferClient):
         (up to a flow-control window of them)."""
         self._channel.close()
         self._channel = rpc_util.make_data_channel(
-            self._endpoint.transfer_address, ("grpc.use_local_subchannel_pool", 1)
+            self._endpoint.transfer_address,
+            ("grpc.use_local_subchannel_pool", 1),
+            keepalive=False,  # a slow link: see make_data_channel
         )
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
 

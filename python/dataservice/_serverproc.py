@@ -31,6 +31,8 @@ import threading
 from types import TracebackType
 from typing import Any
 
+from dataservice._netaddr import WILDCARD_HOSTS
+
 READY_RE = re.compile(r"^dataservice (dispatcher|worker) listening on (\S+)")
 """Matches the ready line; group 1 is the kind, group 2 the address ("host:port")."""
 
@@ -39,10 +41,6 @@ FIRST_ELEMENT_RE = re.compile("^" + re.escape(FIRST_ELEMENT_LINE) + "$")
 """Matches the line a worker prints when it hands out its first element."""
 
 _STDOUT_MU = threading.Lock()  # whole lines: the ready line and the first-element line
-
-
-WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
-"""Bind hosts that mean every interface."""
 
 
 def ready_line(
@@ -74,30 +72,10 @@ def announce_ready(
 
 
 def reachable_host() -> str:
-    """A name other hosts can use for this one: its host name when that
-    resolves to a non-loopback address, else its primary IP (the source
-    address of the default route; a UDP `connect` sends nothing), else the
-    host name anyway."""
-    import ipaddress
-    import socket
+    """A name other hosts can use for this one (`_netaddr.reachable_host`)."""
+    from dataservice import _netaddr
 
-    name = socket.gethostname()
-    try:
-        infos = socket.getaddrinfo(name, None)
-        if any(not ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos):
-            return name
-    except (OSError, ValueError):
-        pass
-    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((probe, 9))
-                ip = s.getsockname()[0]
-            if not ipaddress.ip_address(ip).is_loopback:
-                return ip if family == socket.AF_INET else f"[{ip}]"
-        except (OSError, ValueError):
-            continue
-    return name
+    return _netaddr.reachable_host()
 
 
 def advertised_address(address: str, bound_host: str) -> str:

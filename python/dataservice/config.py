@@ -215,10 +215,17 @@ class WorkerConfig:
 
     Attributes:
         dispatcher_address: "host:port" (or "grpc://host:port") of the dispatcher.
-        worker_address: The address advertised to the dispatcher and clients,
-            exactly as given ("%port%" is replaced by the bound port). Default
-            "localhost:%port%" as tf.data service (or "<host>:%port%" when `host`
-            is set to another interface; the host's FQDN for "0.0.0.0").
+        worker_address: The address advertised to the dispatcher and clients
+            (trainers on other hosts connect to it), exactly as given ("%port%"
+            is replaced by the bound port). Default "localhost:%port%" as
+            tf.data service for a loopback `host`, "<host>:%port%" for one
+            interface, and for every interface ("0.0.0.0", "::") an address of
+            this host its dispatcher can reach: the local address of its route
+            to the dispatcher, else its first non-loopback interface address
+            (logged with the reason; `_netaddr.wildcard_advertised_host`). A
+            consumer that cannot connect to it while the dispatcher hears the
+            worker raises `UnavailableError` naming it (client/fetch.py
+            `_check_unreachable_locked`).
         port: TCP port to bind; 0 picks a free one.
         protocol: "grpc".
         heartbeat_interval_ms: Time between heartbeats to the dispatcher (ms).
@@ -228,7 +235,8 @@ class WorkerConfig:
             gRPC otherwise), "grpc" or "shm".
         shm_ring_bytes: Size of each shared-memory ring (bytes).
         cross_trainer_cache_size_bytes: Bound of the cross-trainer cache (bytes).
-        host: Interface to bind, "127.0.0.1" unless told otherwise.
+        host: Interface to bind, "127.0.0.1" unless told otherwise; "0.0.0.0"
+            or "::" binds every interface (see `worker_address`).
         auth_token: Optional. The token this worker sends to the
             dispatcher and requires of every RPC and shared-memory handshake;
             also read from `auth_token_file` or DATASERVICE_AUTH_TOKEN.

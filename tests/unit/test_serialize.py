@@ -13,6 +13,7 @@ import pytest
 from dataservice.data.dataset import Dataset
 from dataservice.data.serialize import (
     MIN_SHARED_BUFFER_BYTES,
+    definition_fingerprint,
     deserialize,
     fingerprint,
     load,
@@ -378,3 +379,113 @@ def test_the_standard_streams_and_in_memory_files_still_serialize():
         return buf.getvalue(), x
 
     serialize(Dataset.range(3).map(uses))
+
+
+# A script whose pipeline holds what varied between processes and directories: a
+# set constant and a captured set of strings (ordered by the hash seed), a class
+# defined in the script (cloudpickle's random class id), its file's path.
+_SCRIPT = """
+import sys
+import dataservice as ds
+from dataservice.data.serialize import fingerprint, serialize
+
+WORDS = {"alpha", "beta", "gamma", "delta", "epsilon"}
+
+
+class Keep:
+    def __call__(self, x):
+        return str(x) in {"1", "2", "3", "4", "5", "6"} or sorted(WORDS)[0] == str(x)
+
+
+dataset = ds.Dataset.range(10).filter(Keep()).map(lambda x: x * BODY)
+sys.stdout.write(fingerprint(dataset))
+sys.stdout.flush()
+open(sys.argv[1], "wb").write(serialize(dataset))
+"""
+
+
+def _run_script(directory, body=2, hash_seed="0"):
+    import os
+    import subprocess
+    import sys
+
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "prep.py"
+    script.write_text(_SCRIPT.replace("BODY", str(body)))
+    out = directory / f"def-{body}-{hash_seed}.bin"
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout, out.read_bytes(), str(script)
+
+
+def test_fingerprint_is_the_same_from_any_directory_and_hash_seed(tmp_path):
+    first, data, path = _run_script(tmp_path / "a", hash_seed="1")
+    again, _, _ = _run_script(tmp_path / "a", hash_seed="2")
+    moved, moved_data, moved_path = _run_script(tmp_path / "b" / "checkout", hash_seed="3")
+    other, _, _ = _run_script(tmp_path / "c", body=3)
+    assert len(first) == 64
+    assert first == again == moved, "the fingerprint depends on the process or the path"
+    assert other != first  # another function body
+    # What ships holds each registrant's own paths; the fingerprint leaves them out.
+    assert data != moved_data
+    assert list(parse(data).code_paths) == [path]
+    assert list(parse(moved_data).code_paths) == [moved_path]
+    assert definition_fingerprint(data) == definition_fingerprint(moved_data) == first
+
+
+def test_loaded_functions_get_their_file_path_and_keep_their_sets(tmp_path):
+    _, data, path = _run_script(tmp_path / "a")
+    loaded = deserialize(data)
+    assert [int(x) for x in loaded] == [2, 4, 6, 8, 10, 12]
+    fn = loaded._fn  # the lambda
+    assert fn.__globals__["__file__"] == path
+    keep = loaded._input._predicate
+    assert keep.__call__.__globals__["WORDS"] == {"alpha", "beta", "gamma", "delta", "epsilon"}
+    assert type(keep.__call__.__globals__["WORDS"]) is set
+    # Without the paths (a definition from before code_paths) the base name remains.
+    bare = parse(data)
+    bare.ClearField("code_paths")
+    assert load(bare)._fn.__globals__["__file__"] == "prep.py"
+
+
+def test_a_class_by_value_is_reused_only_when_it_is_the_same(tmp_path):
+    _, two, _ = _run_script(tmp_path / "a", body=2)
+    _, three, _ = _run_script(tmp_path / "b", body=3)
+    a, b = deserialize(two)._input._predicate, deserialize(two)._input._predicate
+    assert type(a) is type(b)  # one class for one class id
+    _SCRIPT_OTHER = _SCRIPT.replace("or sorted(WORDS)[0] == str(x)", "")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "prep.py").write_text(_SCRIPT_OTHER.replace("BODY", "2"))
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, str(tmp_path / "c" / "prep.py"), str(tmp_path / "c.bin")],
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    c = deserialize((tmp_path / "c.bin").read_bytes())._input._predicate
+    assert type(c).__name__ == type(a).__name__ == "Keep"
+    assert type(c) is not type(a)  # another class of the same name is not taken for it
+    assert type(deserialize(three)._input._predicate) is type(a)  # same class, other lambda
+
+
+def test_sets_that_cannot_be_ordered_keep_their_items():
+    class Token:
+        pass
+
+    token = Token()
+    mixed = {1, "a", b"b", (2, "c"), None}
+    ds = Dataset.range(3).map(lambda x, m=mixed, t=frozenset([token]): (x, len(m), len(t)))
+    copy = deserialize(serialize(ds))
+    defaults = copy._fn.__defaults__
+    assert defaults[0] == mixed and type(defaults[0]) is set
+    assert len(defaults[1]) == 1 and type(defaults[1]) is frozenset

@@ -28,6 +28,7 @@ from dataservice.data.dataset import (
     IterContext,
 )
 from dataservice.data.ops import AllowPickledElementsDataset
+from dataservice.data.serialize import definition_fingerprint
 from dataservice.data.serialize import serialize as serialize_dataset
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import util as rpc_util
@@ -502,7 +503,7 @@ def _register(
         dataset=data,
         element_spec=pickle.dumps(spec) if spec is not None else b"",
         dataset_id=dataset_id or "",
-        fingerprint=hashlib.sha256(data).hexdigest(),
+        fingerprint=definition_fingerprint(data),
         compression=compression or "",
         cardinality=dataset.cardinality(),
     )
@@ -574,6 +575,12 @@ def distribute(
             `next()` raises `errors.MissingShardsError` naming each missing
             worker address and shard index; until then the iteration does not
             end, and a listed worker that registers late delivers its shard.
+            It also bounds how long a worker that this consumer reached before
+            and can no longer connect to, while the dispatcher still hears it
+            (a partition between the two hosts), is retried before `next()`
+            raises `errors.UnavailableError` naming its address; an address
+            never reached is given up after $DATASERVICE_UNREACHABLE_TIMEOUT_MS
+            (8 s) instead.
         exactly_once: DYNAMIC only. Every element of the epoch reaches the
             job's consumers exactly once, whatever workers are killed,
             restarted or added, and across a fault-tolerant dispatcher's

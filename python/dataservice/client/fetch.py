@@ -47,6 +47,9 @@ _FETCH_WAIT_S = 1.0
 # this long: a worker that just died is reported first (WorkerCrashedError).
 _FORCED_CONNECT_GRACE_S = 3.0
 _MAX_BYTES_PER_FETCH = 16 << 20
+# Failures of the connection to a worker (not of its pipeline): refused, no route,
+# connect timeout, a link that died under a call (keepalive, rpc/util.py).
+_LINK_ERRORS = (errors.UnavailableError, ConnectionError)
 _RESULT_BUFFER_BYTES = 128 << 20
 
 
@@ -123,6 +126,13 @@ class _TaskState:
     # time.monotonic() since which the dispatcher has not heard from the
     # task's worker (None: it heartbeats on time)
     silent_since: float | None = None
+    # the dispatcher's last word: the worker is registered, not restarting, and
+    # heartbeats on time (TaskInfo.worker_heartbeats_on_time)
+    heartbeats_on_time: bool = False
+    # time.monotonic() since which every connection to the worker failed (refused,
+    # no route, timed out, a dead link: `_LINK_ERRORS`); None once a fetch got through
+    unreachable_since: float | None = None
+    reached: bool = False  # a fetch from the worker got through
 
 
 class TaskFetching:
@@ -145,6 +155,7 @@ class TaskFetching:
     _consumer_asked: bool
     _ended: bool
     iteration_id: int
+    _tasks: dict[int, _TaskState]
     _unreachable: set[str]
     _fail: Callable[[BaseException], None]
 
@@ -260,6 +271,15 @@ class TaskFetching:
                     # (told now, it checks whether the worker's port is still open).
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
                     state.fetch_error = f"{type(err).__name__}: {err}"
+                    if isinstance(err, _LINK_ERRORS) and state.unreachable_since is None:
+                        state.unreachable_since = time.monotonic()
+                        log.warning(
+                            "cannot reach worker %s (task %d) to fetch elements: %s; retrying "
+                            "(the dispatcher is asked whether the worker is lost)",
+                            endpoint.worker_address,
+                            endpoint.task_id,
+                            err,
+                        )
                     if forced_error is not None and (
                         time.monotonic() - forced_at > _FORCED_CONNECT_GRACE_S
                     ):
@@ -283,6 +303,17 @@ class TaskFetching:
                     self._outstanding.release()
                 backoff = rpc_util.Backoff(0.05, 1.0)
                 state.fetch_error = ""
+                if not state.reached:
+                    state.reached = True
+                    rpc_util.mark_reached(endpoint.worker_address)
+                if state.unreachable_since is not None:
+                    log.info(
+                        "worker %s (task %d) reached again after %.1f s",
+                        endpoint.worker_address,
+                        endpoint.task_id,
+                        time.monotonic() - state.unreachable_since,
+                    )
+                    state.unreachable_since = None
                 with self._cv:
                     state.fetching = False
                     self._cv.notify_all()
@@ -346,6 +377,52 @@ class TaskFetching:
             self._fetch_over(state)
             if client is not None:
                 connect.release(client)
+
+    def _check_unreachable_locked(self) -> None:
+        """Raises UnavailableError for a worker this consumer cannot reach while
+        the dispatcher still hears its heartbeats (so it is not declared lost,
+        and its task would be waited for for ever). Every connection to it has
+        failed (`_LINK_ERRORS`) for `rpc_util.unreachable_timeout_ms()` (8 s by
+        default, $DATASERVICE_UNREACHABLE_TIMEOUT_MS) when this process never
+        reached its address (most likely an address that does not lead to it
+        from here), or for `worker_loss_timeout_ms` (60 s by default; None:
+        for ever) when it did (a partition between this host and the worker's;
+        a worker that restarts, dies or stops heartbeating is the
+        dispatcher's to judge, and does not count). A worker that is only slow never fails a
+        connection, and never trips it."""
+        now = time.monotonic()
+        for state in self._tasks.values():
+            since = state.unreachable_since
+            if since is None or state.finished or state.removed or not state.heartbeats_on_time:
+                continue
+            address = state.endpoint.worker_address
+            reached = state.reached or rpc_util.was_reached(address)
+            if reached:
+                bound_ms = self.options.worker_loss_timeout_ms
+                if bound_ms is None:
+                    continue
+                how = (
+                    f"it answered this process before; no connection got through for "
+                    f"{now - since:.1f} s (worker_loss_timeout_ms={bound_ms})"
+                )
+            else:
+                bound_ms = rpc_util.unreachable_timeout_ms()
+                how = (
+                    f"it never answered this process within {now - since:.1f} s "
+                    f"(${rpc_util.UNREACHABLE_ENV}={bound_ms})"
+                )
+            if (now - since) * 1000 < bound_ms:
+                continue
+            raise errors.UnavailableError(
+                f"cannot reach worker {address} (task {state.endpoint.task_id} of iteration "
+                f"{self.iteration_id}) from this host: {how}; last error: {state.fetch_error}. "
+                f"The dispatcher still hears the worker's heartbeats, so it runs: {address} is "
+                "the address it advertised to the dispatcher (its worker_address / "
+                "--worker-address as given, '%port%' replaced; without one, the address it "
+                "chose for its bind host, which its log names: 'worker bound to ... "
+                "advertises ...'), and this host cannot reach it there (a wrong address, a "
+                "firewall, or a network partition between the two hosts)"
+            )
 
     def _fetch_over(self, state: _TaskState) -> None:
         """The task's fetch in flight (if any) ended without a result to queue."""

@@ -290,6 +290,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                 known = self._tasks.get(info.task_id)
                 if known is not None:
                     known.worker_pid = info.worker_pid
+                    known.heartbeats_on_time = info.worker_heartbeats_on_time
                     if not info.worker_silent_ms:
                         known.silent_since = None
                     elif known.silent_since is None:
@@ -304,7 +305,11 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                     endpoint = transfer.TaskEndpoint(
                         info.task_id, info.worker_address, info.transfer_address, info.host_id
                     )
-                    state = _TaskState(endpoint, worker_pid=info.worker_pid)
+                    state = _TaskState(
+                        endpoint,
+                        worker_pid=info.worker_pid,
+                        heartbeats_on_time=info.worker_heartbeats_on_time,
+                    )
                     if info.worker_silent_ms:
                         state.silent_since = now - info.worker_silent_ms / 1000
                     self._tasks[info.task_id] = state
@@ -421,6 +426,26 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
             )
             if failing:
                 what += "; fetches keep failing from " + ", ".join(failing[:4])
+            now = time.monotonic()
+            silent = sorted(
+                {
+                    f"{s.endpoint.worker_address} for {now - s.silent_since:.0f} s"
+                    for s in self._tasks.values()
+                    if s.silent_since is not None and not s.finished and not s.removed
+                }
+            )
+            if silent:
+                what += (
+                    "; the dispatcher has had no heartbeat from "
+                    + ", ".join(silent[:4])
+                    + " (it declares a worker lost after its worker_timeout_ms; this consumer "
+                    + (
+                        "waits for ever: worker_loss_timeout_ms=None)"
+                        if self.options.worker_loss_timeout_ms is None
+                        else "raises WorkerCrashedError after worker_loss_timeout_ms="
+                        f"{self.options.worker_loss_timeout_ms} of that)"
+                    )
+                )
         elif any(s.removed and not s.finished for s in self._tasks.values()):
             gone = sorted(
                 {
@@ -572,6 +597,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                     ask_at = now + ask_delay_s
                     ask_delay_s = min(ask_delay_s * 2, self.heartbeat_s)
                 self._check_worker_loss_locked(start)
+                self._check_unreachable_locked()
                 self._cv.wait(0.1)
                 slow.check()
         slow.done(f"consumer of {self._what_iteration()}: an element arrived")

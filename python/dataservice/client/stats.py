@@ -276,10 +276,15 @@ class WorkerLossTracking:
         lines = self._lost_lines_locked()
         for s in live:
             assert s.silent_since is not None
+            how = "stopped, e.g. SIGSTOP, or hung"
+            if s.unreachable_since is not None:  # nor can this host reach it
+                how = (
+                    "stopped, hung, or its host cut off from the network: this consumer "
+                    f"cannot reach it either ({s.fetch_error})"
+                )
             lines.append(
                 f"worker {s.endpoint.worker_address} (pid {s.worker_pid or 'unknown'}): sent "
-                f"the dispatcher no heartbeat for {now - s.silent_since:.1f} s (stopped, e.g. "
-                "SIGSTOP, or hung)"
+                f"the dispatcher no heartbeat for {now - s.silent_since:.1f} s ({how})"
             )
         what = "its workers stopped answering" if live else "it lost its workers"
         raise errors.WorkerCrashedError(

@@ -13,6 +13,25 @@ arrays: a `from_tensor_slices` source, an array a function captured). The dispat
 keeps those buffers in files (dispatcher/buffer_store.py) and a worker on its host maps
 them (`load`), so the arrays of a pipeline are backed by page-cache pages that every
 worker process shares instead of one private copy per worker (CASES C-19).
+
+A pipeline's identity (`fingerprint`, the dataset id a dispatcher gives it, and so which
+named job it can share) is what it computes, not where or in which process it was
+built: two trainers running the same script from two checkouts, on two hosts, get
+the same fingerprint. cloudpickle's output holds three things that differ between
+such trainers, and the pickle is written without them:
+- the path of the file that defined a function pickled by value, as its module's
+  `__file__` (cloudpickle writes its code's `co_filename` as "<dynamic-code>", which
+  the consumer names again, errors.py): the pickle keeps the file's base name and an
+  index into `DatasetDef.code_paths`, which holds the full paths, and `load` puts
+  them back (those of the trainer that registered the dataset first). The
+  fingerprint leaves `code_paths` out (`definition_fingerprint`);
+- the order of a set's or frozenset's items (a constant such as `x in {"a", "b"}`
+  too), which for strings follows the process's hash seed: written sorted;
+- the random id cloudpickle gives a class pickled by value (a class defined in the
+  script): replaced by a digest of the class's own pickle, so a worker that loads two
+  datasets with the same class reuses it, and one with another class of the same
+  name does not.
+Line numbers stay: the same file in two places has the same lines.
 """
 
 from __future__ import annotations
@@ -25,6 +44,7 @@ import os
 import pickle
 import stat
 import sys
+import threading
 import types
 from typing import Any
 
@@ -38,6 +58,7 @@ from dataservice.rpc import dataset_pb2
 
 __all__ = [
     "MIN_SHARED_BUFFER_BYTES",
+    "definition_fingerprint",
     "deserialize",
     "fingerprint",
     "load",
@@ -61,9 +82,114 @@ _OPEN_FILE_TYPES = (
 )
 
 
+class _CodePath:
+    """The path of a code file in a pickle: its base name and its index in
+    `DatasetDef.code_paths`; unpickled as the full path (`_code_path`)."""
+
+    __slots__ = ("index", "name")
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name = name
+        self.index = index
+
+
+# While `load` unpickles: the `DatasetDef.code_paths` of the definition.
+_loading = threading.local()
+
+_SORTED_SET = "dataservice.sorted_set"
+_PLAIN_TYPES = (str, bytes, int, float, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` orders the same in every process by `_plain_key`."""
+    if type(value) is tuple:
+        return all(_plain(v) for v in value)
+    return type(value) in _PLAIN_TYPES
+
+
+def _plain_key(value: Any) -> tuple[str, str]:
+    return type(value).__name__, repr(value)
+
+
+class _HashWriter:
+    """A file that hashes what is written to it (the pickle of a class, for its id)."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return len(data)
+
+
 class _Pickler(cloudpickle.CloudPickler):
     """cloudpickle's pickler that refuses open files (`_OPEN_FILE_TYPES`), naming
-    the file and the fix; the standard streams keep cloudpickle's by-name pickling."""
+    the file and the fix (the standard streams keep cloudpickle's by-name pickling),
+    and writes the same bytes for the same pipeline in any process and from any
+    directory (the module docstring says how). `code_paths` holds the full paths
+    of the code files it replaced by an index, in the order of the indices."""
+
+    def __init__(
+        self,
+        file: Any,
+        protocol: int = PICKLE_PROTOCOL,
+        buffer_callback: Any = None,
+        class_ids: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(file, protocol=protocol, buffer_callback=buffer_callback)
+        self.code_paths: list[str] = []
+        self._path_index: dict[str, int] = {}
+        # id(class) -> the id it is pickled with; "" while its digest is computed
+        # (a reference to the class from inside it). Shared with nested picklers.
+        self._class_ids: dict[int, str] = {} if class_ids is None else class_ids
+
+    def _code_path(self, path: str) -> _CodePath:
+        index = self._path_index.get(path)
+        if index is None:
+            index = self._path_index[path] = len(self.code_paths)
+            self.code_paths.append(path)
+        return _CodePath(os.path.basename(path), index)
+
+    def persistent_id(self, obj: Any) -> Any:
+        # Called for every object (sets are pickled before reducer_override is asked).
+        kind = type(obj)
+        if (kind is set or kind is frozenset) and all(_plain(v) for v in obj):
+            return (_SORTED_SET, kind is frozenset, tuple(sorted(obj, key=_plain_key)))
+        return None
+
+    def _relocate_file_global(self, namespace: dict[str, Any]) -> None:
+        path = namespace.get("__file__")
+        if isinstance(path, str) and os.sep in path:
+            namespace["__file__"] = self._code_path(path)
+
+    def _function_getnewargs(self, func: Any) -> Any:
+        # The namespace the function gets (cloudpickle's dict, not the module's).
+        code, base_globals, name, argdefs, closure = super()._function_getnewargs(func)
+        self._relocate_file_global(base_globals)
+        return code, base_globals, name, argdefs, closure
+
+    def _dynamic_function_reduce(self, func: Any) -> Any:
+        reduced = super()._dynamic_function_reduce(func)
+        _, slotstate = reduced[2]  # the globals the function names (a dict of its own)
+        self._relocate_file_global(slotstate.get("__globals__", {}))
+        return reduced
+
+    def _class_id(self, cls: type) -> str:
+        """A digest of the pickle of `cls` written with "" as its own id: the same
+        in every process for the same class (cloudpickle's is random)."""
+        found = self._class_ids.get(id(cls))
+        if found is not None:
+            return found
+        self._class_ids[id(cls)] = ""
+        out = _HashWriter()
+
+        def hash_buffer(buffer: pickle.PickleBuffer) -> bool:
+            out.digest.update(buffer.raw())
+            return False  # out of band: hashed, not copied
+
+        _Pickler(out, PICKLE_PROTOCOL, hash_buffer, self._class_ids).dump(cls)
+        self._class_ids[id(cls)] = found = out.digest.hexdigest()[:32]
+        return found
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _OPEN_FILE_TYPES) and obj not in (sys.stdin, sys.stdout, sys.stderr):
@@ -75,14 +201,44 @@ class _Pickler(cloudpickle.CloudPickler):
                 "means nothing (a copy would hold what is left of it as read here, at its "
                 "position now); capture the path and open the file inside the function"
             )
-        return super().reducer_override(obj)
+        if isinstance(obj, _CodePath):
+            return _code_path, (obj.name, obj.index)
+        reduced = super().reducer_override(obj)
+        if isinstance(reduced, tuple) and reduced[0] in _SKELETONS:
+            args = list(reduced[1])
+            args[_SKELETONS[reduced[0]]] = self._class_id(obj)
+            reduced = (reduced[0], tuple(args), *reduced[2:])
+        return reduced
+
+
+# cloudpickle's constructors of a class pickled by value -> the position of its
+# class_tracker_id argument.
+_SKELETONS = {
+    cloudpickle.cloudpickle._make_skeleton_class: 4,
+    cloudpickle.cloudpickle._make_skeleton_enum: 5,
+}
+
+
+def _code_path(name: str, index: int) -> str:
+    """The full path of code file `index` of the definition being loaded, or its
+    base name `name` when the definition holds no such path."""
+    paths = getattr(_loading, "code_paths", None)
+    if paths is not None and 0 <= index < len(paths):
+        return str(paths[index])
+    return name
 
 
 def _dumps(obj: Any, buffer_callback: Any = None) -> bytes:
     """`cloudpickle.dumps(obj, PICKLE_PROTOCOL, buffer_callback=...)` with `_Pickler`."""
+    return _dump_with_paths(obj, buffer_callback)[0]
+
+
+def _dump_with_paths(obj: Any, buffer_callback: Any = None) -> tuple[bytes, list[str]]:
+    """`_dumps`, and the full paths of the code files it replaced by an index."""
     with io.BytesIO() as out:
-        _Pickler(out, protocol=PICKLE_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
-        return out.getvalue()
+        pickler = _Pickler(out, protocol=PICKLE_PROTOCOL, buffer_callback=buffer_callback)
+        pickler.dump(obj)
+        return out.getvalue(), pickler.code_paths
 
 
 MIN_SHARED_BUFFER_BYTES = 1 << 20
@@ -115,11 +271,17 @@ _MOVED_CLASSES = {
 
 
 class _Unpickler(pickle.Unpickler):
-    """`pickle.Unpickler` that finds a moved class (`_MOVED_CLASSES`) where it is now."""
+    """`pickle.Unpickler` that finds a moved class (`_MOVED_CLASSES`) where it is now
+    and reads the sets `_Pickler` wrote sorted."""
 
     def find_class(self, module: str, name: str) -> Any:
         module, name = _MOVED_CLASSES.get((module, name), (module, name))
         return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == _SORTED_SET:
+            return frozenset(pid[2]) if pid[1] else set(pid[2])
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r:.80}")
 
 
 def serialize(dataset: Dataset) -> bytes:
@@ -143,10 +305,10 @@ def serialize(dataset: Dataset) -> bytes:
         return False
 
     try:
-        data: bytes = _dumps(dataset, buffer_callback=in_band)
+        data, code_paths = _dump_with_paths(dataset, buffer_callback=in_band)
     except Exception as e:
         raise _explain(dataset, e) from e
-    definition = dataset_pb2.DatasetDef(pickle=data)
+    definition = dataset_pb2.DatasetDef(pickle=data, code_paths=code_paths)
     for buffer in buffers:
         raw = buffer.raw()  # the bytes in memory order (numpy pickles C or F order)
         definition.buffers.add(data=raw.tobytes(), size_bytes=raw.nbytes)
@@ -206,10 +368,13 @@ def load(definition: Any) -> Dataset:
         if b.sha256 and os.path.basename(b.path) != b.sha256:
             raise OSError(f"{b.path} is not the dispatcher's file of the buffer {b.sha256}")
         buffers.append(map_buffer_file(b.path, b.size_bytes))
+    _loading.code_paths = definition.code_paths
     try:
         obj = _Unpickler(io.BytesIO(definition.pickle), buffers=buffers).load()
     except Exception as e:
         raise InvalidArgumentError(f"Cannot deserialize a dataset: {type(e).__name__}: {e}") from e
+    finally:
+        _loading.code_paths = None
     if not isinstance(obj, Dataset):
         raise InvalidArgumentError(
             f"Cannot deserialize a dataset: the bytes hold a {type(obj).__name__}"
@@ -242,8 +407,25 @@ def map_buffer_file(path: str, size_bytes: int) -> mmap.mmap:
 
 
 def fingerprint(dataset: Dataset) -> str:
-    """The hex SHA-256 of `serialize(dataset)` (64 characters); raises as `serialize`."""
-    return hashlib.sha256(serialize(dataset)).hexdigest()
+    """`definition_fingerprint(serialize(dataset))`: 64 hex characters, the same for
+    the same pipeline built in any process, from any directory; raises as `serialize`."""
+    return definition_fingerprint(serialize(dataset))
+
+
+def definition_fingerprint(data: bytes) -> str:
+    """The hex SHA-256 (64 characters) of the serialised `DatasetDef` `data` less its
+    `code_paths`: what a dispatcher dedups registrations by (`RegisterDatasetRequest.
+    fingerprint`). For a definition without code paths, and for bytes that are no
+    `DatasetDef` (refused when registered), it is the SHA-256 of `data`.
+    """
+    try:
+        definition = parse(data)
+    except InvalidArgumentError:
+        definition = None
+    if definition is None or not definition.code_paths:
+        return hashlib.sha256(data).hexdigest()
+    definition.ClearField("code_paths")
+    return hashlib.sha256(definition.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _op(node: Dataset) -> str:

@@ -113,7 +113,7 @@ class BufferStore:
             DataLossError: With `repair=False`, a file of this name is damaged.
         """
         check_inline(definition, "DatasetDef")
-        stored = dataset_pb2.DatasetDef(pickle=definition.pickle)
+        stored = dataset_pb2.DatasetDef(pickle=definition.pickle, code_paths=definition.code_paths)
         for buffer in definition.buffers:
             data = buffer.data
             digest = hashlib.sha256(data).hexdigest()
@@ -171,7 +171,7 @@ class BufferStore:
                 other bytes (someone deleted or changed the dispatcher's
                 directory); names the file.
         """
-        inlined = dataset_pb2.DatasetDef(pickle=definition.pickle)
+        inlined = dataset_pb2.DatasetDef(pickle=definition.pickle, code_paths=definition.code_paths)
         for buffer in definition.buffers:
             if not buffer.path:
                 inlined.buffers.add().CopyFrom(buffer)

@@ -472,6 +472,8 @@ class LivenessMixin(DispatcherBase):
             refused = True
         except (OSError, ValueError) as err:  # unreachable, unresolvable: not proof
             log.debug("probe of worker %s: %s", worker.address, err)
+        if refused and self._heartbeats_after_refusal(worker):
+            refused = False
         with self._mu:
             self._probing.discard(worker.address)
             current = self._workers.get(worker.address)
@@ -483,6 +485,40 @@ class LivenessMixin(DispatcherBase):
                     f"heartbeat for {silent_s:.1f} s and its port refuses connections (the "
                     "process exited or was killed)",
                 )
+
+    def _heartbeats_after_refusal(self, worker: _Worker) -> bool:
+        """Whether `worker`, whose port just refused the probe, heartbeats on
+        after it: then the process is alive and its advertised address does not
+        lead to it from this host (a wrong `worker_address`, a NAT, a gateway
+        answering for a host it cannot reach), which is warned of once, and the
+        heartbeat timeout decides for it. Waits (at most two heartbeat
+        intervals and 0.2 s) only when its last heartbeat is that recent: a
+        process that died heartbeats no more, so it is declared lost that much
+        later; one silent for longer is declared lost at once."""
+        refused_at = time.monotonic()
+        with self._mu:
+            heard = worker.last_heartbeat
+        due_by = heard + 2 * worker.heartbeat_interval_s + 0.2
+        if due_by <= refused_at:
+            return False
+        if self._stop_event.wait(due_by - refused_at):
+            return False
+        with self._mu:
+            alive = worker.last_heartbeat > refused_at
+        if alive:
+            _waits.warn_once(
+                log,
+                ("refusing address", worker.address, worker.uid),
+                "worker %s (pid %s) heartbeats on time, but its address %s refuses "
+                "connections from the dispatcher's host: the address it advertised does not "
+                "lead to it from here (its worker_address / --worker-address, or the address "
+                "it chose for its bind host); consumers that cannot reach it there fail with "
+                "an error naming it",
+                worker.address,
+                worker.pid or "unknown",
+                worker.address,
+            )
+        return alive
 
     def _remove_tasks_of_locked(self, address: str) -> None:
         for task in self._state.tasks_of_worker(address):

@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import auth, errors, tls
+from dataservice import _netaddr, auth, errors, tls
 from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.buffer_store import BufferStore, check_inline
@@ -246,7 +246,23 @@ class DispatchServer(
         t = threading.Thread(target=self._maintenance_loop, name="ds-dispatcher-gc", daemon=True)
         t.start()
         self._threads = [t]
-        log.info("dispatcher serving on %s", self.target)
+        log.info("dispatcher serving on %s", self._describe_bind())
+
+    def _describe_bind(self) -> str:
+        """The address bound, and for every interface ("0.0.0.0", "::") the
+        addresses of this host's interfaces that others can use (`target`'s
+        "localhost" is for clients on this host only)."""
+        host = self._config.host
+        bound = f"{_netaddr.format_host(host or '0.0.0.0')}:{self._port}"
+        if not _netaddr.is_wildcard(host):
+            return bound
+        reachable = [
+            f"{_netaddr.format_host(a)}:{self._port}" for a in _netaddr.interface_addresses()
+        ]
+        if not reachable:
+            return f"{bound} (all interfaces; none but loopback is up: localhost:{self._port})"
+        shown = ", ".join(reachable[:8]) + (" ..." if len(reachable) > 8 else "")
+        return f"{bound} (all interfaces; reachable at {shown})"
 
     def stop(self) -> None:
         """Stops serving, after in-flight RPCs finish (grace 1 s). Idempotent."""

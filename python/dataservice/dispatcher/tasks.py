@@ -148,10 +148,13 @@ class WorkerTasksMixin(DispatcherBase):
         transfer address and host id once it has registered since a restart)."""
         worker = self._workers.get(task.worker_address)
         silent_ms = 0
+        on_time = False
         if worker is not None and not worker.restarting:
             silent_s = time.monotonic() - worker.last_heartbeat
             if silent_s > _probe_after_s(worker):
                 silent_ms = int(silent_s * 1000)
+            else:
+                on_time = True
         infos.add(
             task_id=task.task_id,
             worker_address=task.worker_address,
@@ -159,6 +162,7 @@ class WorkerTasksMixin(DispatcherBase):
             host_id=worker.host_id if worker else "",
             worker_silent_ms=silent_ms,
             worker_pid=worker.pid if worker else 0,
+            worker_heartbeats_on_time=on_time,
         )
 
     def _worker_heartbeat(self, request: Any) -> Any:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64\x61taservice/rpc/dataset.proto\x12\x0f\x64\x61taservice.rpc\"O\n\rDatasetBuffer\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18Z \x01(\t\"M\n\nDatasetDef\x12\x0e\n\x06pickle\x18\x01 \x01(\x0c\x12/\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x1e.dataservice.rpc.DatasetBufferb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64\x61taservice/rpc/dataset.proto\x12\x0f\x64\x61taservice.rpc\"O\n\rDatasetBuffer\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18Z \x01(\t\"b\n\nDatasetDef\x12\x0e\n\x06pickle\x18\x01 \x01(\x0c\x12/\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x1e.dataservice.rpc.DatasetBuffer\x12\x13\n\ncode_paths\x18\xc8\x01 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,5 +34,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DATASETBUFFER']._serialized_start=50
   _globals['_DATASETBUFFER']._serialized_end=129
   _globals['_DATASETDEF']._serialized_start=131
-  _globals['_DATASETDEF']._serialized_end=208
+  _globals['_DATASETDEF']._serialized_end=229
 # @@protoc_insertion_point(module_scope)

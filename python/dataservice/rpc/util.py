@@ -61,10 +61,23 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# Keepalive of the data channels (a consumer's to its workers): while a call is in
+# flight the client pings every DATA_KEEPALIVE_TIME_MS and closes the connection
+# when a ping is not acknowledged within DATA_KEEPALIVE_TIMEOUT_MS, so a read from
+# a worker whose link went dead (cable, host, partition: no RST ever comes) fails
+# with UNAVAILABLE in ~10 s, instead of waiting for TCP's retransmission timeout
+# (~15 min) or a reply's no-progress timeout. Idle connections send no pings.
+DATA_KEEPALIVE_TIME_MS = 5_000
+DATA_KEEPALIVE_TIMEOUT_MS = 5_000
+
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    # Accept the data channels' keepalive pings during long polls, when no data
+    # flows (gRPC's default allows one per 5 min and then sends GOAWAY).
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 T = TypeVar("T")
@@ -230,6 +243,36 @@ def tls_error(address: str, what: str, details: str) -> errors.UnavailableError 
         client = _CHANNEL_TLS[address]
     message = tls.handshake_error(address, details, client, what)
     return errors.UnavailableError(message) if message else None
+
+
+def data_channel_options(keepalive: bool = True) -> list[tuple[str, Any]]:
+    """The data channels' keepalive (`DATA_KEEPALIVE_TIME_MS`), added to
+    `CHANNEL_OPTIONS`; none when `keepalive` is False."""
+    if not keepalive:
+        return []
+    return [
+        ("grpc.keepalive_time_ms", DATA_KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", DATA_KEEPALIVE_TIMEOUT_MS),
+        # (what bounds the wait for a ping's ack in gRPC >= 1.5x; 60 s by default)
+        ("grpc.http2.ping_timeout_ms", DATA_KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging a long poll
+    ]
+
+
+def make_data_channel(
+    address: str, *options: tuple[str, Any], keepalive: bool = True
+) -> grpc.Channel:
+    """A channel to a worker's data service (`make_channel`: TLS as configured),
+    with keepalive (`data_channel_options`).
+
+    A ping's ack queues behind the data the worker already wrote: over a link
+    slower than the worker's replies it can take longer than the keepalive
+    timeout while the link is alive, so a client that found its link slow (a
+    reply's no-progress timeout) connects again without keepalive
+    (`keepalive=False`); the no-progress timeouts judge that link.
+    """
+    return make_channel(address, options=[*data_channel_options(keepalive), *options])
 
 
 def abort_with(context: grpc.ServicerContext, err: BaseException) -> None:

@@ -27,7 +27,6 @@ A field added to a request message needs its rule here
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -248,12 +247,15 @@ def _reason(name: str, value: Any) -> str | None:
 # ---------------------------------------------------------------- cross-field checks
 def _fingerprint_matches(request: Any) -> str | None:
     """RegisterDataset's dataset id dedup trusts the fingerprint: one that is
-    not the sha256 of `dataset` would map another client's dataset to this one."""
-    expected = hashlib.sha256(request.dataset).hexdigest()
+    not the `definition_fingerprint` of `dataset` (its sha256 less its code paths)
+    would map another client's dataset to this one."""
+    from dataservice.data.serialize import definition_fingerprint
+
+    expected = definition_fingerprint(request.dataset)
     if request.fingerprint != expected:
         return (
-            f"fingerprint={_show(request.fingerprint)} is not the sha256 of the "
-            f"{len(request.dataset)}-byte dataset ({expected})"
+            f"fingerprint={_show(request.fingerprint)} is not the fingerprint of the "
+            f"{len(request.dataset)}-byte dataset ({expected}: its sha256 less its code paths)"
         )
     return None
 

@@ -198,7 +198,7 @@ class GrpcTransferClient(base.TransferClient):
     ) -> None:
         self._endpoint = endpoint
         self._compression = compression  # "" or "zstd", chosen by the reader
-        self._channel = rpc_util.make_channel(endpoint.transfer_address)
+        self._channel = rpc_util.make_data_channel(endpoint.transfer_address)
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
         token = rpc_util.token_from_env(auth_token)
         auth.warn_if_sent_in_clear(
@@ -417,8 +417,10 @@ class GrpcTransferClient(base.TransferClient):
         cancelled reply's bytes still in flight on the old one would hold the link up
         (up to a flow-control window of them)."""
         self._channel.close()
-        self._channel = rpc_util.make_channel(
-            self._endpoint.transfer_address, options=[("grpc.use_local_subchannel_pool", 1)]
+        self._channel = rpc_util.make_data_channel(
+            self._endpoint.transfer_address,
+            ("grpc.use_local_subchannel_pool", 1),
+            keepalive=False,  # a slow link: see make_data_channel
         )
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import _proc, _waits, auth, errors, metrics, tls
+from dataservice import _netaddr, _proc, _waits, auth, errors, metrics, tls
 from dataservice.config import WorkerConfig
 from dataservice.data import graph
 from dataservice.data.static_sharding import apply_static_sharding
@@ -210,7 +210,7 @@ class WorkerServer(ElementServing):
 
     @property
     def address(self) -> str:
-        """The "host:port" advertised to the dispatcher and clients, exactly as configured."""
+        """The "host:port" advertised to the dispatcher and clients (`_advertised_address`)."""
         return self._address
 
     @property
@@ -310,17 +310,7 @@ class WorkerServer(ElementServing):
             raise errors.UnavailableError(f"worker cannot bind {bind}: {err}") from err
         if port == 0:
             raise errors.UnavailableError(f"worker cannot bind {bind}")
-        if self._config.worker_address:
-            self._address = self._config.worker_address.replace("%port%", str(port))
-        else:  # as tf.data service: "localhost:<port>" for a loopback-bound worker
-            host = self._config.host
-            if host in ("0.0.0.0", "::", ""):
-                import socket
-
-                host = socket.getfqdn()
-            elif host in ("127.0.0.1", "::1"):
-                host = "localhost"
-            self._address = f"{host}:{port}"
+        self._address = self._advertised_address(port)
         self._uid = uuid.uuid4().hex
         if self._config.metrics_port is not None and self._metrics_endpoint is None:
             registry = metrics.WorkerMetrics(
@@ -359,6 +349,34 @@ class WorkerServer(ElementServing):
             target=self._heartbeat_loop, name="ds-worker-heartbeat", daemon=True
         )
         self._heartbeat_thread.start()
+
+    def _advertised_address(self, port: int) -> str:
+        """The "host:port" this worker gives the dispatcher and its clients.
+
+        `worker_address` as given, "%port%" replaced by the bound `port`; else,
+        as tf.data service, "localhost:<port>" for a loopback-bound worker and
+        "<host>:<port>" for one bound to a single interface; for one bound to
+        every interface ("0.0.0.0", "::"), an address of this host that its
+        dispatcher can reach (`_netaddr.wildcard_advertised_host`: the local
+        address of its route to the dispatcher), logged with the reason.
+        """
+        if self._config.worker_address:
+            return self._config.worker_address.replace("%port%", str(port))
+        host = self._config.host
+        if _netaddr.is_wildcard(host):
+            chosen, why = _netaddr.wildcard_advertised_host(self._dispatcher_address)
+            address = f"{chosen}:{port}"
+            log.info(
+                "worker bound to %s advertises %s: %s (set worker_address, "
+                "--worker-address, to choose another)",
+                _netaddr.format_host(host or "0.0.0.0") + f":{port}",
+                address,
+                why,
+            )
+            return address
+        if host in ("127.0.0.1", "::1"):
+            return f"localhost:{port}"
+        return f"{_netaddr.format_host(host)}:{port}"
 
     def stop(self) -> None:
         """Stops serving and heartbeating; returns promptly. Idempotent.

@@ -6,7 +6,8 @@ what fallback, and whether its elements are compressed.
 one asked for), falling back to the next when a handshake fails
 (`TransferUnavailable`, logged once per worker and protocol) and failing a forced
 protocol that cannot reach the worker. `compression_for` is `distribute`'s
-`compression` for one worker: "AUTO" compresses only elements that cross hosts.
+`compression` for one worker: "AUTO" leaves it to the gRPC client, which
+compresses only when measuring says it saves time (`transfer.grpc.AutoCompression`).
 The fetch threads that use these clients are `reader.py`'s.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import logging
 
 from dataservice import _waits, errors
-from dataservice.locality import host_id
 from dataservice.transfer import base as transfer
 
 # A read logs under one name, the reader's, whichever module does the work.
@@ -23,12 +23,14 @@ log = logging.getLogger("dataservice.client.reader")
 
 
 def compression_for(requested: str | None, endpoint: transfer.TaskEndpoint) -> str:
-    """ "zstd" or "" for `endpoint`, from `distribute`'s `compression` ("AUTO",
-    None or "NONE", or a codec name): AUTO compresses only elements that cross
-    hosts."""
+    """ "zstd", "" or "auto" for `endpoint`, from `distribute`'s `compression`
+    ("AUTO", None or "NONE", or a codec name). AUTO: "auto", the gRPC client's
+    choice by measurement (the link's throughput against the codec's, and how well
+    the data compresses: `transfer.grpc.AutoCompression`), not by host; a
+    worker's elements read over shared memory are never compressed."""
     requested = (requested or "NONE").upper()
     if requested == "AUTO":
-        return "zstd" if endpoint.host_id != host_id() else ""
+        return "auto"
     return "" if requested == "NONE" else requested.lower()
 
 

@@ -369,6 +369,8 @@ class TaskFetching:
 
     def _connected(self, state: _TaskState, client: transfer.TransferClient) -> None:
         state.protocol = client.protocol
+        if self._outstanding is not None:  # the requests in flight are bounded
+            client.pipeline = False
         state.max_unconsumed_bytes = min(
             _RESULT_BUFFER_BYTES, client.max_unconsumed_bytes or _RESULT_BUFFER_BYTES
         )

@@ -1,15 +1,28 @@
 """Transport benchmark (not a test): the shared-memory ring alone, the whole
-service through LocalCluster with shm and with gRPC, PyTorch's DataLoader (if
-torch is importable), and single-core memcpy, on four workloads:
+service through LocalCluster with shm and with gRPC, tf.data service (under
+TensorFlow's own interpreter), a raw loopback TCP socket, PyTorch's DataLoader
+(if torch is importable), and single-core memcpy, on five workloads:
 
     scalars  200k int64 scalars (range)
     images   3,000 uint8[224, 224, 3] (150 KB) built by a cheap map
+    mb1      600 uint8[1024, 1024] (1 MiB)
     batches  200 uint8[64, 224, 224, 3] (9.6 MB)
     cpu_map  2,000 elements of a ~2 ms CPU-bound map, 1 vs 2 workers
 
 Usage:
     python bench/transport.py [--quick] [--json out.json] [--repeat 3]
-        [--only ring,raw_shm,shm,grpc,torch,memcpy,cpu_map]
+        [--only ring,raw_shm,shm,grpc,tf,tcp,torch,memcpy,cpu_map]
+        [--tf-python /opt/tfvenv/bin/python]
+
+Columns:
+    grpc  the service with data_transfer_protocol="grpc", compression=None (as the
+          tf column: the same bytes cross the socket)
+    tf    tf.data service (DispatchServer, a WorkerServer process, distribute with
+          compression=None), run by bench/tf_service.py under `--tf-python`
+          (TensorFlow's protobuf clashes with ours: never imported here); skipped,
+          saying why, when that interpreter or TensorFlow is missing
+    tcp   a raw loopback TCP socket: the workload's bytes, sendall / recv_into one
+          preallocated buffer, between two processes
 
 Each path of the array workloads runs `--repeat` times (default 3) and its
 fastest run counts, the same for every path (scalars run once: the DataLoader
@@ -19,8 +32,10 @@ The service and DataLoader paths are timed over the last two thirds of each
 workload, one element held at a time: the first third warms every path up
 alike (process and ring start-up, a worker's task buffer filled before the
 first read). Prints a table (elements/s and MB/s per workload and path), issue 3's targets
-as ratios measured in this run, and writes JSON (default
-bench/results/transport.json). The DataLoader columns need torch installed.
+as ratios measured in this run (issue 13's gRPC targets: >= 2x tf.data service and
+>= 40% of raw TCP for elements of 1 MB and more, >= 4x tf.data service for 150 KB),
+and writes JSON (default bench/results/transport.json). The DataLoader columns need
+torch installed.
 """
 
 from __future__ import annotations
@@ -41,8 +56,10 @@ import numpy as np
 WORKLOADS = {
     "scalars": dict(n=200_000, shape=None, nbytes=8),
     "images": dict(n=3_000, shape=(224, 224, 3), nbytes=224 * 224 * 3),
+    "mb1": dict(n=600, shape=(1024, 1024), nbytes=1024 * 1024),
     "batches": dict(n=200, shape=(64, 224, 224, 3), nbytes=64 * 224 * 224 * 3),
 }
+DEFAULT_TF_PYTHON = "/opt/tfvenv/bin/python"
 
 _RING_CONSUMER = textwrap.dedent(
     """
@@ -217,7 +234,12 @@ def bench_service(name: str, n: int, protocol: str, cluster: Any) -> dict[str, f
 
     spec = WORKLOADS[name]
     dataset = _dataset(name, n).apply(
-        ds.distribute(ds.ShardingPolicy.OFF, cluster.target, data_transfer_protocol=protocol)
+        ds.distribute(
+            ds.ShardingPolicy.OFF,
+            cluster.target,
+            data_transfer_protocol=protocol,
+            compression=None,  # as tf.data service's column: the same bytes cross
+        )
     )
     it = iter(dataset)
     count, dt = _steady_state(it, n)
@@ -246,6 +268,86 @@ def _steady_state(it: Any, n: int) -> tuple[int, float]:
     dt = time.perf_counter() - t0
     assert skip + count == n, (skip + count, n)
     return count, dt
+
+
+_TCP_RECEIVER = textwrap.dedent(
+    """
+    import socket, sys, time
+    import numpy as np
+    port, nbytes, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    sock = socket.create_connection(("127.0.0.1", port))
+    buf = np.empty(nbytes, np.uint8)  # one preallocated buffer, as recv_into needs
+    view = memoryview(buf)
+    skip = n // 3
+    t0 = None
+    for i in range(n):
+        if i == skip:
+            t0 = time.perf_counter()
+        got = 0
+        while got < nbytes:
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise SystemExit("sender closed early")
+            got += k
+    print(n - skip, time.perf_counter() - t0, flush=True)
+    """
+)
+
+
+def bench_tcp(name: str, n: int) -> dict[str, float] | None:
+    """A raw loopback TCP socket: this process `sendall`s the workload's elements
+    (their bytes, prebuilt), a child `recv_into`s one preallocated buffer; the
+    last two thirds are timed, as the service paths are."""
+    spec = WORKLOADS[name]
+    if spec["shape"] is None:
+        return None  # 8-byte sends measure system calls, not the link
+    nbytes = spec["nbytes"]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        child = subprocess.Popen(
+            [sys.executable, "-c", _TCP_RECEIVER, str(port), str(nbytes), str(n)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        conn, _ = listener.accept()
+    elements = [np.ascontiguousarray(e).reshape(-1) for e in _source(name, min(n, 8))]
+    with conn:
+        for i in range(n):
+            conn.sendall(elements[i % len(elements)])
+    out, _ = child.communicate(timeout=600)
+    count, dt = out.split()
+    secs = max(float(dt), 1e-9)
+    return {"elements_per_s": int(count) / secs, "mb_per_s": int(count) * nbytes / secs / 1e6}
+
+
+def bench_tf(tf_python: str, sizes: dict[str, int], repeat: int) -> dict[str, Any]:
+    """tf.data service's figures, from bench/tf_service.py run under `tf_python`
+    (a separate interpreter: TensorFlow's protobuf clashes with ours). Returns
+    {workload: figures}, or {"skipped": why}."""
+    if not os.path.exists(tf_python):
+        return {"skipped": f"{tf_python} does not exist (--tf-python)"}
+    workloads = {
+        name: [n, list(WORKLOADS[name]["shape"]) if WORKLOADS[name]["shape"] else None]
+        for name, n in sizes.items()
+    }
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_service.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    try:
+        proc = subprocess.run(
+            [tf_python, script, "--workloads", json.dumps(workloads), "--repeat", str(repeat)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return {"skipped": "tf.data service run took over 900 s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"skipped": f"{tf_python} bench/tf_service.py failed: {' | '.join(tail)}"}
+    out = json.loads(lines[-1])
+    return {"tensorflow": out["tensorflow"], **out["results"]}
 
 
 def bench_cpu_map(cluster_workers: int, protocol: str | None, n: int = 2000) -> float:
@@ -364,6 +466,11 @@ def _targets(results: dict[str, Any]) -> list[str]:
     cpu = results.get("cpu_map")
     if cpu:
         check("cpu_map 2 workers vs 1", cpu["2_workers"], cpu["1_worker"], 1.7)
+    # Issue 13: the gRPC data path.
+    check("images gRPC vs tf.data service", rate("images", "grpc"), rate("images", "tf"), 4)
+    for name in ("mb1", "batches"):
+        check(f"{name} gRPC vs tf.data service", rate(name, "grpc"), rate(name, "tf"), 2)
+        check(f"{name} gRPC vs raw TCP", rate(name, "grpc"), rate(name, "tcp"), 0.4)
     return lines
 
 
@@ -383,7 +490,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of each workload")
     parser.add_argument("--json", default="bench/results/transport.json")
-    parser.add_argument("--only", default="ring,raw_shm,shm,grpc,torch,memcpy,cpu_map")
+    parser.add_argument("--only", default="ring,raw_shm,shm,grpc,tf,tcp,torch,memcpy,cpu_map")
+    parser.add_argument(
+        "--tf-python",
+        default=DEFAULT_TF_PYTHON,
+        help="the interpreter with TensorFlow that runs the tf.data service column",
+    )
     parser.add_argument(
         "--repeat",
         type=int,
@@ -413,6 +525,10 @@ def main() -> None:
             for protocol in ("shm", "grpc"):
                 if protocol in only and cluster is not None:
                     row[protocol] = _best_of(repeat, bench_service, name, n, protocol, cluster)
+            if "tcp" in only:
+                tcp = _best_of(repeat, bench_tcp, name, n)
+                if tcp is not None:
+                    row["tcp"] = tcp
             if "memcpy" in only:
                 row["memcpy"] = bench_memcpy(name)
             results[name] = row
@@ -420,6 +536,18 @@ def main() -> None:
     finally:
         if cluster is not None:
             cluster.__exit__(None, None, None)
+    if "tf" in only:
+        sizes = {name: max(10, int(spec["n"] * scale)) for name, spec in WORKLOADS.items()}
+        # tf.data service moves ~4k scalars/s: 20k of them say as much as 200k.
+        sizes["scalars"] = min(sizes["scalars"], 20_000)
+        tf = bench_tf(args.tf_python, sizes, max(1, args.repeat))
+        results["tf_service"] = {"tensorflow": tf.get("tensorflow"), "skipped": tf.get("skipped")}
+        if "skipped" in tf:
+            print(f"tf.data service column skipped: {tf['skipped']}", file=sys.stderr)
+        for name in WORKLOADS:
+            if name in tf:
+                results.setdefault(name, {})["tf"] = tf[name]
+        print("tf.data service: done", file=sys.stderr, flush=True)
     # PyTorch last: importing it (and its worker processes) must not weigh on the
     # figures of the other paths measured in this process.
     if "torch" in only:
@@ -440,19 +568,19 @@ def main() -> None:
             if t1 and t2:
                 results["cpu_map"].update(torch1=t1, torch2=t2, torch_speedup=t2 / t1)
 
-    cols = ["ring", "raw_shm", "shm", "grpc", "torch1", "torch2", "memcpy"]
-    print(f"{'workload':<9} " + " ".join(f"{c:>18}" for c in cols))
+    cols = ["ring", "raw_shm", "shm", "grpc", "tf", "tcp", "torch1", "torch2", "memcpy"]
+    print(f"{'workload':<9} " + " ".join(f"{c:>14}" for c in cols))
     for name in WORKLOADS:
         row = results.get(name, {})
         cells = []
         for c in cols:
             r = row.get(c)
             if r is None:
-                cells.append(f"{'-':>18}")
+                cells.append(f"{'-':>14}")
             elif name == "scalars":
-                cells.append(f"{r['elements_per_s'] / 1e3:>14.1f}k/s")
+                cells.append(f"{r['elements_per_s'] / 1e3:>10.1f}k/s")
             else:
-                cells.append(f"{r['mb_per_s']:>13.0f} MB/s")
+                cells.append(f"{r['mb_per_s']:>9.0f} MB/s")
         print(f"{name:<9} " + " ".join(cells))
     if "cpu_map" in results:
         r = results["cpu_map"]

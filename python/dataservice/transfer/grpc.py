@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -82,6 +84,48 @@ _FRAMES_METHOD = (
 _ZSTD_LEVEL = 1
 # Encoded sizes a head may announce: at most what one read may carry (validate.py).
 _MAX_ANNOUNCED_BYTES = 2**31 - 1
+
+
+MALLOC_TUNING_ENV = "DATASERVICE_MALLOC_TUNING"
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# Blocks below this come from malloc's heap (reused, already mapped), above it
+# from their own mapping; free memory at the heap's top is kept up to the trim
+# threshold (the reader buffers at most 128 MiB: fetch.py `_RESULT_BUFFER_BYTES`).
+_MMAP_THRESHOLD_BYTES = 64 << 20
+_TRIM_THRESHOLD_BYTES = 256 << 20
+_malloc_tuned = False
+
+
+def tune_malloc() -> bool:
+    """Once per process, asks glibc's malloc to keep freed large blocks for reuse
+    instead of handing them back to the kernel at once. Each element of a few MB
+    read or sent over gRPC is a fresh block of that size (gRPC's message `bytes`,
+    the element's buffer, the worker's encoding); by default glibc maps and unmaps
+    such blocks (or trims its heap past twice the largest freed), and every page
+    of a fresh mapping costs a page fault and the kernel's zeroing: measured on
+    9.6 MB elements, 5,600 faults an element and 1.6 s of the client's CPU per GB
+    read, against 1,200 and 0.8 s with the heap kept. Settings: blocks up to
+    `_MMAP_THRESHOLD_BYTES` from the heap, `_TRIM_THRESHOLD_BYTES` of free heap
+    kept. ${MALLOC_TUNING_ENV}=0 leaves malloc as it is (so do other allocators:
+    the call is glibc's). Returns whether malloc was tuned now."""
+    global _malloc_tuned
+    if _malloc_tuned:
+        return False
+    _malloc_tuned = True
+    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+        and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+    )
 
 
 class _Watchdog:
@@ -287,6 +331,7 @@ class GrpcTransferClient(base.TransferClient):
         zero_copy: bool = True,  # elements over gRPC are always copies
         trainer_id: str = "",  # each request names its own trainer id
     ) -> None:
+        tune_malloc()
         self._endpoint = endpoint
         self._compression = ""  # "" or "zstd" (set_compression)
         self._auto: AutoCompression | None = None  # "auto": chosen by measurement

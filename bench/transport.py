@@ -242,32 +242,75 @@ def bench_service(name: str, n: int, protocol: str, cluster: Any) -> dict[str, f
         )
     )
     it = iter(dataset)
-    count, dt = _steady_state(it, n)
+    pids = [os.getpid(), *_descendants(os.getpid())]  # this consumer, the cluster's processes
+    count, dt, cpu = _steady_state(it, n, lambda: _cpu_s(pids))  # type: ignore[misc]
     used = {w["transfer_protocol"] for w in it.stats()["workers"].values()}
     return {
         "elements_per_s": count / dt,
         "mb_per_s": count * spec["nbytes"] / dt / 1e6,
+        "cpu_s_per_gb": cpu / (count * spec["nbytes"] / 1e9),
         "protocol": ",".join(sorted(used)),
     }
 
 
-def _steady_state(it: Any, n: int) -> tuple[int, float]:
+def _descendants(pid: int) -> list[int]:
+    """The processes started by `pid`, and theirs (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _steady_state(
+    it: Any, n: int, cpu: Callable[[], float] | None = None
+) -> tuple[int, float] | tuple[int, float, float]:
     """Reads all `n` elements of `it` (holding one at a time, as a training loop
     does); times the last two thirds. The first third is the warm-up of every
     path alike: process and ring start-up, and the head start of a worker whose
     task buffer (up to 64 MiB or 4,096 elements) filled before the first read.
 
     Returns:
-        (elements timed, seconds).
+        (elements timed, seconds), and the CPU seconds `cpu()` grew by meanwhile
+        when given.
     """
     skip = n // 3
     for _ in range(skip):
         next(it)
     t0 = time.perf_counter()
+    cpu0 = cpu() if cpu is not None else 0.0
     count = sum(1 for _ in it)
     dt = time.perf_counter() - t0
     assert skip + count == n, (skip + count, n)
+    if cpu is not None:
+        return count, dt, cpu() - cpu0
     return count, dt
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of processes `pids` (all their threads) so far."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 _TCP_RECEIVER = textwrap.dedent(
@@ -283,13 +326,14 @@ _TCP_RECEIVER = textwrap.dedent(
     for i in range(n):
         if i == skip:
             t0 = time.perf_counter()
+            cpu0 = time.process_time()
         got = 0
         while got < nbytes:
             k = sock.recv_into(view[got:])
             if not k:
                 raise SystemExit("sender closed early")
             got += k
-    print(n - skip, time.perf_counter() - t0, flush=True)
+    print(n - skip, time.perf_counter() - t0, time.process_time() - cpu0, flush=True)
     """
 )
 
@@ -311,43 +355,80 @@ def bench_tcp(name: str, n: int) -> dict[str, float] | None:
         )
         conn, _ = listener.accept()
     elements = [np.ascontiguousarray(e).reshape(-1) for e in _source(name, min(n, 8))]
+    cpu0 = time.process_time()
     with conn:
         for i in range(n):
             conn.sendall(elements[i % len(elements)])
+    sender_cpu = time.process_time() - cpu0
     out, _ = child.communicate(timeout=600)
-    count, dt = out.split()
+    count, dt, receiver_cpu = out.split()
     secs = max(float(dt), 1e-9)
-    return {"elements_per_s": int(count) / secs, "mb_per_s": int(count) * nbytes / secs / 1e6}
-
-
-def bench_tf(tf_python: str, sizes: dict[str, int], repeat: int) -> dict[str, Any]:
-    """tf.data service's figures, from bench/tf_service.py run under `tf_python`
-    (a separate interpreter: TensorFlow's protobuf clashes with ours). Returns
-    {workload: figures}, or {"skipped": why}."""
-    if not os.path.exists(tf_python):
-        return {"skipped": f"{tf_python} does not exist (--tf-python)"}
-    workloads = {
-        name: [n, list(WORKLOADS[name]["shape"]) if WORKLOADS[name]["shape"] else None]
-        for name, n in sizes.items()
+    gb = int(count) * nbytes / 1e9
+    return {
+        "elements_per_s": int(count) / secs,
+        "mb_per_s": gb * 1e3 / secs,
+        # the sender's CPU over all n elements, counted for the timed ones
+        "cpu_s_per_gb": (float(receiver_cpu) + sender_cpu * int(count) / n) / gb,
     }
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_service.py")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    try:
-        proc = subprocess.run(
-            [tf_python, script, "--workloads", json.dumps(workloads), "--repeat", str(repeat)],
-            capture_output=True,
+
+
+class TfService:
+    """tf.data service's column: bench/tf_service.py `--serve` under `tf_python` (a
+    separate interpreter: TensorFlow's protobuf clashes with ours), kept running so
+    that each workload's run sits next to the other columns' runs of it (the
+    machine's load changes by the minute). `skipped` says why there is no column."""
+
+    def __init__(self, tf_python: str) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.version: str | None = None
+        self.skipped: str | None = None
+        if not os.path.exists(tf_python):
+            self.skipped = f"{tf_python} does not exist (--tf-python)"
+            return
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_service.py")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        self.proc = subprocess.Popen(
+            [tf_python, script, "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             text=True,
-            timeout=900,
             env=env,
         )
-    except subprocess.TimeoutExpired:
-        return {"skipped": "tf.data service run took over 900 s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"skipped": f"{tf_python} bench/tf_service.py failed: {' | '.join(tail)}"}
-    out = json.loads(lines[-1])
-    return {"tensorflow": out["tensorflow"], **out["results"]}
+        ready = self._answer()
+        if ready is None or "ready" not in ready:
+            self.close()
+            self.skipped = f"{tf_python} bench/tf_service.py did not start (TensorFlow missing?)"
+            return
+        self.version = ready["ready"]
+
+    def _answer(self) -> dict[str, Any] | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:  # TensorFlow may print its own lines first
+            if line.startswith("{"):
+                return json.loads(line)  # type: ignore[no-any-return]
+        return None
+
+    def measure(self, name: str, n: int) -> dict[str, float] | None:
+        if self.proc is None or self.proc.stdin is None:
+            return None
+        shape = WORKLOADS[name]["shape"]
+        ask = {"name": name, "n": n, "shape": list(shape) if shape else None}
+        self.proc.stdin.write(json.dumps(ask) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
 
 def bench_cpu_map(cluster_workers: int, protocol: str | None, n: int = 2000) -> float:
@@ -474,16 +555,20 @@ def _targets(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _best_of(repeat: int, measure: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
-    """The fastest of `repeat` runs of `measure(*args)` (each run's elements/s kept under
-    "runs"): every path of a workload gets the same number of tries, so a burst
-    of load on this shared machine does not decide a ratio."""
-    runs = [r for r in (measure(*args) for _ in range(repeat)) if r is not None]
+def _best_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest of `runs`, with every run's elements/s under "runs"."""
     if not runs:
         return None
     best = dict(max(runs, key=lambda r: r["elements_per_s"]))
     best["runs"] = [round(r["elements_per_s"], 1) for r in runs]
     return best
+
+
+def _best_of(repeat: int, measure: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+    """The fastest of `repeat` runs of `measure(*args)` (each run's elements/s kept under
+    "runs"): every path of a workload gets the same number of tries, so a burst
+    of load on this shared machine does not decide a ratio."""
+    return _best_run([r for r in (measure(*args) for _ in range(repeat)) if r is not None])
 
 
 def main() -> None:
@@ -499,13 +584,21 @@ def main() -> None:
     parser.add_argument(
         "--repeat",
         type=int,
-        default=3,
-        help="runs per path on the array workloads, the fastest kept (scalars: 1)",
+        default=None,
+        help="runs per path on the array workloads, the fastest kept (scalars: 1); "
+        "default 3, 2 with --quick",
     )
     args = parser.parse_args()
+    if args.repeat is None:
+        args.repeat = 2 if args.quick else 3
     only = set(args.only.split(","))
     scale = 0.1 if args.quick else 1.0
     results: dict[str, dict[str, Any]] = {}
+    tf = TfService(args.tf_python) if "tf" in only else None
+    if tf is not None:
+        results["tf_service"] = {"tensorflow": tf.version, "skipped": tf.skipped}
+        if tf.skipped:
+            print(f"tf.data service column skipped: {tf.skipped}", file=sys.stderr)
     cluster = None
     if only & {"shm", "grpc"}:
         import dataservice as ds
@@ -522,13 +615,25 @@ def main() -> None:
                 raw = _best_of(repeat, bench_raw_shm, name, n)
                 if raw is not None:
                     row["raw_shm"] = raw
-            for protocol in ("shm", "grpc"):
-                if protocol in only and cluster is not None:
-                    row[protocol] = _best_of(repeat, bench_service, name, n, protocol, cluster)
-            if "tcp" in only:
-                tcp = _best_of(repeat, bench_tcp, name, n)
-                if tcp is not None:
-                    row["tcp"] = tcp
+            if "shm" in only and cluster is not None:
+                row["shm"] = _best_of(repeat, bench_service, name, n, "shm", cluster)
+            # gRPC, tf.data service and raw TCP take turns, run by run, so that their
+            # ratios compare runs of the same minute on a machine whose load changes.
+            turns: dict[str, list[dict[str, Any]]] = {"grpc": [], "tf": [], "tcp": []}
+            # tf.data service's job start-up would fall in a tenth of a workload's
+            # timed part: it always gets the whole workload (scalars: 20k, ~5 s).
+            tf_n = min(spec["n"], 20_000)
+            for _ in range(repeat):
+                if "grpc" in only and cluster is not None:
+                    turns["grpc"].append(bench_service(name, n, "grpc", cluster))
+                if tf is not None and not tf.skipped:
+                    turns["tf"].append(tf.measure(name, tf_n))  # type: ignore[arg-type]
+                if "tcp" in only:
+                    turns["tcp"].append(bench_tcp(name, n))  # type: ignore[arg-type]
+            for col, runs in turns.items():
+                best = _best_run([r for r in runs if r is not None])
+                if best is not None:
+                    row[col] = best
             if "memcpy" in only:
                 row["memcpy"] = bench_memcpy(name)
             results[name] = row
@@ -536,18 +641,8 @@ def main() -> None:
     finally:
         if cluster is not None:
             cluster.__exit__(None, None, None)
-    if "tf" in only:
-        sizes = {name: max(10, int(spec["n"] * scale)) for name, spec in WORKLOADS.items()}
-        # tf.data service moves ~4k scalars/s: 20k of them say as much as 200k.
-        sizes["scalars"] = min(sizes["scalars"], 20_000)
-        tf = bench_tf(args.tf_python, sizes, max(1, args.repeat))
-        results["tf_service"] = {"tensorflow": tf.get("tensorflow"), "skipped": tf.get("skipped")}
-        if "skipped" in tf:
-            print(f"tf.data service column skipped: {tf['skipped']}", file=sys.stderr)
-        for name in WORKLOADS:
-            if name in tf:
-                results.setdefault(name, {})["tf"] = tf[name]
-        print("tf.data service: done", file=sys.stderr, flush=True)
+        if tf is not None:
+            tf.close()
     # PyTorch last: importing it (and its worker processes) must not weigh on the
     # figures of the other paths measured in this process.
     if "torch" in only:
@@ -582,6 +677,16 @@ def main() -> None:
             else:
                 cells.append(f"{r['mb_per_s']:>9.0f} MB/s")
         print(f"{name:<9} " + " ".join(cells))
+    print("CPU seconds per GB moved (both ends' processes; load-independent):")
+    for name in WORKLOADS:
+        row = results.get(name, {})
+        cells = [
+            f"{c} {row[c]['cpu_s_per_gb']:.2f}"
+            for c in ("shm", "grpc", "tf", "tcp")
+            if row.get(c) and "cpu_s_per_gb" in row[c]
+        ]
+        if cells and name != "scalars":
+            print(f"  {name:<9} " + ", ".join(cells))
     if "cpu_map" in results:
         r = results["cpu_map"]
         print(

@@ -7,6 +7,10 @@ without GetElementsFrames is read with GetElementsStream."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -438,3 +442,21 @@ def test_a_worker_without_frames_is_read_with_get_elements_stream(make_cluster, 
     got, _ = read(dataset, cluster, compression=None)
     assert [int(a[0]) for a in got] == list(range(30))
     assert calls.count("frames") == 1 and calls.count("stream") >= 1
+
+
+@pytest.mark.parametrize("setting", ["", "0"])
+def test_malloc_tuning_is_once_per_process_and_can_be_turned_off(setting):
+    env = {k: v for k, v in os.environ.items() if k != "DATASERVICE_MALLOC_TUNING"}
+    if setting:
+        env["DATASERVICE_MALLOC_TUNING"] = setting
+    code = "from dataservice.transfer import grpc as g; print(g.tune_malloc(), g.tune_malloc())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    first, again = out.stdout.split()
+    assert again == "False"  # once per process
+    glibc = sys.platform.startswith("linux") and "glibc" in " ".join(
+        __import__("platform").libc_ver()
+    )
+    assert first == str(setting != "0" and glibc)

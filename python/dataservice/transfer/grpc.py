@@ -90,26 +90,27 @@ MALLOC_TUNING_ENV = "DATASERVICE_MALLOC_TUNING"
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-# Blocks below this come from malloc's heap (reused, already mapped), above it
-# from their own mapping; free memory at the heap's top is kept up to the trim
-# threshold (the reader buffers at most 128 MiB: fetch.py `_RESULT_BUFFER_BYTES`).
-_MMAP_THRESHOLD_BYTES = 64 << 20
-_TRIM_THRESHOLD_BYTES = 256 << 20
+# Blocks below this come from malloc's heap (reused, already mapped), above it from
+# their own mapping (glibc's own largest dynamic threshold); at most this much free
+# memory is kept at the top of a heap for reuse.
+_MMAP_THRESHOLD_BYTES = 32 << 20
+_TRIM_THRESHOLD_BYTES = 64 << 20
 _malloc_tuned = False
 
 
 def tune_malloc() -> bool:
-    """Once per process, asks glibc's malloc to keep freed large blocks for reuse
-    instead of handing them back to the kernel at once. Each element of a few MB
-    read or sent over gRPC is a fresh block of that size (gRPC's message `bytes`,
-    the element's buffer, the worker's encoding); by default glibc maps and unmaps
-    such blocks (or trims its heap past twice the largest freed), and every page
-    of a fresh mapping costs a page fault and the kernel's zeroing: measured on
-    9.6 MB elements, 5,600 faults an element and 1.6 s of the client's CPU per GB
-    read, against 1,200 and 0.8 s with the heap kept. Settings: blocks up to
-    `_MMAP_THRESHOLD_BYTES` from the heap, `_TRIM_THRESHOLD_BYTES` of free heap
-    kept. ${MALLOC_TUNING_ENV}=0 leaves malloc as it is (so do other allocators:
-    the call is glibc's). Returns whether malloc was tuned now."""
+    """Once per consumer process (the first gRPC transfer client), asks glibc's
+    malloc to keep up to `_TRIM_THRESHOLD_BYTES` of freed memory for reuse
+    instead of handing it back to the kernel at once. Each element of a few MB read
+    over gRPC is two fresh blocks of that size (gRPC's message `bytes`, then the
+    element's own buffer); by default glibc trims its heap past twice the largest
+    block freed so far, and every page of memory handed back and taken again
+    costs a page fault and the kernel's zeroing: measured on 9.6 MB elements,
+    5,600 faults an element and 1.6 s of the consumer's CPU per GB read, against
+    1,200 and 0.8 s with the memory kept. (Not on workers: their task buffers
+    must give memory back when a job ends, and they gained little.)
+    ${MALLOC_TUNING_ENV}=0 leaves malloc as it is; other allocators than glibc's
+    are left alone. Returns whether malloc was tuned now."""
     global _malloc_tuned
     if _malloc_tuned:
         return False

@@ -32,7 +32,6 @@ from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import service_pb2_grpc, validate
 from dataservice.rpc import util as rpc_util
 from dataservice.transfer import codec
-from dataservice.transfer import grpc as grpc_transfer
 from dataservice.transfer.base import ReadRequest, TaskRead
 from dataservice.worker.sources import TaskSource, choose_source
 from dataservice.worker.task_runner import TaskRunner, encode_elements
@@ -257,7 +256,6 @@ class ElementServing:
             ElementsHead messages and `bytes` payloads; the last is a head with
             `last` set and the response.
         """
-        grpc_transfer.tune_malloc()  # once per process: see there
         yield from self._serve_reply(request, pb.ElementsHead, self._frames, _ALIVE_FIRST_BYTES)
 
     def _serve_reply(

@@ -1,4 +1,17 @@
-"""The gRPC transfer protocol: `WorkerService.GetElementsStream` on the worker's port.
+"""The gRPC transfer protocol: `WorkerService.GetElementsFrames` on the worker's port
+(`GetElementsStream` for a worker without it).
+
+Frames. A reply comes as small `ElementsHead` messages, each announcing the
+encoded sizes of the next elements, followed by those elements' bytes as raw
+messages (service.proto). Neither end copies an element into or out of a protobuf
+field: the worker sends an element's encoding (`codec.encode`) as the very
+`bytes` gRPC sends (up to 64 MiB a message; gRPC's limits are lifted on both ends,
+rpc/util.py), and the client copies each message once, into one `bytearray` per
+element that `codec.decode` turns into arrays without another copy. The next
+request is sent as soon as a reply arrives (`pipeline`), so the worker reads and
+encodes it while the consumer takes this one. `compression="AUTO"` is decided
+per link by measuring (`AutoCompression`). The consumer's malloc keeps freed
+memory for reuse (`tune_malloc`): fresh pages cost more than the copies.
 
 No element is lost between the worker and the consumer: each client numbers its
 requests (a random `consumer_key` per client, `sequence` 1, 2, ...). The worker

@@ -140,8 +140,8 @@ def test_elements_larger_than_the_message_limit_arrive_in_pieces(
     pieces: list[int] = []
     original = serving.ElementServing._frames
 
-    def frames(self, reply, request):  # counts the payload messages and their sizes
-        for message in original(self, reply, request):
+    def frames(self, reply, request, *rest):  # counts the payload messages and their sizes
+        for message in original(self, reply, request, *rest):
             if type(message) is bytes:
                 pieces.append(len(message))
             yield message

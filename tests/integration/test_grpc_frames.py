@@ -28,7 +28,7 @@ from dataservice.transfer import grpc as grpc_transfer
 from dataservice.worker import serving, unacked_replies
 from dataservice.worker.server import WorkerServer
 from tests.conftest import FAST, InProcessCluster
-from tests.ft.test_no_silent_loss import ThrottledProxy
+from tests.ft.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -188,7 +188,7 @@ def _through_slow_link(make_cluster, dataset: ds.Dataset, rate: float) -> tuple[
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proxy = ThrottledProxy(port, rate)
+    proxy = TcpProxy(port, down_rate=rate)
     try:
         config = ds.WorkerConfig(
             cluster.target, port=port, worker_address=f"127.0.0.1:{proxy.port}", **FAST
@@ -303,7 +303,7 @@ def test_a_read_cancelled_mid_element_leaves_nothing_behind(make_cluster, monkey
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proxy = ThrottledProxy(port, 4e6)
+    proxy = TcpProxy(port, down_rate=4e6)
     threads_before = {t.ident for t in threading.enumerate()}
     try:
         config = ds.WorkerConfig(

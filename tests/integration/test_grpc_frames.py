@@ -275,7 +275,12 @@ def test_the_next_request_is_pipelined(make_cluster):
         it.close()
 
 
-def test_max_outstanding_requests_turns_pipelining_off(make_cluster, monkeypatch):
+@pytest.mark.parametrize(
+    "kw", [dict(max_outstanding_requests=1), dict(job_name="shared")], ids=["bounded", "named"]
+)
+def test_bounded_requests_and_named_jobs_turn_pipelining_off(make_cluster, monkeypatch, kw):
+    """Not with max_outstanding_requests (it bounds the requests in flight), nor for a
+    named job: another consumer may end the task while a pipelined reply waits."""
     made: list[grpc_transfer.GrpcTransferClient] = []
     original = grpc_transfer.GrpcTransferClient.__init__
 
@@ -285,7 +290,7 @@ def test_max_outstanding_requests_turns_pipelining_off(make_cluster, monkeypatch
 
     monkeypatch.setattr(grpc_transfer.GrpcTransferClient, "__init__", init)
     cluster = make_cluster(1)
-    got, _ = read(ds.Dataset.range(50), cluster, max_outstanding_requests=1)
+    got, _ = read(ds.Dataset.range(50), cluster, **kw)
     assert [int(x) for x in got] == list(range(50))
     assert made and not any(c.pipeline for c in made)
 

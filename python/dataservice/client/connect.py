@@ -42,6 +42,7 @@ def connect(
     zero_copy: bool,
     trainer_id: str,
     compression: str | None,
+    pipeline: bool = True,
 ) -> transfer.TransferClient:
     """A transfer client for `endpoint`: the first candidate protocol whose
     handshake succeeds ("auto" or None: shared memory on the same host, else
@@ -56,6 +57,8 @@ def connect(
         trainer_id: Non-empty: the client reads through the task's cross-trainer
             cache as this trainer.
         compression: `distribute`'s `compression` ("AUTO", None, "ZSTD").
+        pipeline: False: the client never sends a request before it is asked
+            (`TransferClient.pipeline`).
 
     Raises:
         UnavailableError: A forced protocol cannot reach the worker, or no
@@ -85,6 +88,7 @@ def connect(
                 err,
             )
             continue
+        client.pipeline = client.pipeline and pipeline
         codec = compression_for(compression, endpoint)
         if codec:
             client.set_compression(codec)

@@ -226,7 +226,7 @@ class TransferClient(abc.ABC):
     retry_in_place: bool = False
     # The client sends its next request as soon as a reply arrives (gRPC), one more
     # reply in flight per task; the reader turns it off under `max_outstanding_requests`,
-    # which bounds the requests in flight.
+    # which bounds the requests in flight, and for a named (shared) job.
     pipeline: bool = False
 
     @abc.abstractmethod

@@ -1,15 +1,28 @@
 """Transport benchmark (not a test): the shared-memory ring alone, the whole
-service through LocalCluster with shm and with gRPC, PyTorch's DataLoader (if
-torch is importable), and single-core memcpy, on four workloads:
+service through LocalCluster with shm and with gRPC, tf.data service (under
+TensorFlow's own interpreter), a raw loopback TCP socket, PyTorch's DataLoader
+(if torch is importable), and single-core memcpy, on five workloads:
 
     scalars  200k int64 scalars (range)
     images   3,000 uint8[224, 224, 3] (150 KB) built by a cheap map
+    mb1      600 uint8[1024, 1024] (1 MiB)
     batches  200 uint8[64, 224, 224, 3] (9.6 MB)
     cpu_map  2,000 elements of a ~2 ms CPU-bound map, 1 vs 2 workers
 
 Usage:
     python bench/transport.py [--quick] [--json out.json] [--repeat 3]
-        [--only ring,raw_shm,shm,grpc,torch,memcpy,cpu_map]
+        [--only ring,raw_shm,shm,grpc,tf,tcp,torch,memcpy,cpu_map]
+        [--tf-python /opt/tfvenv/bin/python]
+
+Columns:
+    grpc  the service with data_transfer_protocol="grpc", compression=None (as the
+          tf column: the same bytes cross the socket)
+    tf    tf.data service (DispatchServer, a WorkerServer process, distribute with
+          compression=None), run by bench/tf_service.py under `--tf-python`
+          (TensorFlow's protobuf clashes with ours: never imported here); skipped,
+          saying why, when that interpreter or TensorFlow is missing
+    tcp   a raw loopback TCP socket: the workload's bytes, sendall / recv_into one
+          preallocated buffer, between two processes
 
 Each path of the array workloads runs `--repeat` times (default 3) and its
 fastest run counts, the same for every path (scalars run once: the DataLoader
@@ -19,8 +32,10 @@ The service and DataLoader paths are timed over the last two thirds of each
 workload, one element held at a time: the first third warms every path up
 alike (process and ring start-up, a worker's task buffer filled before the
 first read). Prints a table (elements/s and MB/s per workload and path), issue 3's targets
-as ratios measured in this run, and writes JSON (default
-bench/results/transport.json). The DataLoader columns need torch installed.
+as ratios measured in this run (issue 13's gRPC targets: >= 2x tf.data service and
+>= 40% of raw TCP for elements of 1 MB and more, >= 4x tf.data service for 150 KB),
+and writes JSON (default bench/results/transport.json). The DataLoader columns need
+torch installed.
 """
 
 from __future__ import annotations
@@ -41,8 +56,10 @@ import numpy as np
 WORKLOADS = {
     "scalars": dict(n=200_000, shape=None, nbytes=8),
     "images": dict(n=3_000, shape=(224, 224, 3), nbytes=224 * 224 * 3),
+    "mb1": dict(n=600, shape=(1024, 1024), nbytes=1024 * 1024),
     "batches": dict(n=200, shape=(64, 224, 224, 3), nbytes=64 * 224 * 224 * 3),
 }
+DEFAULT_TF_PYTHON = "/opt/tfvenv/bin/python"
 
 _RING_CONSUMER = textwrap.dedent(
     """
@@ -217,35 +234,201 @@ def bench_service(name: str, n: int, protocol: str, cluster: Any) -> dict[str, f
 
     spec = WORKLOADS[name]
     dataset = _dataset(name, n).apply(
-        ds.distribute(ds.ShardingPolicy.OFF, cluster.target, data_transfer_protocol=protocol)
+        ds.distribute(
+            ds.ShardingPolicy.OFF,
+            cluster.target,
+            data_transfer_protocol=protocol,
+            compression=None,  # as tf.data service's column: the same bytes cross
+        )
     )
     it = iter(dataset)
-    count, dt = _steady_state(it, n)
+    pids = [os.getpid(), *_descendants(os.getpid())]  # this consumer, the cluster's processes
+    count, dt, cpu = _steady_state(it, n, lambda: _cpu_s(pids))  # type: ignore[misc]
     used = {w["transfer_protocol"] for w in it.stats()["workers"].values()}
     return {
         "elements_per_s": count / dt,
         "mb_per_s": count * spec["nbytes"] / dt / 1e6,
+        "cpu_s_per_gb": cpu / (count * spec["nbytes"] / 1e9),
         "protocol": ",".join(sorted(used)),
     }
 
 
-def _steady_state(it: Any, n: int) -> tuple[int, float]:
+def _descendants(pid: int) -> list[int]:
+    """The processes started by `pid`, and theirs (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _steady_state(
+    it: Any, n: int, cpu: Callable[[], float] | None = None
+) -> tuple[int, float] | tuple[int, float, float]:
     """Reads all `n` elements of `it` (holding one at a time, as a training loop
     does); times the last two thirds. The first third is the warm-up of every
     path alike: process and ring start-up, and the head start of a worker whose
     task buffer (up to 64 MiB or 4,096 elements) filled before the first read.
 
     Returns:
-        (elements timed, seconds).
+        (elements timed, seconds), and the CPU seconds `cpu()` grew by meanwhile
+        when given.
     """
     skip = n // 3
     for _ in range(skip):
         next(it)
     t0 = time.perf_counter()
+    cpu0 = cpu() if cpu is not None else 0.0
     count = sum(1 for _ in it)
     dt = time.perf_counter() - t0
     assert skip + count == n, (skip + count, n)
+    if cpu is not None:
+        return count, dt, cpu() - cpu0
     return count, dt
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of processes `pids` (all their threads) so far."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+_TCP_RECEIVER = textwrap.dedent(
+    """
+    import socket, sys, time
+    import numpy as np
+    port, nbytes, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    sock = socket.create_connection(("127.0.0.1", port))
+    buf = np.empty(nbytes, np.uint8)  # one preallocated buffer, as recv_into needs
+    view = memoryview(buf)
+    skip = n // 3
+    t0 = None
+    for i in range(n):
+        if i == skip:
+            t0 = time.perf_counter()
+            cpu0 = time.process_time()
+        got = 0
+        while got < nbytes:
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise SystemExit("sender closed early")
+            got += k
+    print(n - skip, time.perf_counter() - t0, time.process_time() - cpu0, flush=True)
+    """
+)
+
+
+def bench_tcp(name: str, n: int) -> dict[str, float] | None:
+    """A raw loopback TCP socket: this process `sendall`s the workload's elements
+    (their bytes, prebuilt), a child `recv_into`s one preallocated buffer; the
+    last two thirds are timed, as the service paths are."""
+    spec = WORKLOADS[name]
+    if spec["shape"] is None:
+        return None  # 8-byte sends measure system calls, not the link
+    nbytes = spec["nbytes"]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        child = subprocess.Popen(
+            [sys.executable, "-c", _TCP_RECEIVER, str(port), str(nbytes), str(n)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        conn, _ = listener.accept()
+    elements = [np.ascontiguousarray(e).reshape(-1) for e in _source(name, min(n, 8))]
+    cpu0 = time.process_time()
+    with conn:
+        for i in range(n):
+            conn.sendall(elements[i % len(elements)])
+    sender_cpu = time.process_time() - cpu0
+    out, _ = child.communicate(timeout=600)
+    count, dt, receiver_cpu = out.split()
+    secs = max(float(dt), 1e-9)
+    gb = int(count) * nbytes / 1e9
+    return {
+        "elements_per_s": int(count) / secs,
+        "mb_per_s": gb * 1e3 / secs,
+        # the sender's CPU over all n elements, counted for the timed ones
+        "cpu_s_per_gb": (float(receiver_cpu) + sender_cpu * int(count) / n) / gb,
+    }
+
+
+class TfService:
+    """tf.data service's column: bench/tf_service.py `--serve` under `tf_python` (a
+    separate interpreter: TensorFlow's protobuf clashes with ours), kept running so
+    that each workload's run sits next to the other columns' runs of it (the
+    machine's load changes by the minute). `skipped` says why there is no column."""
+
+    def __init__(self, tf_python: str) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.version: str | None = None
+        self.skipped: str | None = None
+        if not os.path.exists(tf_python):
+            self.skipped = f"{tf_python} does not exist (--tf-python)"
+            return
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_service.py")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        self.proc = subprocess.Popen(
+            [tf_python, script, "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        ready = self._answer()
+        if ready is None or "ready" not in ready:
+            self.close()
+            self.skipped = f"{tf_python} bench/tf_service.py did not start (TensorFlow missing?)"
+            return
+        self.version = ready["ready"]
+
+    def _answer(self) -> dict[str, Any] | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:  # TensorFlow may print its own lines first
+            if line.startswith("{"):
+                return json.loads(line)  # type: ignore[no-any-return]
+        return None
+
+    def measure(self, name: str, n: int) -> dict[str, float] | None:
+        if self.proc is None or self.proc.stdin is None:
+            return None
+        shape = WORKLOADS[name]["shape"]
+        ask = {"name": name, "n": n, "shape": list(shape) if shape else None}
+        self.proc.stdin.write(json.dumps(ask) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
 
 def bench_cpu_map(cluster_workers: int, protocol: str | None, n: int = 2000) -> float:
@@ -364,14 +547,16 @@ def _targets(results: dict[str, Any]) -> list[str]:
     cpu = results.get("cpu_map")
     if cpu:
         check("cpu_map 2 workers vs 1", cpu["2_workers"], cpu["1_worker"], 1.7)
+    # Issue 13: the gRPC data path.
+    check("images gRPC vs tf.data service", rate("images", "grpc"), rate("images", "tf"), 4)
+    for name in ("mb1", "batches"):
+        check(f"{name} gRPC vs tf.data service", rate(name, "grpc"), rate(name, "tf"), 2)
+        check(f"{name} gRPC vs raw TCP", rate(name, "grpc"), rate(name, "tcp"), 0.4)
     return lines
 
 
-def _best_of(repeat: int, measure: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
-    """The fastest of `repeat` runs of `measure(*args)` (each run's elements/s kept under
-    "runs"): every path of a workload gets the same number of tries, so a burst
-    of load on this shared machine does not decide a ratio."""
-    runs = [r for r in (measure(*args) for _ in range(repeat)) if r is not None]
+def _best_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest of `runs`, with every run's elements/s under "runs"."""
     if not runs:
         return None
     best = dict(max(runs, key=lambda r: r["elements_per_s"]))
@@ -379,21 +564,41 @@ def _best_of(repeat: int, measure: Callable[..., Any], *args: Any) -> dict[str, 
     return best
 
 
+def _best_of(repeat: int, measure: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+    """The fastest of `repeat` runs of `measure(*args)` (each run's elements/s kept under
+    "runs"): every path of a workload gets the same number of tries, so a burst
+    of load on this shared machine does not decide a ratio."""
+    return _best_run([r for r in (measure(*args) for _ in range(repeat)) if r is not None])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of each workload")
     parser.add_argument("--json", default="bench/results/transport.json")
-    parser.add_argument("--only", default="ring,raw_shm,shm,grpc,torch,memcpy,cpu_map")
+    parser.add_argument("--only", default="ring,raw_shm,shm,grpc,tf,tcp,torch,memcpy,cpu_map")
+    parser.add_argument(
+        "--tf-python",
+        default=DEFAULT_TF_PYTHON,
+        help="the interpreter with TensorFlow that runs the tf.data service column",
+    )
     parser.add_argument(
         "--repeat",
         type=int,
-        default=3,
-        help="runs per path on the array workloads, the fastest kept (scalars: 1)",
+        default=None,
+        help="runs per path on the array workloads, the fastest kept (scalars: 1); "
+        "default 3, 2 with --quick",
     )
     args = parser.parse_args()
+    if args.repeat is None:
+        args.repeat = 2 if args.quick else 3
     only = set(args.only.split(","))
     scale = 0.1 if args.quick else 1.0
     results: dict[str, dict[str, Any]] = {}
+    tf = TfService(args.tf_python) if "tf" in only else None
+    if tf is not None:
+        results["tf_service"] = {"tensorflow": tf.version, "skipped": tf.skipped}
+        if tf.skipped:
+            print(f"tf.data service column skipped: {tf.skipped}", file=sys.stderr)
     cluster = None
     if only & {"shm", "grpc"}:
         import dataservice as ds
@@ -410,9 +615,28 @@ def main() -> None:
                 raw = _best_of(repeat, bench_raw_shm, name, n)
                 if raw is not None:
                     row["raw_shm"] = raw
-            for protocol in ("shm", "grpc"):
-                if protocol in only and cluster is not None:
-                    row[protocol] = _best_of(repeat, bench_service, name, n, protocol, cluster)
+            if "shm" in only and cluster is not None:
+                row["shm"] = _best_of(repeat, bench_service, name, n, "shm", cluster)
+            # gRPC, tf.data service and raw TCP take turns, run by run, so that their
+            # ratios compare runs of the same minute on a machine whose load changes.
+            turns: dict[str, list[dict[str, Any]]] = {"grpc": [], "tf": [], "tcp": []}
+            # tf.data service's job start-up would fall in a tenth of a workload's
+            # timed part: it gets a quarter of it with --quick, else all of it; it
+            # moves ~4k scalars/s, so 20k (5k) of them say as much as 200k.
+            tf_n = min(int(spec["n"] * (0.25 if args.quick else 1.0)), 20_000)
+            if spec["shape"] is None and args.quick:
+                tf_n = 5_000
+            for _ in range(repeat):
+                if "grpc" in only and cluster is not None:
+                    turns["grpc"].append(bench_service(name, n, "grpc", cluster))
+                if tf is not None and not tf.skipped:
+                    turns["tf"].append(tf.measure(name, tf_n))  # type: ignore[arg-type]
+                if "tcp" in only:
+                    turns["tcp"].append(bench_tcp(name, n))  # type: ignore[arg-type]
+            for col, runs in turns.items():
+                best = _best_run([r for r in runs if r is not None])
+                if best is not None:
+                    row[col] = best
             if "memcpy" in only:
                 row["memcpy"] = bench_memcpy(name)
             results[name] = row
@@ -420,11 +644,15 @@ def main() -> None:
     finally:
         if cluster is not None:
             cluster.__exit__(None, None, None)
+        if tf is not None:
+            tf.close()
     # PyTorch last: importing it (and its worker processes) must not weigh on the
     # figures of the other paths measured in this process.
     if "torch" in only:
         for name, spec in WORKLOADS.items():
             n = max(10, int(spec["n"] * scale))
+            if spec["shape"] is None:  # DataLoader moves ~2k scalars/s: minutes for 200k
+                n = min(n, 20_000)
             repeat = 1 if spec["shape"] is None else max(1, args.repeat)
             for nw in (1, 2):
                 r = _best_of(repeat, bench_torch, name, n, nw)
@@ -440,20 +668,30 @@ def main() -> None:
             if t1 and t2:
                 results["cpu_map"].update(torch1=t1, torch2=t2, torch_speedup=t2 / t1)
 
-    cols = ["ring", "raw_shm", "shm", "grpc", "torch1", "torch2", "memcpy"]
-    print(f"{'workload':<9} " + " ".join(f"{c:>18}" for c in cols))
+    cols = ["ring", "raw_shm", "shm", "grpc", "tf", "tcp", "torch1", "torch2", "memcpy"]
+    print(f"{'workload':<9} " + " ".join(f"{c:>14}" for c in cols))
     for name in WORKLOADS:
         row = results.get(name, {})
         cells = []
         for c in cols:
             r = row.get(c)
             if r is None:
-                cells.append(f"{'-':>18}")
+                cells.append(f"{'-':>14}")
             elif name == "scalars":
-                cells.append(f"{r['elements_per_s'] / 1e3:>14.1f}k/s")
+                cells.append(f"{r['elements_per_s'] / 1e3:>10.1f}k/s")
             else:
-                cells.append(f"{r['mb_per_s']:>13.0f} MB/s")
+                cells.append(f"{r['mb_per_s']:>9.0f} MB/s")
         print(f"{name:<9} " + " ".join(cells))
+    print("CPU seconds per GB moved (both ends' processes; load-independent):")
+    for name in WORKLOADS:
+        row = results.get(name, {})
+        cells = [
+            f"{c} {row[c]['cpu_s_per_gb']:.2f}"
+            for c in ("shm", "grpc", "tf", "tcp")
+            if row.get(c) and "cpu_s_per_gb" in row[c]
+        ]
+        if cells and name != "scalars":
+            print(f"  {name:<9} " + ", ".join(cells))
     if "cpu_map" in results:
         r = results["cpu_map"]
         print(

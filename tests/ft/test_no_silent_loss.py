@@ -27,6 +27,7 @@ import pytest
 
 import dataservice as ds
 from dataservice import errors
+from dataservice.rpc import service_pb2 as pb
 from dataservice.transfer import base, shm
 from dataservice.transfer import grpc as grpc_transfer
 from dataservice.worker import task_runner
@@ -58,10 +59,19 @@ class Faults:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, plan: list[str], late_s: float = 2.0):
         self.plan = list(plan)
+        self.late_s = late_s
         self.applied: list[str] = []
         self.runners: dict[int, Any] = {}  # task id -> the runner that served it
         self._mu = threading.Lock()
-        original = WorkerServer._get_elements_stream
+        for name in ("_get_elements_stream", "_get_elements_frames"):
+            monkeypatch.setattr(WorkerServer, name, self._faulty(getattr(WorkerServer, name)))
+        # The client gives up on a reply after 1.0 s (its wait) + 0.3 s without a
+        # first message, or 1 s without the next one.
+        monkeypatch.setattr(grpc_transfer, "_FIRST_MESSAGE_GRACE_S", 0.3)
+        monkeypatch.setattr(grpc_transfer, "_NO_PROGRESS_S", 1.0)
+
+    def _faulty(self, original: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        """`original` (GetElementsStream's or GetElementsFrames's reply) with faults."""
         faults = self
 
         def faulty(worker: WorkerServer, request: Any) -> Iterator[Any]:
@@ -71,28 +81,23 @@ class Faults:
             inner = original(worker, request)
             try:
                 first = next(inner)
-                carries = not first.last or len(first.elements) > 0
-                fault = faults._take() if carries and request.consumer_key else None
+                fault = faults._take() if _carries(first) and request.consumer_key else None
                 if fault == "lost":
                     rest = list(inner)  # the worker sends all of it: its turn ends "sent"
-                    assert (rest[-1] if rest else first).last
+                    assert _ends(first, rest)
                     raise errors.UnavailableError("injected: the reply was lost on the way")
                 if fault == "broken":
                     yield first
                     inner.close()  # the worker's side of the stream breaks mid-reply
                     raise errors.UnavailableError("injected: the stream broke")
                 if fault == "late":
-                    time.sleep(late_s)  # past the client's first-message timeout
+                    time.sleep(faults.late_s)  # past the client's first-message timeout
                 yield first
                 yield from inner
             finally:
                 inner.close()
 
-        monkeypatch.setattr(WorkerServer, "_get_elements_stream", faulty)
-        # The client gives up on a reply after 1.0 s (its wait) + 0.3 s without a
-        # first message, or 1 s without the next one.
-        monkeypatch.setattr(grpc_transfer, "_FIRST_MESSAGE_GRACE_S", 0.3)
-        monkeypatch.setattr(grpc_transfer, "_NO_PROGRESS_S", 1.0)
+        return faulty
 
     def _take(self) -> str | None:
         with self._mu:
@@ -101,6 +106,21 @@ class Faults:
             fault = self.plan.pop(0)
             self.applied.append(fault)
             return fault
+
+
+def _carries(first: Any) -> bool:
+    """Whether a reply whose first message is `first` carries elements."""
+    if isinstance(first, pb.ElementsHead):
+        return not first.last or len(first.element_bytes) > 0
+    return not first.last or len(first.elements) > 0
+
+
+def _ends(first: Any, rest: list[Any]) -> bool:
+    """Whether the messages `first` + `rest` are a whole reply."""
+    messages = [first, *rest]
+    if isinstance(first, pb.ElementsHead):
+        return any(isinstance(m, pb.ElementsHead) and m.last for m in messages)
+    return bool(messages[-1].last)
 
 
 def unacked_totals(faults: Faults) -> dict[str, int]:
@@ -315,7 +335,9 @@ def read_through_slow_link(
         dataset = ds.Dataset.range(n).map(lambda i: np.full(element_bytes, i, np.uint8))
         start = time.monotonic()
         got = []
-        for e in dist(dataset, cluster.target, data_transfer_protocol="grpc"):
+        # Uncompressed: AUTO would compress these constant arrays on a link this slow.
+        read = dist(dataset, cluster.target, data_transfer_protocol="grpc", compression=None)
+        for e in read:
             assert e.shape == (element_bytes,) and e[0] == e[-1]
             got.append(int(e[0]))
         return got, time.monotonic() - start
@@ -354,20 +376,23 @@ def test_grpc_stuck_worker_ends_the_request_within_the_no_progress_timeout(
     cluster = make_cluster(1)
     monkeypatch.setattr(grpc_transfer, "_FIRST_MESSAGE_GRACE_S", 0.3)
     release = threading.Event()
-    original = WorkerServer._get_elements_stream
 
-    def stuck(worker: WorkerServer, request: Any) -> Iterator[Any]:
-        inner = original(worker, request)
-        try:
-            first = next(inner)
-            if not release.is_set():
-                release.wait(30)  # stuck until the test lets it go
-            yield first
-            yield from inner
-        finally:
-            inner.close()
+    def stuck(original: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        def serve(worker: WorkerServer, request: Any) -> Iterator[Any]:
+            inner = original(worker, request)
+            try:
+                first = next(inner)
+                if not release.is_set():
+                    release.wait(30)  # stuck until the test lets it go
+                yield first
+                yield from inner
+            finally:
+                inner.close()
 
-    monkeypatch.setattr(WorkerServer, "_get_elements_stream", stuck)
+        return serve
+
+    for name in ("_get_elements_stream", "_get_elements_frames"):
+        monkeypatch.setattr(WorkerServer, name, stuck(getattr(WorkerServer, name)))
     it = iter(dist(elements(10), cluster.target, job_name="stuck"))
     wait_until(lambda: cluster.workers[0].num_tasks() == 1, 10, "the task")
     worker = cluster.workers[0]

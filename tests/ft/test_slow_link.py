@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import numpy as np
@@ -67,6 +67,8 @@ def slow_worker(make_cluster, monkeypatch) -> Iterator:
 
 
 def big(n: int, element_bytes: int) -> ds.Dataset:
+    """Constant arrays: read with compression=None, as AUTO would compress them on a
+    slow link (and these tests need the link to be slow)."""
     return ds.Dataset.range(n).map(lambda i: np.full(element_bytes, i, np.uint8))
 
 
@@ -89,7 +91,11 @@ def test_64_kib_elements_over_a_20_kb_s_link_arrive_once_in_order(
     monkeypatch.setattr(_waits, "FIRST_WARNING_S", 2.0)
     caplog.set_level(logging.WARNING, logger="dataservice.transfer.grpc")
     start = time.monotonic()
-    it = iter(big(n, size).apply(ds.distribute(OFF, cluster.target, data_transfer_protocol="grpc")))
+    it = iter(
+        big(n, size).apply(
+            ds.distribute(OFF, cluster.target, compression=None, data_transfer_protocol="grpc")
+        )
+    )
     got = ids([next(it)], size)
     (runner,) = cluster.workers[0]._tasks.values()  # (gone once the read ends)
     got += ids(it, size)
@@ -115,7 +121,11 @@ def test_a_1_mib_element_over_a_2_kb_s_link_raises_a_bounded_clear_error(slow_wo
     cluster, link = slow_worker(2_000)
     size = 1 << 20
     caplog.set_level(logging.WARNING, logger="dataservice.transfer.grpc")
-    it = iter(big(1, size).apply(ds.distribute(OFF, cluster.target, data_transfer_protocol="grpc")))
+    it = iter(
+        big(1, size).apply(
+            ds.distribute(OFF, cluster.target, compression=None, data_transfer_protocol="grpc")
+        )
+    )
     start = time.monotonic()
     with pytest.raises(errors.TransferStalledError) as info:
         next(it)
@@ -145,7 +155,9 @@ def test_messages_shrink_on_a_slow_link_and_grow_back_when_it_is_fast(slow_worke
     cluster, link = slow_worker(20_000)
     size = 16 << 10
     dataset = ds.Dataset.range(10**6).repeat().map(lambda i: np.full(size, i % 251, np.uint8))
-    it = iter(dataset.apply(ds.distribute(OFF, cluster.target, job_name="resize")))
+    it = iter(
+        dataset.apply(ds.distribute(OFF, cluster.target, compression=None, job_name="resize"))
+    )
     worker = cluster.workers[0]
     deadline = time.monotonic() + 10
     while not worker.num_tasks():
@@ -199,6 +211,7 @@ def test_other_reads_over_a_slow_link_arrive_once_in_order(slow_worker, reads):
                     ds.distribute(
                         OFF,
                         cluster.target,
+                        compression=None,
                         job_name="slow-rounds",
                         num_consumers=2,
                         consumer_index=c,
@@ -217,6 +230,7 @@ def test_other_reads_over_a_slow_link_arrive_once_in_order(slow_worker, reads):
                     ds.distribute(
                         OFF,
                         cluster.target,
+                        compression=None,
                         job_name="slow-cache",
                         cross_trainer_cache=ds.CrossTrainerCache("trainer-0"),
                         data_transfer_protocol="grpc",
@@ -376,22 +390,29 @@ def test_a_worker_that_sends_nothing_is_not_taken_for_a_slow_link(make_cluster, 
     monkeypatch.setattr(grpc_transfer, "_NO_PROGRESS_S", 0.3)
     monkeypatch.setattr(grpc_transfer, "_FIRST_MESSAGE_GRACE_S", 0.3)
     release = threading.Event()
-    original = WorkerServer._get_elements_stream
 
-    def stuck(worker: WorkerServer, request) -> Iterator:
-        inner = original(worker, request)
-        try:
-            first = next(inner)
-            release.wait(60)
-            yield first
-            yield from inner
-        finally:
-            inner.close()
+    def stuck(original: Callable[..., Iterator]) -> Callable[..., Iterator]:
+        def serve(worker: WorkerServer, request) -> Iterator:
+            inner = original(worker, request)
+            try:
+                first = next(inner)
+                release.wait(60)
+                yield first
+                yield from inner
+            finally:
+                inner.close()
 
-    monkeypatch.setattr(WorkerServer, "_get_elements_stream", stuck)
+        return serve
+
+    for name in ("_get_elements_stream", "_get_elements_frames"):
+        monkeypatch.setattr(WorkerServer, name, stuck(getattr(WorkerServer, name)))
     cluster = make_cluster(1)
     worker = cluster.workers[0]
-    it = iter(big(10, 64 << 10).apply(ds.distribute(OFF, cluster.target, job_name="stuck")))
+    it = iter(
+        big(10, 64 << 10).apply(
+            ds.distribute(OFF, cluster.target, compression=None, job_name="stuck")
+        )
+    )
     client = None
     try:
         deadline = time.monotonic() + 10

@@ -318,22 +318,26 @@ def test_compression_round_trip(cluster, compression):
     nbytes = it.stats()["bytes"]
     if compression in ("zstd", "ZSTD"):  # constant arrays compress well
         assert nbytes < 50 * 64 * 64 * 4 / 20
-    else:  # AUTO on one host does not compress
+    elif compression is None:
         assert nbytes > 50 * 64 * 64 * 4
+    # AUTO decides by measuring the link and the data: test_grpc_frames.py.
 
 
-def test_auto_compression_across_hosts(make_cluster, monkeypatch):
+def test_auto_compression_is_not_decided_by_host(make_cluster, monkeypatch):
+    """AUTO compresses by measurement (transfer/grpc.py AutoCompression), not because
+    the worker is on another host: replies too small to measure the link (here
+    under 256 KiB) go as they are. test_grpc_frames.py has the slow and fast links."""
     c = make_cluster(0)
     monkeypatch.setenv("DATASERVICE_HOST_ID", "worker-host")
     c.add_worker()
     monkeypatch.setenv("DATASERVICE_HOST_ID", "trainer-host")
-    dataset = ds.Dataset.range(20).map(lambda x: np.zeros(4096, np.float64) + x)
+    dataset = ds.Dataset.range(20).map(lambda x: np.zeros(512, np.float64) + x)  # 80 KiB
     it = iter(dist(dataset, c, compression="AUTO"))
     assert [float(a[0]) for a in it] == [float(i) for i in range(20)]
     stats = it.stats()
     (worker,) = stats["workers"].values()
     assert worker["transfer_protocol"] == "grpc"  # another host: no shared memory
-    assert stats["bytes"] < 20 * 4096 * 8 / 10  # zstd across hosts
+    assert stats["bytes"] > 20 * 512 * 8  # as they are: nothing measured says zstd pays
 
 
 def test_lazy_tasks_run_no_pipeline_code_before_a_consumer_asks(tmp_path):

@@ -6,7 +6,8 @@ what fallback, and whether its elements are compressed.
 one asked for), falling back to the next when a handshake fails
 (`TransferUnavailable`, logged once per worker and protocol) and failing a forced
 protocol that cannot reach the worker. `compression_for` is `distribute`'s
-`compression` for one worker: "AUTO" compresses only elements that cross hosts.
+`compression` for one worker: "AUTO" leaves it to the gRPC client, which
+compresses only when measuring says it saves time (`transfer.grpc.AutoCompression`).
 The fetch threads that use these clients are `reader.py`'s.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import logging
 
 from dataservice import _waits, errors
-from dataservice.locality import host_id
 from dataservice.transfer import base as transfer
 from dataservice.transfer import shm
 
@@ -24,12 +24,14 @@ log = logging.getLogger("dataservice.client.reader")
 
 
 def compression_for(requested: str | None, endpoint: transfer.TaskEndpoint) -> str:
-    """ "zstd" or "" for `endpoint`, from `distribute`'s `compression` ("AUTO",
-    None or "NONE", or a codec name): AUTO compresses only elements that cross
-    hosts."""
+    """ "zstd", "" or "auto" for `endpoint`, from `distribute`'s `compression`
+    ("AUTO", None or "NONE", or a codec name). AUTO: "auto", the gRPC client's
+    choice by measurement (the link's throughput against the codec's, and how well
+    the data compresses: `transfer.grpc.AutoCompression`), not by host; a
+    worker's elements read over shared memory are never compressed."""
     requested = (requested or "NONE").upper()
     if requested == "AUTO":
-        return "zstd" if endpoint.host_id != host_id() else ""
+        return "auto"
     return "" if requested == "NONE" else requested.lower()
 
 
@@ -41,6 +43,7 @@ def connect(
     zero_copy: bool,
     trainer_id: str,
     compression: str | None,
+    pipeline: bool = True,
 ) -> transfer.TransferClient:
     """A transfer client for `endpoint`: the first candidate protocol whose
     handshake succeeds ("auto" or None: shared memory on the same host, else
@@ -55,6 +58,8 @@ def connect(
         trainer_id: Non-empty: the client reads through the task's cross-trainer
             cache as this trainer.
         compression: `distribute`'s `compression` ("AUTO", None, "ZSTD").
+        pipeline: False: the client never sends a request before it is asked
+            (`TransferClient.pipeline`).
 
     Raises:
         UnavailableError: A forced protocol cannot reach the worker, or no
@@ -89,6 +94,7 @@ def connect(
                 err,
             )
             continue
+        client.pipeline = client.pipeline and pipeline
         codec = compression_for(compression, endpoint)
         if codec:
             client.set_compression(codec)

@@ -181,6 +181,11 @@ class TaskFetching:
             zero_copy=options.zero_copy,
             trainer_id=options.trainer_id,
             compression=options.compression,
+            # Not with bounded requests in flight; nor for a shared job, whose other
+            # consumers may end the task while a pipelined reply waits in the client
+            # unasked for (the iteration would end without it: `_TaskState.fetching`
+            # is only set for a fetch the reader asked for).
+            pipeline=self._outstanding is None and not options.job_name,
         )
 
     def _fetch_loop(self, state: _TaskState) -> None:

@@ -675,6 +675,11 @@ class WorkerServiceStub:
                 request_serializer=dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.SerializeToString,
                 response_deserializer=dataservice_dot_rpc_dot_service__pb2.GetElementsChunk.FromString,
                 _registered_method=True)
+        self.GetElementsFrames = channel.unary_stream(
+                '/dataservice.rpc.WorkerService/GetElementsFrames',
+                request_serializer=dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.SerializeToString,
+                response_deserializer=dataservice_dot_rpc_dot_service__pb2.ElementsHead.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -695,6 +700,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetElementsFrames(self, request, context):
+        """The same reply as ElementsHead messages and raw payload bytes (see ElementsHead):
+        the client's read. Declared as a stream of ElementsHead; its payload messages are
+        the raw bytes the heads announce, served and read with byte (de)serializers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -707,6 +721,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetElementsStream,
                     request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.FromString,
                     response_serializer=dataservice_dot_rpc_dot_service__pb2.GetElementsChunk.SerializeToString,
+            ),
+            'GetElementsFrames': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetElementsFrames,
+                    request_deserializer=dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.FromString,
+                    response_serializer=dataservice_dot_rpc_dot_service__pb2.ElementsHead.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -763,6 +782,33 @@ class WorkerService:
             '/dataservice.rpc.WorkerService/GetElementsStream',
             dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.SerializeToString,
             dataservice_dot_rpc_dot_service__pb2.GetElementsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetElementsFrames(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dataservice.rpc.WorkerService/GetElementsFrames',
+            dataservice_dot_rpc_dot_service__pb2.GetElementsRequest.SerializeToString,
+            dataservice_dot_rpc_dot_service__pb2.ElementsHead.FromString,
             options,
             channel_credentials,
             insecure,

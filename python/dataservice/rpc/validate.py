@@ -485,6 +485,20 @@ def tolerant_parser(request_class: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+RAW_FRAME_METHODS = frozenset({"GetElementsFrames"})
+"""Streams whose messages are heads (protobuf messages) and raw payload bytes
+(service.proto's ElementsHead): their servicer yields both, and bytes go out as
+they are."""
+
+
+def _frame_serializer(message: Any) -> bytes:
+    """A message of a `RAW_FRAME_METHODS` stream: payload `bytes` as they are (no
+    copy), a head serialized."""
+    if type(message) is bytes:
+        return message
+    return message.SerializeToString()  # type: ignore[no-any-return]
+
+
 def add_service(server: Any, servicer: Any, service_name: str) -> None:
     """Serves `servicer` (one method per RPC of `service_name` in service.proto)
     on `server`, as the generated `add_<service>Servicer_to_server` does, but
@@ -504,10 +518,13 @@ def add_service(server: Any, servicer: Any, service_name: str) -> None:
             if method.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
+        serializer = response_class.SerializeToString
+        if method.name in RAW_FRAME_METHODS:
+            serializer = _frame_serializer
         handlers[method.name] = make_handler(
             getattr(servicer, method.name),
             request_deserializer=tolerant_parser(request_class),
-            response_serializer=response_class.SerializeToString,
+            response_serializer=serializer,
         )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)

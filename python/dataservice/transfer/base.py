@@ -224,6 +224,10 @@ class TransferClient(abc.ABC):
     # worker sends the reply the consumer did not get (gRPC). False: a failed client is
     # closed and replaced (a shared-memory connection needs a new handshake).
     retry_in_place: bool = False
+    # The client sends its next request as soon as a reply arrives (gRPC), one more
+    # reply in flight per task; the reader turns it off under `max_outstanding_requests`,
+    # which bounds the requests in flight, and for a named (shared) job.
+    pipeline: bool = False
 
     @abc.abstractmethod
     def get_elements(

@@ -1,4 +1,17 @@
-"""The gRPC transfer protocol: `WorkerService.GetElementsStream` on the worker's port.
+"""The gRPC transfer protocol: `WorkerService.GetElementsFrames` on the worker's port
+(`GetElementsStream` for a worker without it).
+
+Frames. A reply comes as small `ElementsHead` messages, each announcing the
+encoded sizes of the next elements, followed by those elements' bytes as raw
+messages (service.proto). Neither end copies an element into or out of a protobuf
+field: the worker sends an element's encoding (`codec.encode`) as the very
+`bytes` gRPC sends (up to 64 MiB a message; gRPC's limits are lifted on both ends,
+rpc/util.py), and the client copies each message once, into one `bytearray` per
+element that `codec.decode` turns into arrays without another copy. The next
+request is sent as soon as a reply arrives (`pipeline`), so the worker reads and
+encodes it while the consumer takes this one. `compression="AUTO"` is decided
+per link by measuring (`AutoCompression`). The consumer's malloc keeps freed
+memory for reuse (`tune_malloc`): fresh pages cost more than the copies.
 
 No element is lost between the worker and the consumer: each client numbers its
 requests (a random `consumer_key` per client, `sequence` 1, 2, ...). The worker
@@ -38,9 +51,12 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -72,6 +88,58 @@ _REPLY_MESSAGES = 8
 # Timeouts in a row with messages of MIN_MESSAGE_BYTES that brought nothing new
 # before the request fails with TransferStalledError.
 STALLED_ATTEMPTS = 3
+# The read's RPC: the reply as ElementsHead messages and raw element bytes
+# (service.proto); GetElementsStream serves a worker that lacks it.
+_FRAMES_METHOD = (
+    f"/{service_pb2.DESCRIPTOR.services_by_name['WorkerService'].full_name}/GetElementsFrames"
+)
+# The level `codec.compress` uses (AutoCompression measures the same codec).
+_ZSTD_LEVEL = 1
+# Encoded sizes a head may announce: at most what one read may carry (validate.py).
+_MAX_ANNOUNCED_BYTES = 2**31 - 1
+
+
+MALLOC_TUNING_ENV = "DATASERVICE_MALLOC_TUNING"
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# Blocks below this come from malloc's heap (reused, already mapped), above it from
+# their own mapping (glibc's own largest dynamic threshold); at most this much free
+# memory is kept at the top of a heap for reuse.
+_MMAP_THRESHOLD_BYTES = 32 << 20
+_TRIM_THRESHOLD_BYTES = 64 << 20
+_malloc_tuned = False
+
+
+def tune_malloc() -> bool:
+    """Once per consumer process (the first gRPC transfer client), asks glibc's
+    malloc to keep up to `_TRIM_THRESHOLD_BYTES` of freed memory for reuse
+    instead of handing it back to the kernel at once. Each element of a few MB read
+    over gRPC is two fresh blocks of that size (gRPC's message `bytes`, then the
+    element's own buffer); by default glibc trims its heap past twice the largest
+    block freed so far, and every page of memory handed back and taken again
+    costs a page fault and the kernel's zeroing: measured on 9.6 MB elements,
+    5,600 faults an element and 1.6 s of the consumer's CPU per GB read, against
+    1,200 and 0.8 s with the memory kept. (Not on workers: their task buffers
+    must give memory back when a job ends, and they gained little.)
+    ${MALLOC_TUNING_ENV}=0 leaves malloc as it is; other allocators than glibc's
+    are left alone. Returns whether malloc was tuned now."""
+    global _malloc_tuned
+    if _malloc_tuned:
+        return False
+    _malloc_tuned = True
+    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+        and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+    )
 
 
 class _Watchdog:
@@ -167,6 +235,7 @@ class _Attempt:
         "reply_bytes",
         "reply_elements",
         "largest_bytes",
+        "payload_s",
     )
 
     def __init__(self) -> None:
@@ -180,6 +249,86 @@ class _Attempt:
         self.reply_bytes = 0  # from the reply's first message, when it takes several
         self.reply_elements = 0
         self.largest_bytes = 0
+        # Seconds from each head that announced elements to the last of their bytes,
+        # summed: the link's time for `received` (AUTO compression's measure).
+        self.payload_s = 0.0
+
+
+class AutoCompression:
+    """`compression="AUTO"` over gRPC: whether to ask the worker for zstd, decided
+    by measuring, per client (one worker's link), instead of by host. Compressing
+    pays when the wire time it saves exceeds the codec's time:
+
+        (1 - ratio) / link_bytes_per_s > 1 / compress_bytes_per_s + 1 / decompress_bytes_per_s
+
+    `link_bytes_per_s` is measured on uncompressed replies of at least
+    `MIN_MEASURED_BYTES` (a head's elements: from the head to their last byte);
+    `ratio` and the codec's speeds on a `SAMPLE_BYTES` sample of a received
+    element, compressed at the worker's level and decompressed here (the worker
+    compresses at about the speed measured here, on the same data). So a link
+    faster than the codec is never compressed, nor incompressible data (its
+    ratio ~1, found on 64 KiB), and a slow link with compressible data is. Both
+    are measured again every `REMEASURE_S` (while compressing, one request goes
+    uncompressed to measure the link). Thread-compatible (one client's requests).
+    """
+
+    MIN_MEASURED_BYTES = 256 << 10
+    SAMPLE_BYTES = 64 << 10
+    REMEASURE_S = 5.0
+    MAX_RATIO = 0.9  # less saved than this is not worth a codec
+
+    def __init__(self) -> None:
+        self.link_bytes_per_s: float | None = None
+        self.ratio: float | None = None
+        self.codec_s_per_byte: float | None = None  # compress + decompress
+        self.compressing = False
+        self._link_at = float("-inf")  # when the link was last measured
+        self._sample_at = float("-inf")
+
+    def choose(self, now: float) -> str:
+        """The compression of the next request: "zstd" or ""."""
+        if self.compressing and now - self._link_at < self.REMEASURE_S:
+            return "zstd"
+        return ""
+
+    def observe(
+        self, compression: str, received_bytes: int, payload_s: float, encoded: list[Any]
+    ) -> None:
+        """A reply asked for with `compression` brought `received_bytes` of elements
+        (`encoded`) in `payload_s` seconds of transfer: measures and decides."""
+        if compression:
+            return  # compressed bytes measure neither the link nor the data
+        now = time.monotonic()
+        if received_bytes >= self.MIN_MEASURED_BYTES and payload_s > 0:
+            rate = received_bytes / payload_s
+            if self.link_bytes_per_s is None or now - self._link_at > self.REMEASURE_S:
+                self.link_bytes_per_s = rate
+            else:  # smooth out one reply's hiccup
+                self.link_bytes_per_s = 0.5 * self.link_bytes_per_s + 0.5 * rate
+            self._link_at = now
+        if encoded and now - self._sample_at >= self.REMEASURE_S:
+            largest = max(encoded, key=len)
+            if len(largest) >= 4 << 10:
+                self._sample_at = now
+                self._measure_codec(largest)
+        self.compressing = self._worth_it()
+
+    def _measure_codec(self, data: Any) -> None:
+        import zstandard
+
+        start = max(0, len(data) // 2 - self.SAMPLE_BYTES // 2)
+        sample = bytes(memoryview(data)[start : start + self.SAMPLE_BYTES])
+        t0 = time.perf_counter()
+        packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(sample)
+        zstandard.ZstdDecompressor().decompress(packed)
+        self.ratio = len(packed) / len(sample)
+        self.codec_s_per_byte = max(time.perf_counter() - t0, 1e-9) / len(sample)
+
+    def _worth_it(self) -> bool:
+        link, ratio, codec_cost = self.link_bytes_per_s, self.ratio, self.codec_s_per_byte
+        if link is None or ratio is None or codec_cost is None or ratio > self.MAX_RATIO:
+            return False
+        return (1 - ratio) / link > codec_cost
 
 
 class GrpcTransferClient(base.TransferClient):
@@ -196,8 +345,11 @@ class GrpcTransferClient(base.TransferClient):
         zero_copy: bool = True,  # elements over gRPC are always copies
         trainer_id: str = "",  # each request names its own trainer id
     ) -> None:
+        tune_malloc()
         self._endpoint = endpoint
-        self._compression = compression  # "" or "zstd", chosen by the reader
+        self._compression = ""  # "" or "zstd" (set_compression)
+        self._auto: AutoCompression | None = None  # "auto": chosen by measurement
+        self.set_compression(compression)
         self._channel = rpc_util.make_data_channel(endpoint.transfer_address)
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
         token = rpc_util.token_from_env(auth_token)
@@ -222,6 +374,17 @@ class GrpcTransferClient(base.TransferClient):
         self._reply_size = _Attempt()  # the sizes the worker announced
         self._current: _Attempt | None = None  # the try being received
         self._slow: _waits.SlowWait | None = None
+        self._frames_ok = True  # False: the worker lacks GetElementsFrames
+        self._frames = self._frames_stub()
+        # Pipelining: after a reply with elements, the next request (the same
+        # arguments) is sent at once on `_executor`'s thread, so the worker reads,
+        # encodes and sends it while the consumer decodes and uses this one.
+        self.pipeline = True
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self._next: futures.Future[base.ElementsResult] | None = None
+        self._call_mu = threading.Lock()
+        self._live_call: Any = None  # guarded by _call_mu: the call being received
+        self._closed = False  # guarded by _call_mu
 
     def get_elements(
         self,
@@ -236,6 +399,59 @@ class GrpcTransferClient(base.TransferClient):
         retried by calling again: it repeats its sequence number, so the worker sends
         the same reply (or, after a no-progress timeout, the part of it that fits the
         smaller messages and replies asked for now; the rest comes next).
+
+        With `pipeline` (the default; not for coordinated reads, whose next round
+        differs), a reply with elements and without an end or error sends the next
+        request at once, with the same arguments, and the next call returns its
+        reply (or raises its error): one more reply of at most `max_bytes` may be on
+        its way or waiting here, as the reader's read-ahead. That request
+        acknowledges the reply just returned, which is here.
+
+        Raises:
+            As `_fetch`.
+        """
+        pending, self._next = self._next, None
+        if pending is not None:
+            result = pending.result()  # bounded by that call's no-progress timeout
+        else:
+            result = self._fetch(
+                max_elements, max_bytes, timeout_s, consumer_index, round_index, trainer_id
+            )
+        if (
+            self.pipeline
+            and round_index < 0
+            and result.elements
+            and not result.end_of_sequence
+            and self._error is None
+        ):
+            with self._call_mu:
+                if not self._closed:
+                    if self._executor is None:
+                        self._executor = futures.ThreadPoolExecutor(
+                            1, thread_name_prefix="ds-grpc-next"
+                        )
+                    self._next = self._executor.submit(
+                        self._fetch,
+                        max_elements,
+                        max_bytes,
+                        timeout_s,
+                        consumer_index,
+                        round_index,
+                        trainer_id,
+                    )
+        return result
+
+    def _fetch(
+        self,
+        max_elements: int,
+        max_bytes: int,
+        timeout_s: float,
+        consumer_index: int,
+        round_index: int,
+        trainer_id: str,
+    ) -> base.ElementsResult:
+        """One request and its reply, on the caller's thread or the pipeline's (never
+        both at once: `get_elements` waits for the pipelined one before another).
 
         Raises:
             DeadlineExceededError: No message from the worker for the no-progress
@@ -255,6 +471,8 @@ class GrpcTransferClient(base.TransferClient):
         message_bytes = self.message_bytes
         if message_bytes is not None:
             max_bytes = max(1, min(max_bytes, _REPLY_MESSAGES * message_bytes))
+        auto = self._auto
+        compression = auto.choose(time.monotonic()) if auto is not None else self._compression
         request = service_pb2.GetElementsRequest(
             task_id=self._endpoint.task_id,
             max_elements=max_elements,
@@ -262,7 +480,7 @@ class GrpcTransferClient(base.TransferClient):
             consumer_index=consumer_index,
             round_index=round_index,
             trainer_id=trainer_id,
-            compression=self._compression,
+            compression=compression,
             consumer_key=self._consumer_key,
             sequence=self._sequence,
             max_message_bytes=message_bytes or 0,
@@ -278,6 +496,8 @@ class GrpcTransferClient(base.TransferClient):
             self._current = None
         self._reply_arrived(attempt, message_bytes)
         self._sequence += 1  # the reply is here: the next request acknowledges it
+        if auto is not None:
+            auto.observe(compression, attempt.received, attempt.payload_s, encoded)
         elements: list[Any] = [codec.decode(e) for e in encoded]
         nbytes = sum(len(e) for e in encoded)
         if response.error_type:
@@ -423,11 +643,160 @@ class GrpcTransferClient(base.TransferClient):
             keepalive=False,  # a slow link: see make_data_channel
         )
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
+        self._frames = self._frames_stub()
+
+    def _frames_stub(self) -> Any:
+        """GetElementsFrames on the current channel: messages come as `bytes`."""
+        return self._channel.unary_stream(
+            _FRAMES_METHOD,
+            request_serializer=service_pb2.GetElementsRequest.SerializeToString,
+            response_deserializer=None,
+        )
+
+    def _start(self, call: Any) -> None:
+        """`call` is the one being received: `close` cancels it."""
+        with self._call_mu:
+            self._live_call = call
+            if self._closed:
+                call.cancel()
 
     def _receive(self, request: Any, timeout_s: float, attempt: _Attempt) -> tuple[list[Any], Any]:
         """Streams one reply: (encoded elements, the last message's response);
-        `attempt` records what arrived, also when it raises."""
+        `attempt` records what arrived, also when it raises. GetElementsFrames, or
+        GetElementsStream from a worker without it (UNIMPLEMENTED: asked once)."""
+        if self._frames_ok:
+            try:
+                return self._receive_frames(request, timeout_s, attempt)
+            except errors.UnimplementedError:
+                if attempt.messages:
+                    raise
+                log.info(
+                    "worker %s has no GetElementsFrames: reading with GetElementsStream",
+                    self._endpoint.transfer_address,
+                )
+                self._frames_ok = False
+        return self._receive_chunks(request, timeout_s, attempt)
+
+    def _receive_frames(
+        self, request: Any, timeout_s: float, attempt: _Attempt
+    ) -> tuple[list[bytearray], Any]:
+        """Streams one GetElementsFrames reply (service.proto's ElementsHead): each
+        head's elements are received into `bytearray`s of their announced sizes,
+        which `codec.decode` turns into arrays without another copy; a message that
+        holds a whole element becomes its bytearray in one copy.
+
+        Raises:
+            DataLossError: The worker sent bytes beyond what a head announced, a
+                head that cannot be parsed or an absurd size, or ended the reply
+                without its last head or in the middle of an element.
+            DeadlineExceededError, and as `rpc_util.to_error`: As `_receive_chunks`.
+        """
+        call = self._frames(request, metadata=self._metadata)
+        self._start(call)
+        first_s = timeout_s + min(_FIRST_MESSAGE_GRACE_S, self.no_progress_s)
+        watch = _watchdog.watch(call, first_s)
+        elements: list[bytearray] = []
+        sizes: list[int] = []  # announced by the last head, not yet filled
+        index = 0  # of the element being filled, in `sizes`
+        part: bytearray | None = None  # that element, when it comes in pieces
+        filled = 0
+        head_at = 0.0  # when the head of `sizes` arrived
+        last: Any = None
+        last_message: float | None = None
+        address = self._endpoint.worker_address
+        try:
+            for message in call:
+                now = watch.progress(self.no_progress_s)
+                attempt.messages += 1
+                if last_message is not None:
+                    attempt.largest_gap_s = max(attempt.largest_gap_s, now - last_message)
+                last_message = now
+                if index < len(sizes):  # payload: the announced elements' bytes
+                    view = memoryview(message)
+                    pos = 0
+                    while pos < len(view):
+                        if index >= len(sizes):
+                            raise errors.DataLossError(
+                                f"worker {address} sent {len(view) - pos} bytes beyond the "
+                                "elements its head announced"
+                            )
+                        size = sizes[index]
+                        if part is None and len(view) - pos >= size:
+                            elements.append(bytearray(view[pos : pos + size]))
+                            pos += size
+                            index += 1
+                            continue
+                        if part is None:
+                            part, filled = bytearray(size), 0
+                        n = min(size - filled, len(view) - pos)
+                        part[filled : filled + n] = view[pos : pos + n]
+                        filled += n
+                        pos += n
+                        if filled == size:
+                            elements.append(part)
+                            part = None
+                            index += 1
+                    attempt.received += len(view)
+                    while index < len(sizes) and sizes[index] == 0:  # nothing to wait for
+                        elements.append(bytearray())
+                        index += 1
+                    if index == len(sizes):
+                        attempt.payload_s += now - head_at
+                    self._check_slow(now)
+                    continue
+                head = service_pb2.ElementsHead.FromString(message)
+                if head.reply_bytes:
+                    attempt.reply_bytes = head.reply_bytes
+                    attempt.reply_elements = head.reply_elements
+                    attempt.largest_bytes = head.largest_element_bytes
+                    self._reply_size = attempt
+                if last is not None:
+                    raise errors.DataLossError(f"worker {address} sent a head after its last")
+                if head.last:
+                    last = head.response
+                sizes = list(head.element_bytes)
+                if any(n < 0 or n > _MAX_ANNOUNCED_BYTES for n in sizes):
+                    raise errors.DataLossError(
+                        f"worker {address} announced an element of an impossible size "
+                        f"({max(sizes, key=abs)} bytes)"
+                    )
+                index, head_at = 0, now
+                while index < len(sizes) and sizes[index] == 0:
+                    elements.append(bytearray())
+                    index += 1
+        except grpc.RpcError as err:
+            if watch.expired:
+                attempt.expired = True
+                raise errors.DeadlineExceededError(
+                    f"GetElements from {self._endpoint.transfer_address}: no data for "
+                    f"{self.no_progress_s if attempt.messages else first_s:.1f} s "
+                    f"({attempt.received} bytes of the reply received); the request is "
+                    "retried and the worker sends the same reply again (in smaller messages)"
+                ) from None
+            raise rpc_util.to_error(err, self._endpoint.transfer_address, "GetElements") from None
+        except Exception as err:  # a head that does not parse
+            if isinstance(err, errors.DataServiceError):
+                raise
+            raise errors.DataLossError(
+                f"worker {address} sent a GetElementsFrames head that cannot be read: {err}"
+            ) from None
+        finally:
+            watch.done()
+            call.cancel()  # no-op once the call completed
+            with self._call_mu:
+                self._live_call = None
+        if last is not None and index == len(sizes):
+            return elements, last
+        raise errors.DataLossError(
+            f"worker {self._endpoint.transfer_address} ended a reply without its last message"
+        )
+
+    def _receive_chunks(
+        self, request: Any, timeout_s: float, attempt: _Attempt
+    ) -> tuple[list[Any], Any]:
+        """Streams one GetElementsStream reply (GetElementsChunk messages)."""
         call = self._stub.GetElementsStream(request, metadata=self._metadata)
+        self._start(call)
         first_s = timeout_s + min(_FIRST_MESSAGE_GRACE_S, self.no_progress_s)
         watch = _watchdog.watch(call, first_s)
         elements: list[Any] = []
@@ -484,6 +853,8 @@ class GrpcTransferClient(base.TransferClient):
         finally:
             watch.done()
             call.cancel()  # no-op once the call completed
+            with self._call_mu:
+                self._live_call = None
         if last is not None:
             return elements, last
         raise errors.DataLossError(
@@ -491,9 +862,31 @@ class GrpcTransferClient(base.TransferClient):
         )
 
     def set_compression(self, compression: str) -> None:
-        self._compression = compression
+        """ "" (none), "zstd", or "auto": per request, by `AutoCompression`."""
+        if compression == "auto":
+            self._auto = self._auto or AutoCompression()
+            self._compression = ""
+        else:
+            self._auto = None
+            self._compression = compression
 
     def close(self) -> None:
+        """Cancels a pipelined request still on its way (the worker keeps its reply
+        for a retry that does not come, then hands first come, first served elements
+        to the task's other consumers: `unacked_replies.REQUEUE_AFTER_S`), waits for
+        its thread, and closes the channel."""
+        with self._call_mu:
+            self._closed = True
+            if self._live_call is not None:
+                self._live_call.cancel()
+        pending, self._next = self._next, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001  (cancelled: nobody waits for its reply)
+                pass
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         # As ShmTransferClient.close: the stored error keeps no traceback, which would
         # hold this client and its callers' frames (their elements) in a cycle.
         if self._error is not None:

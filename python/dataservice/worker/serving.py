@@ -1,5 +1,6 @@
-"""Serving a worker's elements over gRPC: `WorkerService.GetElements` and
-`GetElementsStream` (the "grpc" transfer protocol, as tf.data service's worker).
+"""Serving a worker's elements over gRPC: `WorkerService.GetElements`,
+`GetElementsStream` and `GetElementsFrames` (the "grpc" transfer protocol, as
+tf.data service's worker; clients read with GetElementsFrames).
 
 `WorkerServicer` is the gRPC servicer; `ElementServing` (a base class of
 `WorkerServer`) owns what a read does: finding the request's task (waiting a
@@ -9,7 +10,8 @@ worker's `TransferHost`; the choice itself is `sources.py`'s: a cross-trainer
 cache read, a coordinated round, or first come, first served), taking its
 elements, encoding and compressing them into a reply, keeping an acknowledged
 reply with its consumer until the next request (`unacked_replies.UnackedReplies`),
-and streaming a reply in messages of about `_CHUNK_BYTES`. Registration,
+and streaming a reply: in GetElementsChunk messages of about `_CHUNK_BYTES`, or
+as frames of raw element bytes behind small heads (`_frames`). Registration,
 heartbeats and starting or stopping tasks are `server.py`'s.
 """
 
@@ -19,7 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -39,6 +41,16 @@ log = logging.getLogger(__name__)
 
 _GET_ELEMENTS_WAIT_S = 1.0
 _CHUNK_BYTES = 1 << 20  # GetElementsStream: about this many bytes per message
+# GetElementsFrames (`_frames`): an element this large goes in messages of its own,
+# whole up to _FRAME_BYTES (gRPC's limits are lifted on both ends: rpc/util.py); smaller
+# ones are joined into messages of about _JOIN_BYTES.
+_FRAME_BYTES = 64 << 20
+_OWN_FRAME_BYTES = 256 << 10
+_JOIN_BYTES = 1 << 20
+# GetElementsFrames sends an alive head before encoding a reply whose first element is
+# this large (encoding it takes long enough to matter: ~0.1 s); GetElementsStream
+# before any of more than one message.
+_ALIVE_FIRST_BYTES = 64 << 20
 
 
 class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
@@ -59,13 +71,25 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
             rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
 
     def GetElementsStream(self, request: Any, context: grpc.ServicerContext) -> Any:
+        yield from self._stream("GetElementsStream", self._w._get_elements_stream, request, context)
+
+    def GetElementsFrames(self, request: Any, context: grpc.ServicerContext) -> Any:
+        yield from self._stream("GetElementsFrames", self._w._get_elements_frames, request, context)
+
+    @staticmethod
+    def _stream(
+        name: str,
+        serve: Callable[[Any], Iterator[Any]],
+        request: Any,
+        context: grpc.ServicerContext,
+    ) -> Iterator[Any]:
         try:
             validate.check_request(request)  # rpc/validate.py: every field at the edge
-            yield from self._w._get_elements_stream(request)
+            yield from serve(request)
         except (errors.DataServiceError, ValueError) as err:
             rpc_util.abort_with(context, err)
         except Exception as err:
-            log.exception("GetElementsStream failed")
+            log.exception("%s failed", name)
             rpc_util.abort_with(context, errors.InternalError(f"{type(err).__name__}: {err}"))
 
 
@@ -222,24 +246,52 @@ class ElementServing:
             turn.finish(sent=True)
 
     def _get_elements_stream(self, request: Any) -> Iterator[Any]:
-        """GetElementsStream: takes (or, for a retry, takes again) the request's
-        elements and streams them in messages of about `_CHUNK_BYTES`.
+        """GetElementsStream: the reply of `_serve_reply` in GetElementsChunk
+        messages of about `_CHUNK_BYTES` (`_chunks`).
+
+        Yields:
+            GetElementsChunk messages; the last has `last` set and the response.
+        """
+        yield from self._serve_reply(request, pb.GetElementsChunk, self._chunks, _CHUNK_BYTES)
+
+    def _get_elements_frames(self, request: Any) -> Iterator[Any]:
+        """GetElementsFrames: the reply of `_serve_reply` as ElementsHead messages
+        and the raw bytes of the elements they announce (`_frames`).
+
+        Yields:
+            ElementsHead messages and `bytes` payloads; the last is a head with
+            `last` set and the response.
+        """
+        yield from self._serve_reply(request, pb.ElementsHead, self._frames, _ALIVE_FIRST_BYTES)
+
+    def _serve_reply(
+        self,
+        request: Any,
+        alive: Callable[[], Any],
+        emit: Callable[[Reply, Any, int], Iterator[Any]],
+        alive_first_bytes: int,
+    ) -> Iterator[Any]:
+        """Takes (or, for a retry, takes again) the request's elements and streams
+        their reply as `emit(reply, request, errors_ignored)` yields it (the task's
+        count of ignored errors); `alive()` is the message that only says the worker
+        is alive, and `emit(empty reply, None, 0)` the answer of a task not known in
+        time.
 
         With a `consumer_key`, the reply stays with the consumer until its next
         request acknowledges it (`UnackedReplies`): a retry of the same sequence
         number gets it again, also after the stream broke (a first come, first
         served reply whose consumer does not come back goes back to the task). A
-        large reply first sends an empty message (and another every second of
-        encoding), so the client's no-progress timeout measures the worker's
-        liveness, not the element's size.
+        reply whose first element holds at least `alive_first_bytes` first sends
+        `alive()` (and another every second of encoding), so the client's
+        no-progress timeout measures the worker's liveness, not the element's size.
 
         Yields:
-            GetElementsChunk messages; the last has `last` set and the response.
+            The messages of `alive` and `emit`.
         """
         deadline = time.monotonic() + _GET_ELEMENTS_WAIT_S
         source = self._source(request, deadline)
         if source is None:
-            yield pb.GetElementsChunk(last=True, response=pb.GetElementsResponse())
+            yield from emit(Reply([], False, None), None, 0)
             return
         turn = None
         if request.consumer_key:
@@ -259,15 +311,15 @@ class ElementServing:
             if reply is None:
                 read = self._read(source, request, deadline)
                 raw, end, error = read.elements, read.end_of_sequence, read.error
-                if fcfs and raw and codec.element_nbytes(raw[0]) >= _CHUNK_BYTES:
+                if fcfs and raw and codec.element_nbytes(raw[0]) >= alive_first_bytes:
                     # Large elements: one at a time, telling the client the worker is
                     # alive while it encodes (and it can still take them back, raw).
-                    yield pb.GetElementsChunk()
+                    yield alive()
                     elements: list[bytes] = []
                     last_yield = time.monotonic()
                     for element in raw:
                         if time.monotonic() - last_yield > 1.0:
-                            yield pb.GetElementsChunk()
+                            yield alive()
                             last_yield = time.monotonic()
                         one = self._encoded(TaskRead([element], end, error), request)
                         elements.extend(one.elements)
@@ -287,7 +339,7 @@ class ElementServing:
                 # next requests. (Not otherwise: a fresh read already fits max_bytes,
                 # counted in raw bytes, and cutting on the encoded ones would churn.)
                 reply = turn.cut(request.max_bytes) or reply
-            yield from self._chunks(reply, request, source.errors_ignored)
+            yield from emit(reply, request, source.errors_ignored)
             sent = True
         finally:
             if turn is not None:
@@ -297,10 +349,14 @@ class ElementServing:
 
     def _chunks(self, reply: Reply, request: Any, errors_ignored: int = 0) -> Iterator[Any]:
         """`reply` as GetElementsChunk messages of about `request.max_message_bytes`
-        each (0: `_CHUNK_BYTES`; never more). A reply that takes more than one message,
+        each (0: `_CHUNK_BYTES`; never more); `request` None: the empty answer of a
+        task not known in time. A reply that takes more than one message,
         or that was asked for in small messages (a slow link), first sends its size
         (`reply_bytes`, `reply_elements`, `largest_element_bytes`): the client can say
         what it waits for, and tell a slow link (this arrives) from a stuck worker."""
+        if request is None:
+            yield pb.GetElementsChunk(last=True, response=pb.GetElementsResponse())
+            return
         chunk_bytes = min(request.max_message_bytes or _CHUNK_BYTES, _CHUNK_BYTES)
         sizes = [len(e) for e in reply.elements]
         if sizes and (request.max_message_bytes or sum(sizes) > chunk_bytes):
@@ -331,3 +387,57 @@ class ElementServing:
             last=True,
             response=self._response(reply, request, False, errors_ignored),
         )
+
+    def _frames(self, reply: Reply, request: Any, errors_ignored: int = 0) -> Iterator[Any]:
+        """`reply` as GetElementsFrames messages (service.proto's ElementsHead): a
+        head announcing the sizes of the next elements, then their encoded bytes,
+        then the next head; the last head (of the last elements, or alone for a
+        reply without elements) carries the response. An element of at
+        least `_OWN_FRAME_BYTES` is announced alone and goes as the very `bytes`
+        object the encoder made (no copy) when it fits the message limit
+        (`request.max_message_bytes`, else `_FRAME_BYTES`), else in pieces of it;
+        smaller ones are joined into messages of about `_JOIN_BYTES` (one copy,
+        as a protobuf message would make, for far fewer messages). `request` None:
+        the empty answer of a task not known in time."""
+        if request is None:
+            yield pb.ElementsHead(last=True, response=pb.GetElementsResponse())
+            return
+        limit = request.max_message_bytes or _FRAME_BYTES
+        elements = [e if type(e) is bytes else bytes(e) for e in reply.elements]
+        sizes = [len(e) for e in elements]
+        announce = bool(sizes) and (bool(request.max_message_bytes) or sum(sizes) > limit)
+        if not elements:
+            response = self._response(reply, request, False, errors_ignored)
+            yield pb.ElementsHead(last=True, response=response)
+            return
+        first = True
+        k = 0
+        while k < len(elements):
+            group_end = k + 1
+            if sizes[k] < _OWN_FRAME_BYTES:
+                total = sizes[k]
+                while (
+                    group_end < len(elements)
+                    and sizes[group_end] < _OWN_FRAME_BYTES
+                    and total + sizes[group_end] <= min(_JOIN_BYTES, limit)
+                ):
+                    total += sizes[group_end]
+                    group_end += 1
+            head = pb.ElementsHead(element_bytes=sizes[k:group_end])
+            if group_end == len(elements):  # the reply ends with these elements
+                head.last = True
+                head.response.CopyFrom(self._response(reply, request, False, errors_ignored))
+            if first and announce:
+                head.reply_bytes = sum(sizes)
+                head.reply_elements = len(sizes)
+                head.largest_element_bytes = max(sizes)
+            first = False
+            yield head
+            data = elements[k] if group_end == k + 1 else b"".join(elements[k:group_end])
+            if len(data) <= limit:
+                yield data
+            else:
+                view = memoryview(data)
+                for offset in range(0, len(data), limit):
+                    yield bytes(view[offset : offset + limit])
+            k = group_end

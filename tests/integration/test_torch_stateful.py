@@ -135,3 +135,26 @@ def test_dynamic_exactly_once_resumes_with_the_rest_of_the_epoch(
     assert len(before) == k
     assert not set(before) & set(after), sorted(set(before) & set(after))
     assert sorted(before + after) == list(range(1, N + 1))
+
+
+def test_states_at_the_epoch_edges(one_worker: Service) -> None:
+    def make() -> ds.Dataset:
+        return ds.Dataset.range(N).apply(ds.distribute(OFF, one_worker.dispatcher.target))
+
+    whole = list(range(N))
+    # Taken before any element: the resumed loader reads the whole epoch.
+    fresh = _loader(make())
+    state = json.loads(json.dumps(fresh.state_dict()))
+    resumed = _loader(make())
+    resumed.load_state_dict(state)
+    assert [int(x) for x in resumed] == whole
+
+    # Taken after the epoch ended: torchdata starts the next epoch afresh, so
+    # the resumed loader reads one whole epoch, not an empty or a doubled one.
+    done = _loader(make())
+    assert [int(x) for x in done] == whole
+    state = json.loads(json.dumps(done.state_dict()))
+    resumed = _loader(make())
+    resumed.load_state_dict(state)
+    assert [int(x) for x in resumed] == whole
+    assert [int(x) for x in resumed] == whole  # and the epoch after it

@@ -4,17 +4,21 @@ each host a network namespace (conftest.py, harness.py).
 
 Node 0's namespace address is torchrun's master address (its c10d store), and
 gloo is pinned to the namespace's own interface (GLOO_SOCKET_IFNAME=eth0): a
-namespace's hostname still resolves to the machine's address, which no other
-namespace can reach. Each rank writes what it read (`--report-json`), and the
-test checks it: DYNAMIC, every image once over the two ranks; coordinated
-reads, one full batch per rank on every step.
+namespace's hostname resolves to the machine's own (here 127.0.0.1), which no
+other namespace can reach: without it the nodes wait on each other until
+killed. Each rank writes what it read (`--report-json`), and the test checks
+it: DYNAMIC, every image once over the two ranks; coordinated reads, one full
+batch per rank on every step.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +36,7 @@ pytestmark = pytest.mark.netns
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_ddp.py"
 TRAINERS = ("t0", "t1")
-RUN_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +59,14 @@ def run_nodes(c: Cluster, tmp_path: Path, master_port: int, *args: str) -> list[
     tR; returns each rank's report, rank 0's first.
 
     Raises:
-        AssertionError: A node exited non-zero or ran past RUN_TIMEOUT_S (both
-            are then killed), with the nodes' stderr.
+        AssertionError: A node exited non-zero, or the nodes ran past
+            RUN_TIMEOUT_S (the rest are then killed), with their output.
     """
     env = server_env()
     env.update(DATASERVICE_AUTH_TOKEN=TOKEN, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
     report = tmp_path / "rank-{rank}.json"
     nodes = []
+    logs = {h: (tmp_path / f"{h}.out", tmp_path / f"{h}.err") for h in TRAINERS}
     for node_rank, host in enumerate(TRAINERS):
         argv = [
             sys.executable,
@@ -86,33 +91,41 @@ def run_nodes(c: Cluster, tmp_path: Path, master_port: int, *args: str) -> list[
             f"torchrun-{tmp_path.name}",
             *args,
         ]
-        nodes.append(
-            subprocess.Popen(
-                c.net.exec_argv(host, argv),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+        out_path, err_path = logs[host]
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            nodes.append(
+                subprocess.Popen(
+                    c.net.exec_argv(host, argv),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,  # torchrun and its rank: one group to kill
+                )
             )
+    # Each node waits for the other (the c10d store, gloo's pairs): once one
+    # fails, or at the deadline, the rest are killed (a failure then reports in
+    # seconds, with both nodes' output).
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while any(p.poll() is None for p in nodes):
+        failed = any(p.returncode not in (None, 0) for p in nodes)
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    timed_out = time.monotonic() > deadline
+    hung = []
+    for host, p in zip(TRAINERS, nodes, strict=True):
+        if p.poll() is None:
+            hung.append(host)
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    for host, p in zip(TRAINERS, nodes, strict=True):
+        why = f"no exit within {RUN_TIMEOUT_S} s" if timed_out else "the other node failed"
+        what = f"was killed ({why})" if host in hung else f"exited {p.returncode}"
+        out, err = (path.read_text() for path in logs[host])
+        assert p.returncode == 0 and host not in hung, (
+            f"torchrun node on {host} {what}:\n{out[-2000:]}\n{err[-6000:]}"
         )
-    outputs = []
-    try:
-        for host, p in zip(TRAINERS, nodes, strict=True):
-            try:
-                out, err = p.communicate(timeout=RUN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(
-                    f"torchrun node on {host}: no exit within {RUN_TIMEOUT_S} s"
-                ) from None
-            outputs.append((host, p.returncode, out, err))
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=10)
-    for host, rc, out, err in outputs:
-        assert rc == 0, f"torchrun node on {host} exited {rc}:\n{out[-2000:]}\n{err[-6000:]}"
     reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["world"]) for r in reports] == [(0, 2), (1, 2)]
     return reports

@@ -16,7 +16,10 @@ the pipeline through `ServiceDataset` in one of the three recipes (`--recipe`):
   of an endless pipeline; every rank gets one batch per step.
 - off: a job per rank over the pipeline shuffled with seed + rank.
 
-Each rank prints its images/s and the fraction of its time spent waiting for data.
+Each rank prints its images/s and the fraction of its time spent waiting for data;
+with `--report-json PATH` it also writes what it read to PATH (`{rank}` in PATH is
+replaced by the rank): {"rank", "world", "recipe", "steps": [[image index, ...] per
+step]}, each image's index in the epoch (the `index` leaf the workers add).
 Without torchrun it runs as a single rank.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import socket
 import time
@@ -50,7 +54,7 @@ def make_image(i):
     image[..., label % 3] //= 2  # something for the model to learn
     if rng.random() < 0.5:
         image = image[:, ::-1]  # flip
-    return {"image": np.ascontiguousarray(image), "label": np.int64(label)}
+    return {"image": np.ascontiguousarray(image), "label": np.int64(label), "index": np.int64(i)}
 
 
 def pipeline(args, rank: int) -> ds.Dataset:
@@ -100,6 +104,7 @@ def train(args, target: str, rank: int, world: int) -> None:
     loss_fn = nn.CrossEntropyLoss()
 
     images = steps = 0
+    read: list[list[int]] = []  # per step, the indices of its images (--report-json)
     wait_s = 0.0
     loss = torch.zeros(())
     start = time.perf_counter()
@@ -119,6 +124,7 @@ def train(args, target: str, rank: int, world: int) -> None:
             loss.backward()  # all-reduces the gradients with the other ranks
             opt.step()
             images += len(batch["label"])
+            read.append(batch["index"].tolist())
             steps += 1
     elapsed = time.perf_counter() - start
     stats = service.stats()
@@ -131,6 +137,10 @@ def train(args, target: str, rank: int, world: int) -> None:
         f"last loss {loss.item():.3f}",
         flush=True,
     )
+    if args.report_json:
+        report = {"rank": rank, "world": world, "recipe": args.recipe, "steps": read}
+        with open(args.report_json.replace("{rank}", str(rank)), "w") as f:
+            json.dump(report, f)
 
 
 def main() -> None:
@@ -143,6 +153,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="most training steps per rank")
     p.add_argument("--seed", type=int, default=0, help="off: rank R shuffles with seed + R")
     p.add_argument("--job-name", default="ddp-train")
+    p.add_argument(
+        "--report-json",
+        metavar="PATH",
+        help="write the image indices read per step to PATH ({rank} is replaced by the rank)",
+    )
     args = p.parse_args()
 
     init_process_group()

@@ -22,7 +22,7 @@ that gets no lease, since the consumers drop what it sends).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataservice import errors
 from dataservice import exactly_once as eo
@@ -42,6 +42,10 @@ class _Orphan:
 
 class ExactlyOnceMixin(DispatcherBase):
     """Split leases of exactly-once DYNAMIC jobs (see the module docstring)."""
+
+    if TYPE_CHECKING:  # SplitHandoutMixin's (split_handout.py), which DispatchServer also has
+
+        def _build_split_providers(self, iteration_id: st.IterationId) -> None: ...
 
     # ------------------------------------------------------------ GetSplits
     def _eo_get_splits_locked(

@@ -15,7 +15,8 @@ Paths, each per workload:
     service            dispatcher on `disp`, workers on `w0` and `w1`, the
                        trainer (tests/multihost/trainer.py, OFF over half the
                        elements each, so the trainer gets `n`) on `t0`; the
-                       default compression ("AUTO": zstd across hosts)
+                       default compression ("AUTO": zstd only where the
+                       measured link is slower than the codec)
     service_nocompress the same with compression=None
     tcp                a Python sender on `w0` and on `w1` each `sendall`s half
                        the bytes over one TCP connection; the reader on `t0`

@@ -660,6 +660,21 @@ class GrpcTransferClient(base.TransferClient):
             if self._closed:
                 call.cancel()
 
+    def _stream_error(
+        self, err: grpc.RpcError, expired: bool, attempt: _Attempt, first_s: float
+    ) -> errors.DataServiceError:
+        """The error a reply's stream (either RPC) ended with: a `DeadlineExceededError`
+        when the no-progress watch expired (marking `attempt`), else `err` mapped."""
+        if expired:
+            attempt.expired = True
+            return errors.DeadlineExceededError(
+                f"GetElements from {self._endpoint.transfer_address}: no data for "
+                f"{self.no_progress_s if attempt.messages else first_s:.1f} s "
+                f"({attempt.received} bytes of the reply received); the request is "
+                "retried and the worker sends the same reply again (in smaller messages)"
+            )
+        return rpc_util.to_error(err, self._endpoint.transfer_address, "GetElements")
+
     def _receive(self, request: Any, timeout_s: float, attempt: _Attempt) -> tuple[list[Any], Any]:
         """Streams one reply: (encoded elements, the last message's response);
         `attempt` records what arrived, also when it raises. GetElementsFrames, or
@@ -765,15 +780,7 @@ class GrpcTransferClient(base.TransferClient):
                     elements.append(bytearray())
                     index += 1
         except grpc.RpcError as err:
-            if watch.expired:
-                attempt.expired = True
-                raise errors.DeadlineExceededError(
-                    f"GetElements from {self._endpoint.transfer_address}: no data for "
-                    f"{self.no_progress_s if attempt.messages else first_s:.1f} s "
-                    f"({attempt.received} bytes of the reply received); the request is "
-                    "retried and the worker sends the same reply again (in smaller messages)"
-                ) from None
-            raise rpc_util.to_error(err, self._endpoint.transfer_address, "GetElements") from None
+            raise self._stream_error(err, watch.expired, attempt, first_s) from None
         except Exception as err:  # a head that does not parse
             if isinstance(err, errors.DataServiceError):
                 raise
@@ -841,15 +848,7 @@ class GrpcTransferClient(base.TransferClient):
             # The stream ended with status OK: only now is the reply the consumer's (a
             # stream cancelled after its last message may already be put back).
         except grpc.RpcError as err:
-            if watch.expired:
-                attempt.expired = True
-                raise errors.DeadlineExceededError(
-                    f"GetElements from {self._endpoint.transfer_address}: no data for "
-                    f"{self.no_progress_s if attempt.messages else first_s:.1f} s "
-                    f"({attempt.received} bytes of the reply received); the request is "
-                    "retried and the worker sends the same reply again (in smaller messages)"
-                ) from None
-            raise rpc_util.to_error(err, self._endpoint.transfer_address, "GetElements") from None
+            raise self._stream_error(err, watch.expired, attempt, first_s) from None
         finally:
             watch.done()
             call.cancel()  # no-op once the call completed

@@ -17,6 +17,7 @@ import pytest
 
 import dataservice as ds
 from dataservice import errors
+from tests.conftest import InProcessCluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,31 +26,9 @@ DYNAMIC = ds.ShardingPolicy.DYNAMIC
 PROTOCOLS = [None, "grpc"]  # None: shared memory on this host
 
 
-class Service:
-    """An in-process dispatcher and workers; `add_worker`/`stop_worker` change them."""
-
-    def __init__(self, workers: int) -> None:
-        self.dispatcher = ds.DispatchServer()
-        self.workers = [self._worker() for _ in range(workers)]
-
-    def _worker(self) -> ds.WorkerServer:
-        return ds.WorkerServer(ds.WorkerConfig(self.dispatcher.target))
-
-    def add_worker(self) -> None:
-        self.workers.append(self._worker())
-
-    def stop_worker(self) -> None:
-        self.workers.pop().stop()
-
-    def stop(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.dispatcher.stop()
-
-
 @pytest.fixture
-def service() -> Iterator[Service]:
-    s = Service(2)
+def service() -> Iterator[InProcessCluster]:
+    s = InProcessCluster(2)
     try:
         yield s
     finally:
@@ -67,7 +46,7 @@ def _roundtrip(state: dict) -> dict:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_off_resume_reads_exactly_the_rest_of_the_sequence(protocol) -> None:
-    s = Service(1)
+    s = InProcessCluster(1)
     try:
         n = 200
 
@@ -98,7 +77,7 @@ def test_off_resume_reads_exactly_the_rest_of_the_sequence(protocol) -> None:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_exactly_once_resume_completes_the_epoch_with_another_number_of_workers(
-    service: Service, protocol
+    service: InProcessCluster, protocol
 ) -> None:
     n = 300
 
@@ -124,7 +103,7 @@ def test_exactly_once_resume_completes_the_epoch_with_another_number_of_workers(
         if change == "add":
             service.add_worker()  # 3 workers resume what 2 began
         else:
-            service.stop_worker()
+            service.workers.pop().stop()
         resumed = make()
         resumed.load_state_dict(state)
         it2 = iter(resumed)
@@ -134,7 +113,7 @@ def test_exactly_once_resume_completes_the_epoch_with_another_number_of_workers(
         assert end["elements"] == n
 
 
-def test_exactly_once_shared_job_resumes_from_the_merged_state(service: Service) -> None:
+def test_exactly_once_shared_job_resumes_from_the_merged_state(service: InProcessCluster) -> None:
     """Two consumers of one job checkpoint at different counts; each loads the
     merged state: before + after, over both, is the epoch once."""
     n = 400
@@ -180,7 +159,7 @@ def test_exactly_once_shared_job_resumes_from_the_merged_state(service: Service)
 
 
 def test_coordinated_consumers_resume_at_the_same_round() -> None:
-    s = Service(1)
+    s = InProcessCluster(1)
     try:
 
         def make(index: int, job: str) -> ds.Dataset:
@@ -233,7 +212,7 @@ def test_coordinated_consumers_resume_at_the_same_round() -> None:
         s.stop()
 
 
-def test_a_state_of_another_dataset_is_refused_naming_both(service: Service) -> None:
+def test_a_state_of_another_dataset_is_refused_naming_both(service: InProcessCluster) -> None:
     target = service.dispatcher.target
     a = ds.Dataset.range(10).apply(ds.distribute(OFF, target))
     b = ds.Dataset.range(11).apply(ds.distribute(OFF, target))
@@ -251,7 +230,7 @@ def test_a_state_of_another_dataset_is_refused_naming_both(service: Service) -> 
         a.load_state_dict({"elements": 3})
 
 
-def test_torch_service_dataset_forwards_state_dict(service: Service) -> None:
+def test_torch_service_dataset_forwards_state_dict(service: InProcessCluster) -> None:
     pytest.importorskip("torch")
     from dataservice.torch import ServiceDataset
 

@@ -19,6 +19,7 @@ pytest.importorskip("torch")
 
 import dataservice as ds  # noqa: E402
 from dataservice.torch import ServiceDataset  # noqa: E402
+from tests.conftest import InProcessCluster  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -31,25 +32,9 @@ DYNAMIC = ds.ShardingPolicy.DYNAMIC
 N = 120
 
 
-class Service:
-    """An in-process dispatcher and `workers` workers."""
-
-    def __init__(self, workers: int) -> None:
-        self.dispatcher = ds.DispatchServer()
-        self.workers = [ds.WorkerServer(ds.WorkerConfig(self.dispatcher.target))]
-        self.workers += [
-            ds.WorkerServer(ds.WorkerConfig(self.dispatcher.target)) for _ in range(workers - 1)
-        ]
-
-    def stop(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.dispatcher.stop()
-
-
 @pytest.fixture
-def one_worker() -> Iterator[Service]:
-    s = Service(1)
+def one_worker() -> Iterator[InProcessCluster]:
+    s = InProcessCluster(1)
     try:
         yield s
     finally:
@@ -57,8 +42,8 @@ def one_worker() -> Iterator[Service]:
 
 
 @pytest.fixture
-def two_workers() -> Iterator[Service]:
-    s = Service(2)
+def two_workers() -> Iterator[InProcessCluster]:
+    s = InProcessCluster(2)
     try:
         yield s
     finally:
@@ -90,7 +75,7 @@ def _read_then_resume(make: Callable[[], ds.Dataset], k: int) -> tuple[list[int]
     return before, after
 
 
-def test_state_dict_carries_the_service_position(one_worker: Service) -> None:
+def test_state_dict_carries_the_service_position(one_worker: InProcessCluster) -> None:
     dataset = ds.Dataset.range(N).apply(ds.distribute(OFF, one_worker.dispatcher.target))
     loader = _loader(dataset)
     it = iter(loader)
@@ -107,7 +92,7 @@ def test_state_dict_carries_the_service_position(one_worker: Service) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 45, N - 1])
-def test_off_one_worker_resumes_with_exactly_the_rest(one_worker: Service, k: int) -> None:
+def test_off_one_worker_resumes_with_exactly_the_rest(one_worker: InProcessCluster, k: int) -> None:
     def make() -> ds.Dataset:
         return (
             ds.Dataset.range(N)
@@ -122,7 +107,7 @@ def test_off_one_worker_resumes_with_exactly_the_rest(one_worker: Service, k: in
 
 @pytest.mark.parametrize("k", [13, 80])
 def test_dynamic_exactly_once_resumes_with_the_rest_of_the_epoch(
-    two_workers: Service, k: int
+    two_workers: InProcessCluster, k: int
 ) -> None:
     def make() -> ds.Dataset:
         return (
@@ -137,7 +122,7 @@ def test_dynamic_exactly_once_resumes_with_the_rest_of_the_epoch(
     assert sorted(before + after) == list(range(1, N + 1))
 
 
-def test_states_at_the_epoch_edges(one_worker: Service) -> None:
+def test_states_at_the_epoch_edges(one_worker: InProcessCluster) -> None:
     def make() -> ds.Dataset:
         return ds.Dataset.range(N).apply(ds.distribute(OFF, one_worker.dispatcher.target))
 

@@ -5,6 +5,7 @@ at once. In-process servers (fast heartbeats, tests/conftest.py)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -115,6 +116,42 @@ def test_remove_of_a_worker_with_tasks_is_refused(make_cluster):
     (worker,) = status.fetch_status(cluster.target, window_s=5)["workers"]
     assert worker["state"] == "alive"
     assert len([int(x) for x in it]) == 9_999
+
+
+@pytest.mark.timeout(120)
+def test_a_drain_cancelled_after_its_task_ended_serves_the_splits_left(make_cluster):
+    # The only worker drains: its task ends with splits left, which must not
+    # end the epoch; un-drained, it gets a new task and produces the rest.
+    n = 3000
+    cluster = make_cluster(1)
+    address = cluster.workers[0].address
+
+    def slow(x):
+        time.sleep(0.001)
+        return x
+
+    it = iter(
+        ds.Dataset.range(n)
+        .map(slow)
+        .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="undrain"))
+    )
+    got = [int(next(it)) for _ in range(20)]
+    # A reader thread: once the task drained, next() waits for the splits left.
+    reader = threading.Thread(target=lambda: got.extend(int(x) for x in it), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not _retire(cluster, address).drained:
+        assert time.monotonic() < deadline, "the worker did not drain in 30 s"
+        time.sleep(0.05)
+    time.sleep(0.5)  # the consumer's heartbeat sees the iteration without a task
+    assert reader.is_alive(), f"the epoch ended with {len(got)} of {n} elements"
+    with it._reader._cv:  # what its wait message (logged after 10 s) says
+        waiting_for = it._reader._describe_wait_locked()
+    assert "drained for retirement" in waiting_for, waiting_for
+    _retire(cluster, address, cancel=True)
+    reader.join(60)
+    assert not reader.is_alive()
+    assert sorted(got) == list(range(n)), f"{len(got)} elements, {len(set(got))} distinct"
 
 
 @pytest.mark.timeout(120)

@@ -91,6 +91,7 @@ def _non_default_updates() -> list[st.Update]:
         st.FinishTask(st.TaskId(4001)),
         st.RemoveTask(st.TaskId(4002)),
         st.ReviveTask(st.TaskId(4003)),
+        st.DrainTask(st.TaskId(4004)),
         st.ProduceSplits(st.IterationId(2001), 17, True, 2),
         st.AssignRounds(st.IterationId(2001), 96, (st.TaskId(4001), st.TaskId(4002))),
         st.GarbageCollectJob(st.JobId(1001)),
@@ -215,7 +216,7 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
         if shadow.iterations:
             kinds += ["client", "task", "splits", "rounds", "gc_iteration", "lease", "complete"]
         if shadow.tasks:
-            kinds += ["finish", "remove", "revive"]
+            kinds += ["finish", "remove", "revive", "drain"]
         kind = pick(kinds)
         job_ids = sorted(shadow.jobs)
         iteration_ids = sorted(shadow.iterations)
@@ -324,7 +325,12 @@ def scenarios(draw, max_steps: int = 20) -> list[st.Update]:
                 )
             )
         else:
-            cls = {"finish": st.FinishTask, "remove": st.RemoveTask, "revive": st.ReviveTask}
+            cls = {
+                "finish": st.FinishTask,
+                "remove": st.RemoveTask,
+                "revive": st.ReviveTask,
+                "drain": st.DrainTask,
+            }
             add(cls[kind](pick([*task_ids, 4_999_999])))
     return updates
 
@@ -443,6 +449,30 @@ def test_local_only_iteration_ends_per_host_and_the_snapshot_keeps_it():
         ]
     )
     assert not state.jobs[1000].reads_local_workers_only and state.iterations[2000].finished
+
+
+def test_a_task_cut_short_by_draining_does_not_end_its_iteration():
+    """DrainTask (dispatcher/retire.py): a draining worker's task ends with the
+    iteration's splits not all handed out, so its end is not the iteration's;
+    a task that ran to the end of the splits is, and a snapshot keeps the mark."""
+    updates = [
+        st.RegisterDataset("d", "fp", b"", 20, False),
+        st.CreateJob(st.JobId(1000), "d", "j", ShardingPolicy.DYNAMIC, 0, "AUTO", "h"),
+        st.CreateIteration(st.IterationId(2000), st.JobId(1000), 0, 7),
+        st.CreateTask(st.TaskId(4000), st.IterationId(2000), "a:1", -1, "h"),
+        st.ProduceSplits(st.IterationId(2000), 3, False, 0),
+        st.DrainTask(st.TaskId(4000)),
+        st.FinishTask(st.TaskId(4000)),
+    ]
+    state = _applied(updates)
+    restored = codec.decode_snapshot(codec.encode_snapshot(state))
+    for s in (state, restored):
+        assert s.tasks[4000].drained and s.tasks[4000].finished
+        assert not s.iterations[2000].finished, "the splits left would be lost"
+        s.apply(st.CreateTask(st.TaskId(4001), st.IterationId(2000), "a:1", -1, "h"))
+        s.apply(st.ProduceSplits(st.IterationId(2000), 17, True, 0))
+        s.apply(st.FinishTask(st.TaskId(4001)))
+        assert s.iterations[2000].finished
 
 
 @given(scenarios(), hs.data())

@@ -140,6 +140,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         # Static sharding: the shards (pb.MissingShard) of listed workers that
         # nobody reads, as the last heartbeat said; the iteration waits for them.
         self._missing_shards: list[Any] = []
+        self._dispatcher_waiting_for = ""  # ClientHeartbeatResponse.waiting_for
         # Workers a fetch could not reach since the last heartbeat (the
         # dispatcher probes them at once: a dead worker is dropped in < 1 s).
         self._unreachable: set[str] = set()
@@ -319,6 +320,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                     state.removed = True
             self._iteration_finished = response.iteration_finished
             self._missing_shards = list(response.missing_shards)
+            self._dispatcher_waiting_for = response.waiting_for
             if live or response.iteration_finished:
                 self._no_live_task_since = None
             elif self._no_live_task_since is None:
@@ -464,6 +466,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                     else f"WorkerCrashedError after worker_loss_timeout_ms={timeout_ms}"
                 )
             )
+        elif self._dispatcher_waiting_for:
+            what = self._dispatcher_waiting_for
         elif not self._missing_shards:
             what = (
                 "a worker: no worker runs a task of it yet (is a worker registered with "

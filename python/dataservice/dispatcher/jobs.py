@@ -38,6 +38,8 @@ class JobsMixin(DispatcherBase):
 
         def _dataset_object(self, dataset_id: str) -> Any: ...
 
+        def _finish_task_locked(self, task: st.Task) -> None: ...
+
         def _eo_client_heartbeat_locked(
             self,
             client_id: st.IterationClientId,
@@ -390,8 +392,8 @@ class JobsMixin(DispatcherBase):
             self._probe_unreachable_locked(request.unreachable_workers, now)
             for task_id in request.finished_tasks:
                 task = iteration.tasks.get(st.TaskId(task_id))
-                if task is not None and not task.finished and not task.removed:
-                    self._apply_locked(st.FinishTask(task.task_id))
+                if task is not None:
+                    self._finish_task_locked(task)
             job = self._state.jobs[iteration.job_id]
             if job.reads_local_workers_only:
                 # This consumer reads its own host's workers, and is done with them.
@@ -410,10 +412,29 @@ class JobsMixin(DispatcherBase):
                 # Static sharding: the shards of listed workers that are not
                 # registered (the consumer waits for them, then gives up).
                 response.missing_shards.extend(self._missing_shards_locked(iteration, shards_of))
+            if not finished and not tasks:
+                response.waiting_for = self._why_no_task_locked(iteration)
             response.lost_workers.extend(self._worker_losses.get(iteration_id, ()))
             if job.exactly_once:
                 self._eo_client_heartbeat_locked(client_id, iteration, request, response)
             return response
+
+    def _why_no_task_locked(self, iteration: st.Iteration) -> str:
+        """Why unfinished `iteration` has no live task, where the workers'
+        draining explains it (`Task.drained`, retire.py); "" otherwise."""
+        drained = sorted(
+            {t.worker_address for t in iteration.tasks.values() if t.drained and t.finished}
+        )
+        if not drained:
+            return ""
+        still = [a for a in drained if a in self._workers and self._workers[a].draining]
+        return (
+            f"a worker to take the splits left: the tasks of workers {', '.join(drained[:8])} "
+            "ended as they drained for retirement (RetireWorker)"
+            + (f", {', '.join(still[:8])} still draining" if still else "")
+            + f"; {len([w for w in self._workers.values() if not w.draining])} "
+            "other workers are registered"
+        )
 
     def _release_iteration_client(self, request: Any) -> Any:
         with self._mu:

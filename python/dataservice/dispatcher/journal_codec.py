@@ -61,6 +61,7 @@ ONEOF_FIELD: dict[type, str] = {
     st.LeaseSplits: "lease_splits",
     st.SplitsProduced: "splits_produced",
     st.CompleteSplits: "complete_splits",
+    st.DrainTask: "drain_task",
 }
 _UPDATE_CLASS = {name: cls for cls, name in ONEOF_FIELD.items()}
 _FIELD_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in ONEOF_FIELD}
@@ -242,6 +243,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             host_id=task.host_id,
             finished=task.finished,
             removed=task.removed,
+            drained=task.drained,
         )
     return snapshot
 
@@ -288,6 +290,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
             host_id=t.host_id,
             finished=t.finished,
             removed=t.removed,
+            drained=t.drained,
         )
     for i in snapshot.iterations:
         it = st.Iteration(st.IterationId(i.iteration_id), st.JobId(i.job_id), i.repetition, i.seed)

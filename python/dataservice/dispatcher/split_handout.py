@@ -120,6 +120,14 @@ class SplitHandoutMixin(DispatcherBase):
             ]
             for index, batch in zip(indices, batches, strict=True):
                 batch.end_of_splits = index not in open_indices
+            if (
+                draining
+                and task is not None
+                and not task.drained
+                and not iteration.finished
+                and not all(iteration.splits_ended_by_provider.get(i, False) for i in indices)
+            ):
+                self._apply_locked(st.DrainTask(task_id))
             if not open_indices:
                 return response
             providers = self._split_providers.get(iteration_id)

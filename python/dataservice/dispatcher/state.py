@@ -120,6 +120,15 @@ class ReviveTask:
 
 
 @dataclass(frozen=True)
+class DrainTask:
+    """The task's worker is draining (retire.py) and was refused splits while
+    the iteration's split providers had more: the task's end is not the end
+    of the iteration's splits (`Iteration` stays open for other tasks)."""
+
+    task_id: TaskId
+
+
+@dataclass(frozen=True)
 class ProduceSplits:
     """`count` more splits of the iteration's provider `provider_index` were
     handed out; `end` once that split provider is exhausted."""
@@ -207,6 +216,7 @@ Update = (
     | FinishTask
     | RemoveTask
     | ReviveTask
+    | DrainTask
     | ProduceSplits
     | AssignRounds
     | GarbageCollectJob
@@ -318,6 +328,9 @@ class Task:
     host_id: str = ""  # of the worker, when it registered
     finished: bool = False
     removed: bool = False
+    # Cut short by its worker's draining (DrainTask): finishing does not end
+    # its iteration, and the worker may get a new task in it if un-drained.
+    drained: bool = False
 
 
 class DispatcherState:
@@ -417,6 +430,11 @@ class DispatcherState:
         if task is not None and not self.iterations[task.iteration_id].finished:
             task.removed = False
 
+    def _apply_DrainTask(self, u: DrainTask) -> None:
+        task = self.tasks.get(u.task_id)
+        if task is not None:
+            task.drained = True
+
     def _apply_ProduceSplits(self, u: ProduceSplits) -> None:
         it = self.iterations[u.iteration_id]
         i = u.provider_index
@@ -493,7 +511,10 @@ class DispatcherState:
             return
         if it.leases:
             return  # exactly-once: a lost worker's splits are still to be produced
-        if any(t.finished for t in it.tasks.values()) and not it.live_tasks():
+        # A task cut short by its worker's draining did not run to the end of
+        # the splits: the splits left wait for another task.
+        ended = any(t.finished and not t.drained for t in it.tasks.values())
+        if ended and not it.live_tasks():
             it.finished = True
 
     # Queries (no mutation).

@@ -89,9 +89,25 @@ class WorkerTasksMixin(DispatcherBase):
         )
 
     def _has_task_locked(self, iteration: st.Iteration, worker: _Worker) -> bool:
+        """Whether `worker` runs or ran a task in `iteration` (one cut short by
+        its draining, `Task.drained`, does not count: un-drained, it may take
+        the splits left)."""
         return any(
-            t.worker_address == worker.address and not t.removed for t in iteration.tasks.values()
+            t.worker_address == worker.address and not t.removed and not (t.finished and t.drained)
+            for t in iteration.tasks.values()
         )
+
+    def _finish_task_locked(self, task: st.Task) -> None:
+        """Records that `task` ran to its end (reported by its worker or a
+        consumer). A task cut short by draining (`Task.drained`) whose worker
+        was un-drained meanwhile (RetireWorker `cancel`) gives that worker a
+        task again, so the iteration's splits left do not wait for another."""
+        if task.finished or task.removed:
+            return
+        self._apply_locked(st.FinishTask(task.task_id))
+        worker = self._workers.get(task.worker_address)
+        if task.drained and worker is not None and not worker.draining:
+            self._assign_tasks_to_worker_locked(worker, dynamic_only=True)
 
     def _assign_tasks_to_worker_locked(self, worker: _Worker, dynamic_only: bool = False) -> None:
         """Gives a (re)registered worker a task in every unfinished iteration it
@@ -237,8 +253,8 @@ class WorkerTasksMixin(DispatcherBase):
             self._note_worker_counters_locked(address, request, now)
             for task_id in request.finished_tasks:
                 task = self._state.tasks.get(st.TaskId(task_id))
-                if task is not None and not task.finished and not task.removed:
-                    self._apply_locked(st.FinishTask(task.task_id))
+                if task is not None:
+                    self._finish_task_locked(task)
             current = set(request.current_tasks)
             assigned = self._state.tasks_of_worker(address)
             assigned_ids = {t.task_id for t in assigned}

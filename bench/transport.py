@@ -11,7 +11,7 @@ TensorFlow's own interpreter), a raw loopback TCP socket, PyTorch's DataLoader
 
 Usage:
     python bench/transport.py [--quick] [--json out.json] [--repeat 3]
-        [--only ring,raw_shm,shm,grpc,tf,tcp,torch,memcpy,cpu_map]
+        [--only ring,raw_shm,shm,grpc,bare_grpc,tf,tcp,torch,memcpy,cpu_map]
         [--tf-python /opt/tfvenv/bin/python]
 
 Columns:
@@ -23,6 +23,9 @@ Columns:
           saying why, when that interpreter or TensorFlow is missing
     tcp   a raw loopback TCP socket: the workload's bytes, sendall / recv_into one
           preallocated buffer, between two processes
+    bare_grpc  grpcio alone: a server process streams the workload's bytes as
+          prebuilt 1 MiB messages, the client drops each (the ceiling of any data
+          path built on grpcio's Python API, which the gRPC column is)
 
 Each path of the array workloads runs `--repeat` times (default 3) and its
 fastest run counts, the same for every path (scalars run once: the DataLoader
@@ -372,6 +375,82 @@ def bench_tcp(name: str, n: int) -> dict[str, float] | None:
     }
 
 
+_BARE_GRPC_SERVER = textwrap.dedent(
+    """
+    import sys
+    from concurrent import futures
+    import grpc
+    nbytes, n, message_bytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    limit = 64 << 20
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    # One element as messages of message_bytes, prebuilt: grpcio's own cost only.
+    chunks = [bytes(min(message_bytes, nbytes - o)) for o in range(0, nbytes, message_bytes)]
+
+    def stream(request, context):
+        for _ in range(n):
+            yield from chunks
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=options)
+    handler = grpc.method_handlers_generic_handler(
+        "bare.Bare", {"Get": grpc.unary_stream_rpc_method_handler(stream)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(port, flush=True)
+    sys.stdin.read()  # until the parent closes it
+    server.stop(0)
+    """
+)
+
+
+def bench_bare_grpc(name: str, n: int) -> dict[str, float] | None:
+    """grpcio alone, the ceiling any data path built on it has: a server process
+    streams the workload's elements as prebuilt `bytes` messages of 1 MiB (as the
+    service's gRPC replies), this process iterates the call and drops each message
+    (no copy, no decode, no request per element); the last two thirds are timed."""
+    import grpc
+
+    spec = WORKLOADS[name]
+    if spec["shape"] is None:
+        return None
+    nbytes = spec["nbytes"]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BARE_GRPC_SERVER, str(nbytes), str(n), str(1 << 20)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(child.stdout.readline())  # type: ignore[union-attr]
+        limit = 64 << 20
+        options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            call = channel.unary_stream("/bare.Bare/Get")(b"")
+            skip = (n // 3) * nbytes
+            got = 0
+            t0 = cpu0 = server_cpu0 = 0.0
+            for message in call:
+                got += len(message)
+                if got >= skip and not t0:
+                    t0, cpu0 = time.perf_counter(), time.process_time()
+                    server_cpu0 = _cpu_s([child.pid])
+            dt = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0 + _cpu_s([child.pid]) - server_cpu0
+    finally:
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(30)
+    gb = (got - skip) / 1e9
+    return {
+        "elements_per_s": (got - skip) / nbytes / dt,
+        "mb_per_s": gb * 1e3 / dt,
+        "cpu_s_per_gb": cpu / gb,
+    }
+
+
 class TfService:
     """tf.data service's column: bench/tf_service.py `--serve` under `tf_python` (a
     separate interpreter: TensorFlow's protobuf clashes with ours), kept running so
@@ -552,6 +631,14 @@ def _targets(results: dict[str, Any]) -> list[str]:
     for name in ("mb1", "batches"):
         check(f"{name} gRPC vs tf.data service", rate(name, "grpc"), rate(name, "tf"), 2)
         check(f"{name} gRPC vs raw TCP", rate(name, "grpc"), rate(name, "tcp"), 0.4)
+    # Not targets: how far grpcio alone gets, and how much of that the service keeps.
+    for name in ("images", "mb1", "batches"):
+        bare, tcp, ours = rate(name, "bare_grpc"), rate(name, "tcp"), rate(name, "grpc")
+        if bare and tcp and ours:
+            lines.append(
+                f"context {name}: bare grpcio {bare / tcp:.2f}x raw TCP; "
+                f"our gRPC path {ours / bare:.2f}x bare grpcio"
+            )
     return lines
 
 
@@ -575,7 +662,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of each workload")
     parser.add_argument("--json", default="bench/results/transport.json")
-    parser.add_argument("--only", default="ring,raw_shm,shm,grpc,tf,tcp,torch,memcpy,cpu_map")
+    parser.add_argument(
+        "--only", default="ring,raw_shm,shm,grpc,bare_grpc,tf,tcp,torch,memcpy,cpu_map"
+    )
     parser.add_argument(
         "--tf-python",
         default=DEFAULT_TF_PYTHON,
@@ -619,7 +708,12 @@ def main() -> None:
                 row["shm"] = _best_of(repeat, bench_service, name, n, "shm", cluster)
             # gRPC, tf.data service and raw TCP take turns, run by run, so that their
             # ratios compare runs of the same minute on a machine whose load changes.
-            turns: dict[str, list[dict[str, Any]]] = {"grpc": [], "tf": [], "tcp": []}
+            turns: dict[str, list[dict[str, Any]]] = {
+                "grpc": [],
+                "bare_grpc": [],
+                "tf": [],
+                "tcp": [],
+            }
             # tf.data service's job start-up would fall in a tenth of a workload's
             # timed part: it gets a quarter of it with --quick, else all of it; it
             # moves ~4k scalars/s, so 20k (5k) of them say as much as 200k.
@@ -633,6 +727,8 @@ def main() -> None:
                     turns["tf"].append(tf.measure(name, tf_n))  # type: ignore[arg-type]
                 if "tcp" in only:
                     turns["tcp"].append(bench_tcp(name, n))  # type: ignore[arg-type]
+                if "bare_grpc" in only:
+                    turns["bare_grpc"].append(bench_bare_grpc(name, n))  # type: ignore[arg-type]
             for col, runs in turns.items():
                 best = _best_run([r for r in runs if r is not None])
                 if best is not None:
@@ -668,7 +764,18 @@ def main() -> None:
             if t1 and t2:
                 results["cpu_map"].update(torch1=t1, torch2=t2, torch_speedup=t2 / t1)
 
-    cols = ["ring", "raw_shm", "shm", "grpc", "tf", "tcp", "torch1", "torch2", "memcpy"]
+    cols = [
+        "ring",
+        "raw_shm",
+        "shm",
+        "grpc",
+        "bare_grpc",
+        "tf",
+        "tcp",
+        "torch1",
+        "torch2",
+        "memcpy",
+    ]
     print(f"{'workload':<9} " + " ".join(f"{c:>14}" for c in cols))
     for name in WORKLOADS:
         row = results.get(name, {})
@@ -687,7 +794,7 @@ def main() -> None:
         row = results.get(name, {})
         cells = [
             f"{c} {row[c]['cpu_s_per_gb']:.2f}"
-            for c in ("shm", "grpc", "tf", "tcp")
+            for c in ("shm", "grpc", "bare_grpc", "tf", "tcp")
             if row.get(c) and "cpu_s_per_gb" in row[c]
         ]
         if cells and name != "scalars":

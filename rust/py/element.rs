@@ -49,15 +49,21 @@ pub fn encode_element<'py>(
     } = flat;
     let plan = FramePlan::data_aligned(0, leaves, false);
     let total = prefix.len() + plan.total_bytes as usize;
-    let out = PyBytes::new_with(py, total, |buf| {
-        buf[..prefix.len()].copy_from_slice(&prefix);
-        let dst = SendPtr(buf[prefix.len()..].as_mut_ptr());
+    // Not `PyBytes::new_with`: it zeroes the buffer first, a wasted pass over every
+    // element (~12% of a worker's CPU sending 9.6 MB elements over gRPC).
+    let out = new_bytes_filled(py, total, |out| {
+        // SAFETY: `out` is valid for `total` bytes of writes (new_bytes_filled) and
+        // `prefix` is a separate Vec.
+        unsafe { std::ptr::copy_nonoverlapping(prefix.as_ptr(), out, prefix.len()) };
+        // SAFETY: prefix.len() <= total, so the offset stays inside the `total` bytes.
+        let dst = SendPtr(unsafe { out.add(prefix.len()) });
         let plan = &plan;
         let copy = move || {
             let dst = dst;
             // SAFETY: dst is the new bytes object's last total_bytes bytes (not shared
-            // yet); the plan's payloads are pinned by `holders` and `objects` (held until
-            // after this call) and do not overlap a new object.
+            // yet); copy_range writes each of them (gaps zeroed); the plan's payloads
+            // are pinned by `holders` and `objects` (held until after this call) and do
+            // not overlap a new object.
             unsafe { plan.copy_range(0, plan.total_bytes, dst.0) }
         };
         if plan.payload_bytes as usize >= GIL_FREE_COPY_BYTES {
@@ -65,10 +71,33 @@ pub fn encode_element<'py>(
         } else {
             copy();
         }
-        Ok(())
     })?;
     drop((holders, objects));
     Ok(out)
+}
+
+/// A new `bytes` object of `len` bytes, which `fill` must write, every one of them,
+/// through the pointer it is given (the buffer is not zeroed first, and no Rust
+/// reference to it exists while it holds uninitialised bytes).
+fn new_bytes_filled<'py>(
+    py: Python<'py>,
+    len: usize,
+    fill: impl FnOnce(*mut u8),
+) -> PyResult<Bound<'py, PyBytes>> {
+    let size = ffi::Py_ssize_t::try_from(len)
+        .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("element too large"))?;
+    // SAFETY: the GIL is held (`py`); with a NULL source, PyBytes_FromStringAndSize
+    // returns a new reference to a bytes object of `size` uninitialised bytes (NUL
+    // terminated), or NULL with an exception set, which from_owned_ptr_or_err raises.
+    let obj = unsafe {
+        Bound::from_owned_ptr_or_err(py, ffi::PyBytes_FromStringAndSize(std::ptr::null(), size))?
+    };
+    // SAFETY: `obj` is a bytes object (just made) that no other code has seen yet;
+    // PyBytes_AS_STRING is its `len`-byte buffer, which `fill` writes before anyone reads.
+    let data = unsafe { ffi::PyBytes_AsString(obj.as_ptr()) }.cast::<u8>();
+    fill(data);
+    // SAFETY: PyBytes_FromStringAndSize made a bytes object.
+    Ok(unsafe { obj.cast_into_unchecked::<PyBytes>() })
 }
 
 fn decode_spec(py: Python<'_>, spec_bytes: &[u8], frame_start: u64) -> PyResult<Arc<DecodeSpec>> {

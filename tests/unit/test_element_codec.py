@@ -412,3 +412,23 @@ def test_normalize_element_matches_map_structure():
     assert out == d.__class__(out) and out is not d and list(out) == ["z", "a"]
     with pytest.raises(TypeError, match="sortable"):
         structure.normalize_element({1: np.zeros(1), "a": np.zeros(1)})
+
+
+def test_encoding_writes_every_byte_whatever_memory_it_gets():
+    """`encode_element` fills a `bytes` object that is not zeroed first (rust/py/element.rs
+    `new_bytes_filled`): the gaps between leaves (alignment) must be written too, or an
+    encoding would carry whatever memory malloc handed out, and differ from call to call."""
+    element = {
+        "a": np.arange(3, dtype=np.int8),  # 3 bytes: the next leaf is aligned past a gap
+        "b": np.arange(5, dtype=np.float64),
+        "c": [np.int16(7), b"xyz", "text", 1.5],
+        "d": np.ones((3, 5), np.uint16),
+    }
+    clean = codec.encode(element)
+    for size in (len(clean), 4 << 10, 1 << 20):
+        for _ in range(20):
+            dirty = b"\xa5" * size  # freed just before: malloc may hand these bytes out again
+            del dirty
+            assert codec.encode(element) == clean
+    decoded = codec.decode(clean)
+    assert np.array_equal(decoded["b"], element["b"]) and decoded["c"][1] == b"xyz"

@@ -40,22 +40,28 @@ def _wait_drained(cluster, address: str, read_one, timeout_s: float = 30.0):
         read_one()
 
 
+def _slow_dynamic(cluster, n: int, job_name: str):
+    """An iterator over a DYNAMIC job of range(n), 1 ms an element (the workers
+    do not make the whole epoch before the test acts)."""
+
+    def slow(x):
+        time.sleep(0.001)
+        return x
+
+    return iter(
+        ds.Dataset.range(n)
+        .map(slow)
+        .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name=job_name))
+    )
+
+
 @pytest.mark.timeout(120)
 def test_draining_worker_finishes_its_splits_and_loses_nothing(make_cluster):
     n = 3000
     cluster = make_cluster(2)
     retiring = cluster.workers[1]
 
-    def slow(x):  # the workers do not make the whole epoch before it drains
-        time.sleep(0.001)
-        return x
-
-    dataset = (
-        ds.Dataset.range(n)
-        .map(slow)
-        .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="drain"))
-    )
-    it = iter(dataset)
+    it = _slow_dynamic(cluster, n, "drain")
     got = [int(next(it)) for _ in range(20)]
     _wait_drained(cluster, retiring.address, lambda: got.append(int(next(it))))
     assert len(got) < n, "the epoch ended before the worker drained"
@@ -125,16 +131,7 @@ def test_a_drain_cancelled_after_its_task_ended_serves_the_splits_left(make_clus
     n = 3000
     cluster = make_cluster(1)
     address = cluster.workers[0].address
-
-    def slow(x):
-        time.sleep(0.001)
-        return x
-
-    it = iter(
-        ds.Dataset.range(n)
-        .map(slow)
-        .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="undrain"))
-    )
+    it = _slow_dynamic(cluster, n, "undrain")
     got = [int(next(it)) for _ in range(20)]
     # A reader thread: once the task drained, next() waits for the splits left.
     reader = threading.Thread(target=lambda: got.extend(int(x) for x in it), daemon=True)
@@ -158,16 +155,7 @@ def test_a_drain_cancelled_after_its_task_ended_serves_the_splits_left(make_clus
 def test_worker_joining_mid_epoch_gets_dynamic_splits_at_once(make_cluster):
     n = 3000
     cluster = make_cluster(1)
-
-    def slow(x):
-        time.sleep(0.001)
-        return x
-
-    it = iter(
-        ds.Dataset.range(n)
-        .map(slow)
-        .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target, job_name="join"))
-    )
+    it = _slow_dynamic(cluster, n, "join")
     got = [int(next(it)) for _ in range(50)]
     joined = cluster.add_worker()
     got += [int(x) for x in it]

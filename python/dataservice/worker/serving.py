@@ -170,21 +170,13 @@ class ElementServing:
         Raises:
             FailedPreconditionError: A round every consumer already read.
         """
-        read = source.read(
+        # A first come, first served source ends the stream only once the replies
+        # other consumers did not get have settled (sources.py BufferSource).
+        return source.read(
             max(1, request.max_elements or 1),
             request.max_bytes or (16 << 20),
             max(0.0, deadline - time.monotonic()),
         )
-        if source.gives_back and read.end_of_sequence:
-            given_back, waiting = source.runner.unacked.settle_failed(
-                max(0.0, deadline - time.monotonic())
-            )
-            if given_back or waiting:
-                # Replies other consumers did not get are all that is left of the stream:
-                # they go to their consumers' retries, or (those gone) to this one, and
-                # the end (or error) comes after them.
-                return TaskRead(read.elements)
-        return read
 
     def _response(
         self, reply: Reply | None, request: Any, with_elements: bool, errors_ignored: int = 0

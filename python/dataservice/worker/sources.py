@@ -12,6 +12,7 @@ never got goes back to that buffer. Source: tf.data service's
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from dataservice import errors
@@ -45,13 +46,37 @@ class BufferSource(TaskSource):
     gives_back = True
 
     def read(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
-        return self.runner.get_elements_raw(max_elements, max_bytes, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        read = self.runner.get_elements_raw(max_elements, max_bytes, timeout_s)
+        return self._settled(read, deadline)
 
     def give_back(self, elements: list[Any]) -> None:
         self.runner.requeue(elements)
 
     def read_holding_end(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
-        return self.runner.get_elements_raw(max_elements, max_bytes, timeout_s, hold_end=True)
+        """`read`, and a read that ends the stream with elements holds the end
+        (`TaskRead.end_held`) until `release_end`: what its consumer does not take
+        goes back before the other consumers get the end."""
+        deadline = time.monotonic() + timeout_s
+        read = self.runner.get_elements_raw(max_elements, max_bytes, timeout_s, hold_end=True)
+        return self._settled(read, deadline)
+
+    def _settled(self, read: TaskRead, deadline: float) -> TaskRead:
+        """`read`, without its end of sequence while replies of this task whose
+        transfer failed (to any consumer, over any transport) still wait for their
+        consumer's retry or were given back to the buffer
+        (`UnackedReplies.settle_failed`): they are all that is left of the stream,
+        and the end (or error) comes after them. A read's held end is released."""
+        if not read.end_of_sequence:
+            return read
+        given_back, waiting = self.runner.unacked.settle_failed(
+            max(0.0, deadline - time.monotonic())
+        )
+        if not (given_back or waiting):
+            return read
+        if read.end_held:
+            self.runner.release_end_hold()
+        return TaskRead(read.elements)
 
     def release_end(self) -> None:
         self.runner.release_end_hold()

@@ -280,7 +280,7 @@ def test_coordinated_consumers_do_not_count_the_dispatchers_absence_against_each
             iter(
                 ds.Dataset.range(10**6)
                 .repeat()
-                .map(_gate(flag, 128, 131, 1.5))
+                .map(_gate(flag, 128, 131, 1.1))
                 .apply(
                     ds.distribute(
                         "off",

@@ -183,8 +183,16 @@ def test_grpc_shared_job_consumers_together_get_every_element_once(
     assert totals["resent_replies"] >= 4  # to the consumer whose reply failed
 
 
+@pytest.mark.parametrize(
+    "other_client",
+    [
+        pytest.param(lambda endpoint: grpc_transfer.GrpcTransferClient(endpoint, None), id="grpc"),
+        # A job mixing transports: the failed gRPC reply reaches a shm consumer too.
+        pytest.param(shm.ShmTransferClient, id="shm"),
+    ],
+)
 def test_grpc_shared_job_consumer_gone_after_a_failed_reply_leaves_it_to_the_others(
-    make_cluster, monkeypatch
+    make_cluster, monkeypatch, other_client
 ):
     monkeypatch.setattr(task_runner, "REQUEUE_AFTER_S", 0.5)
     cluster = make_cluster(1)
@@ -200,46 +208,7 @@ def test_grpc_shared_job_consumer_gone_after_a_failed_reply_leaves_it_to_the_oth
         with pytest.raises(errors.UnavailableError, match="injected: the stream broke"):
             gone.get_elements(5, 1 << 20, 1.0)
         gone.close()  # and never comes back for its 5 elements
-        other = grpc_transfer.GrpcTransferClient(endpoint, None)
-        got: list[int] = []
-        deadline = time.monotonic() + 30
-        try:
-            while True:
-                assert time.monotonic() < deadline, got
-                result = other.get_elements(8, 1 << 20, 1.0)
-                got.extend(check(e) for e in result.elements)
-                if result.end_of_sequence:
-                    break
-        finally:
-            other.close()
-    finally:
-        holder.close()
-    assert faults.applied == ["broken"]
-    assert sorted(got) == list(range(n))
-    assert unacked_totals(faults)["requeued_elements"] == 5
-
-
-def test_shm_consumer_after_a_grpc_consumers_failed_reply_gets_its_elements(
-    make_cluster, monkeypatch
-):
-    # A shared job read over gRPC by one consumer and over shared memory by another:
-    # the gRPC consumer's reply breaks and it never comes back; the shm consumer
-    # gets those elements before the end of the stream, as a gRPC one would.
-    monkeypatch.setattr(task_runner, "REQUEUE_AFTER_S", 0.5)
-    cluster = make_cluster(1)
-    worker = cluster.workers[0]
-    faults = Faults(monkeypatch, ["broken"])
-    n = 40
-    holder = iter(dist(elements(n), cluster.target, job_name="mixed"))  # makes the task
-    try:
-        wait_until(lambda: worker.num_tasks() == 1, 10, "the worker to get the task")
-        (task_id,) = worker._tasks
-        endpoint = base.TaskEndpoint(task_id, worker.address, worker.address, "")
-        gone = grpc_transfer.GrpcTransferClient(endpoint, None)
-        with pytest.raises(errors.UnavailableError, match="injected: the stream broke"):
-            gone.get_elements(5, 1 << 20, 1.0)
-        gone.close()  # and never comes back for its 5 elements
-        other = shm.ShmTransferClient(endpoint)
+        other = other_client(endpoint)
         got: list[int] = []
         deadline = time.monotonic() + 30
         try:

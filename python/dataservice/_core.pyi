@@ -14,6 +14,7 @@ from typing_extensions import Buffer
 
 __all__ = [
     "ElementCheck",
+    "Encoding",
     "RingLease",
     "ShmRingConsumer",
     "ShmRingProducer",
@@ -21,9 +22,11 @@ __all__ = [
     "ShmWindowWriter",
     "TFRecordReader",
     "TFRecordWriter",
+    "bytearray_to_fill",
     "crc32c",
     "decode_element",
     "encode_element",
+    "encode_element_later",
     "masked_crc32c",
     "read_tfrecord_file",
 ]
@@ -161,6 +164,49 @@ def encode_element(element: Any) -> bytes:
 
     Raises:
         Exception: What pickling a leaf raises (e.g. TypeError for a lock).
+    """
+
+def encode_element_later(element: Any) -> Encoding:
+    """`element` walked and laid out as `encode_element` lays it out, with nothing copied
+    yet: `Encoding.piece` makes any range of `encode_element(element)`'s bytes. The
+    encoding holds `element` and a buffer export of each of its array and bytes leaves
+    (a bytearray leaf cannot be resized) until it is freed.
+
+    Raises:
+        Exception: What pickling a leaf raises (e.g. TypeError for a lock).
+    """
+
+@final
+class Encoding:
+    """An element's encoding made on demand (`encode_element_later`). Thread-safe:
+    pieces may be made from several threads; the copy of a piece of 256 KiB or more
+    runs with the GIL released."""
+
+    def __len__(self) -> int:
+        """The encoding's size in bytes (`len(encode_element(element))`)."""
+
+    @property
+    def element(self) -> Any:
+        """The element this is the encoding of (the very object)."""
+
+    def piece(self, start: int, end: int) -> bytes:
+        """Bytes `[start, end)` of the encoding, as a new `bytes` object.
+
+        Raises:
+            IndexError: `start > end` or `end > len(self)`.
+        """
+
+    def __bytes__(self) -> bytes:
+        """The whole encoding (`piece(0, len(self))`)."""
+
+def bytearray_to_fill(size: int) -> bytearray:
+    """A new `bytearray` of `size` bytes whose contents are whatever memory the allocator
+    handed out (`bytearray(size)` zeroes them): for a caller that writes every byte
+    before any is read, as the gRPC client filling an element from its pieces.
+
+    Raises:
+        OverflowError: `size` does not fit a Py_ssize_t.
+        MemoryError: The allocation failed.
     """
 
 def decode_element(data: Buffer) -> Any:

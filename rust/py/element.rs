@@ -76,6 +76,143 @@ pub fn encode_element<'py>(
     Ok(out)
 }
 
+/// An element's encoding, flattened now and copied later, one piece at a time (see
+/// `_core.pyi`): a large element crosses gRPC in pieces of about 1 MiB, each made just
+/// before it is sent, so a worker never holds the whole encoding and its allocator
+/// reuses the same few blocks instead of mapping fresh pages for every element.
+#[pyclass(name = "Encoding", module = "dataservice._core", frozen)]
+pub struct PyEncoding {
+    prefix: Vec<u8>,
+    // Declared before `_pinned`: the plan's borrowed payloads point into its buffers.
+    plan: FramePlan<'static>,
+    _pinned: Pinned,
+    element: Py<PyAny>,
+}
+
+/// The buffers and objects an encoding's payloads point into.
+struct Pinned {
+    _holders: Vec<codec::HeldBuffer>,
+    _objects: Vec<Py<PyAny>>,
+}
+
+// SAFETY: after construction nothing writes to a `PyEncoding`'s fields: the plan and
+// prefix are only read (also from detached sections, through `piece`), and the held
+// buffer views are released once, when Python deallocates the object (the GIL held).
+unsafe impl Sync for Pinned {}
+
+#[pymethods]
+impl PyEncoding {
+    fn __len__(&self) -> usize {
+        self.prefix.len() + self.plan.total_bytes as usize
+    }
+
+    /// The element this is the encoding of.
+    #[getter]
+    fn element(&self, py: Python<'_>) -> Py<PyAny> {
+        self.element.clone_ref(py)
+    }
+
+    /// Bytes `[start, end)` of the encoding, as a new `bytes` object.
+    fn piece<'py>(
+        &self,
+        py: Python<'py>,
+        start: usize,
+        end: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let total = self.__len__();
+        if start > end || end > total {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "piece [{start}, {end}) of an encoding of {total} bytes"
+            )));
+        }
+        let prefix_len = self.prefix.len();
+        new_bytes_filled(py, end - start, |out| {
+            let head_end = end.min(prefix_len);
+            if start < head_end {
+                // SAFETY: `out` holds end - start bytes; [start, head_end) lies inside
+                // both the prefix and that range; the prefix is a separate Vec.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.prefix.as_ptr().add(start),
+                        out,
+                        head_end - start,
+                    )
+                };
+            }
+            let from = start.max(prefix_len);
+            if from >= end {
+                return;
+            }
+            // SAFETY: from - start < end - start, so the offset stays inside `out`.
+            let dst = SendPtr(unsafe { out.add(from - start) });
+            let (a, b) = ((from - prefix_len) as u64, (end - prefix_len) as u64);
+            let plan = &self.plan;
+            let copy = move || {
+                let dst = dst;
+                // SAFETY: dst is the new bytes object's last b - a bytes (not shared yet);
+                // copy_range writes each of them; the payloads are pinned by
+                // `self._pinned`, which outlives this call, and do not overlap a new object.
+                unsafe { plan.copy_range(a, b, dst.0) }
+            };
+            if (b - a) as usize >= GIL_FREE_COPY_BYTES {
+                py.detach(copy);
+            } else {
+                copy();
+            }
+        })
+    }
+
+    fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        self.piece(py, 0, self.__len__())
+    }
+}
+
+/// `element` flattened for `Encoding.piece` (see `_core.pyi`); nothing is copied yet.
+#[pyfunction]
+pub fn encode_element_later(element: &Bound<'_, PyAny>) -> PyResult<PyEncoding> {
+    let flat = match ENCODER.try_lock() {
+        Ok(mut guard) => guard
+            .get_or_insert_with(Encoder::default)
+            .flatten(element)?,
+        Err(_) => Encoder::default().flatten(element)?,
+    };
+    let mut spec_bytes = Vec::new();
+    flat.spec.encode(&mut spec_bytes);
+    let codec::Flat {
+        leaves,
+        holders,
+        objects,
+        ..
+    } = flat;
+    Ok(PyEncoding {
+        prefix: frame::element_prefix(&spec_bytes),
+        plan: FramePlan::data_aligned(0, leaves, false),
+        _pinned: Pinned {
+            _holders: holders,
+            _objects: objects,
+        },
+        element: element.clone().unbind(),
+    })
+}
+
+/// A new `bytearray` of `len` bytes that are not zeroed first (see `_core.pyi`).
+#[pyfunction]
+pub fn bytearray_to_fill(py: Python<'_>, len: usize) -> PyResult<Bound<'_, PyByteArray>> {
+    let size = ffi::Py_ssize_t::try_from(len)
+        .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("bytearray too large"))?;
+    // SAFETY: the GIL is held (`py`); with a NULL source, PyByteArray_FromStringAndSize
+    // returns a new reference to a bytearray of `size` bytes it did not initialise (the
+    // caller's to overwrite before reading them), or NULL with an exception set.
+    let obj = unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            ffi::PyByteArray_FromStringAndSize(std::ptr::null(), size),
+        )?
+    };
+    // SAFETY: PyByteArray_FromStringAndSize made a bytearray.
+    Ok(unsafe { obj.cast_into_unchecked::<PyByteArray>() })
+}
+
 /// A new `bytes` object of `len` bytes, which `fill` must write, every one of them,
 /// through the pointer it is given (the buffer is not zeroed first, and no Rust
 /// reference to it exists while it holds uninitialised bytes).

@@ -23,7 +23,7 @@ import pytest
 import dataservice as ds
 from dataservice import errors
 from dataservice.rpc import service_pb2 as pb
-from dataservice.transfer import base
+from dataservice.transfer import base, codec
 from dataservice.transfer import grpc as grpc_transfer
 from dataservice.worker import serving, unacked_replies
 from dataservice.worker.server import WorkerServer
@@ -159,6 +159,46 @@ def test_elements_larger_than_the_message_limit_arrive_in_pieces(
     assert pieces and max(pieces) <= 64 << 10
     if compression is None:  # random bytes: the 1 MiB ones came in 16+ pieces each
         assert len(pieces) >= 32
+
+
+def test_large_elements_go_in_pieces_made_as_they_are_sent(make_cluster, monkeypatch):
+    """Uncompressed, an element of at least `codec.LATER_BYTES` is encoded later
+    (`codec.Encoding`) and goes in equal pieces of about `_PIECE_BYTES` (at most a
+    quarter over), each made just before it is sent: the worker never makes the whole
+    encoding. A 1 MiB array and its header go as one message."""
+    sent: list[int] = []
+    original = serving.ElementServing._frames
+
+    def frames(self, reply, request, *rest):
+        for message in original(self, reply, request, *rest):
+            if type(message) is bytes:
+                sent.append(len(message))
+            yield message
+
+    monkeypatch.setattr(serving.ElementServing, "_frames", frames)
+    whole: list[int] = []
+    original_encode = codec.encode
+
+    def encode(element):
+        whole.append(codec.element_nbytes(element))
+        return original_encode(element)
+
+    monkeypatch.setattr(codec, "encode", encode)
+    cluster = make_cluster(1)
+    rng = np.random.default_rng(2)
+    sizes = [9_600_000, 1 << 20, 300_000, 5, 6]
+    want = [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
+    dataset = ds.Dataset.range(len(want)).map(lambda i: want[i])
+    got, _ = read(dataset, cluster, compression=None)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert not whole, "an element was encoded whole"
+    piece = serving._PIECE_BYTES
+    big = [n for n in sent if n > 400_000]
+    # 9.6 MB: 8 pieces of ~1.2 MB; 1 MiB + header: one message.
+    assert len(big) == 9 and max(big) <= piece + piece // 4, sent
+    assert sum(big) > 9_600_000 + (1 << 20)
+    assert any(300_000 < n < 301_000 for n in sent), sent  # its own message, whole
 
 
 def test_fast_link_is_not_compressed_by_auto(make_cluster):

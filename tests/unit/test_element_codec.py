@@ -432,3 +432,93 @@ def test_encoding_writes_every_byte_whatever_memory_it_gets():
             assert codec.encode(element) == clean
     decoded = codec.decode(clean)
     assert np.array_equal(decoded["b"], element["b"]) and decoded["c"][1] == b"xyz"
+
+
+def _large_elements() -> list:
+    rng = np.random.default_rng(3)
+    return [
+        rng.integers(0, 255, 1 << 20, dtype=np.uint8),
+        {
+            "a": np.arange(3, dtype=np.int8),  # a gap before the next (aligned) leaf
+            "image": rng.standard_normal((600, 601)).astype(np.float32)[:, ::2],  # strided
+            "label": np.int64(7),
+            "names": [b"x" * 70_000, "y"],
+        },
+        (rng.integers(0, 9, (512, 512), dtype=np.int16), np.float16(1.5)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_encode_later_pieces_are_the_bytes_of_encode(index):
+    """`codec.encode_later` (rust/py/element.rs `Encoding`) copies nothing until a piece
+    is asked for; any split of it into pieces joins to exactly `encode`'s bytes."""
+    element = _large_elements()[index]
+    want = codec.encode(element)
+    encoding = codec.encode_later(element)
+    assert isinstance(encoding, codec.Encoding) and len(encoding) == len(want)
+    assert encoding.element is element
+    assert bytes(encoding) == want and codec.as_bytes(encoding) == want
+    for piece_bytes in (1, 7, 4096, 100_003, 1 << 20, len(want)):
+        if piece_bytes == 1 and len(want) > 200_000:
+            piece_bytes = 64  # the same split points, fewer calls
+        pieces = [
+            encoding.piece(start, min(start + piece_bytes, len(want)))
+            for start in range(0, len(want), piece_bytes)
+        ]
+        assert all(type(p) is bytes for p in pieces)
+        assert b"".join(pieces) == want, piece_bytes
+    assert encoding.piece(5, 5) == b""
+    decoded = codec.decode(bytearray(bytes(encoding)))
+    if isinstance(element, np.ndarray):
+        np.testing.assert_array_equal(decoded, element)
+
+
+def test_encode_later_keeps_small_elements_as_bytes():
+    """Below `LATER_BYTES` (and for scalars, bytes, strings) there is nothing to gain:
+    `encode_later` returns `encode`'s bytes themselves."""
+    small = [
+        np.arange(10, dtype=np.float64),
+        np.int64(3),
+        b"abc",
+        "text",
+        {"x": np.zeros(100, np.uint8), "y": [1, 2]},
+        np.zeros(codec.LATER_BYTES - 64, np.uint8),
+    ]
+    for element in small:
+        got = codec.encode_later(element)
+        assert type(got) is bytes and got == codec.encode(element)
+    big_bytes = b"z" * (2 * codec.LATER_BYTES)  # a bytes leaf alone: one copy either way
+    assert type(codec.encode_later(big_bytes)) is bytes
+
+
+def test_encoding_pieces_out_of_range_raise_index_error():
+    encoding = codec.encode_later(np.zeros(1 << 20, np.uint8))
+    n = len(encoding)
+    for start, end in ((0, n + 1), (10, 5), (n + 1, n + 2)):
+        with pytest.raises(IndexError, match=f"of an encoding of {n} bytes"):
+            encoding.piece(start, end)
+
+
+def test_encoding_pins_its_arrays():
+    """An `Encoding` holds its element's buffers: the arrays stay alive (and a
+    bytearray cannot be resized) while pieces are still to be made."""
+    buf = bytearray(b"\x01" * (1 << 20))
+    element = {"a": np.frombuffer(buf, np.uint8), "b": buf}
+    encoding = codec.encode_later(element)
+    want = bytes(encoding)
+    del element
+    with pytest.raises(BufferError):
+        buf.extend(b"x")
+    assert bytes(encoding) == want
+    del encoding
+    buf.extend(b"x")  # released with the encoding
+
+
+def test_bytearray_to_fill_is_a_bytearray_of_the_size():
+    """`_core.bytearray_to_fill` (the gRPC client's buffer for an element that comes in
+    pieces) skips the zeroing `bytearray(n)` does; its bytes are the caller's to write."""
+    for n in (0, 1, 4096, 9_600_000):
+        b = _core.bytearray_to_fill(n)
+        assert type(b) is bytearray and len(b) == n
+        b[:] = b"\x07" * n
+        assert b.count(7) == n

@@ -46,7 +46,6 @@ _FETCH_WAIT_S = 1.0
 # A forced protocol that cannot reach a worker fails the read, but only after
 # this long: a worker that just died is reported first (WorkerCrashedError).
 _FORCED_CONNECT_GRACE_S = 3.0
-_MAX_BYTES_PER_FETCH = 16 << 20
 # Failures of the connection to a worker (not of its pipeline): refused, no route,
 # connect timeout, a link that died under a call (keepalive, rpc/util.py).
 _LINK_ERRORS = (errors.UnavailableError, ConnectionError)
@@ -114,6 +113,7 @@ class _TaskState:
     protocol: str = ""
     unconsumed_bytes: int = 0  # fetched from this task, not yet taken by next()
     max_unconsumed_bytes: int = _RESULT_BUFFER_BYTES  # the transfer client's bound
+    max_reply_bytes: int = 16 << 20  # the transfer client's (TransferClient)
     tried: bool = False  # its first connection attempt is over (made or failed)
     worker_uid: str = ""  # the worker process the last fetched elements came from
     fetch_error: str = ""  # why the last fetch failed; "" once one succeeds (for warnings)
@@ -242,7 +242,7 @@ class TaskFetching:
                     max_bytes = max(
                         1,
                         min(
-                            _MAX_BYTES_PER_FETCH,
+                            state.max_reply_bytes,
                             state.max_unconsumed_bytes - state.unconsumed_bytes,
                         ),
                     )
@@ -471,6 +471,7 @@ class TaskFetching:
 
     def _connected(self, state: _TaskState, client: transfer.TransferClient) -> None:
         state.protocol = client.protocol
+        state.max_reply_bytes = client.max_reply_bytes
         state.max_unconsumed_bytes = min(
             _RESULT_BUFFER_BYTES, client.max_unconsumed_bytes or _RESULT_BUFFER_BYTES
         )

@@ -219,6 +219,8 @@ class TransferClient(abc.ABC):
     # keep their ring slots: a reader that buffered more than the ring holds
     # would stall the worker (and force copies out of the ring).
     max_unconsumed_bytes: int | None = None
+    # The most bytes one request asks for (one element always comes, whatever its size).
+    max_reply_bytes: int = 16 << 20
     # After a failed `get_elements`, the caller asks the same client again instead of
     # making a new one: its retry repeats the failed request's sequence number, so the
     # worker sends the reply the consumer did not get (gRPC). False: a failed client is

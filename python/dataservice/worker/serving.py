@@ -42,9 +42,11 @@ log = logging.getLogger(__name__)
 _GET_ELEMENTS_WAIT_S = 1.0
 _CHUNK_BYTES = 1 << 20  # GetElementsStream: about this many bytes per message
 # GetElementsFrames (`_frames`): an element this large goes in messages of its own,
-# whole up to _FRAME_BYTES (gRPC's limits are lifted on both ends: rpc/util.py); smaller
+# whole up to _FRAME_BYTES (gRPC's limits are lifted on both ends: rpc/util.py), or, when
+# encoded later (`codec.encode_later`), in pieces of _PIECE_BYTES made as they go; smaller
 # ones are joined into messages of about _JOIN_BYTES.
 _FRAME_BYTES = 64 << 20
+_PIECE_BYTES = 1 << 20
 _OWN_FRAME_BYTES = 256 << 10
 _JOIN_BYTES = 1 << 20
 # GetElementsFrames sends an alive head before encoding a reply whose first element is
@@ -191,7 +193,7 @@ class ElementServing:
         if reply.elements:  # sent now (again, for a retry's replay)
             self._counters.sent("grpc", len(reply.elements), sum(map(len, reply.elements)))
         if with_elements:
-            response.elements.extend(reply.elements)
+            response.elements.extend(map(codec.as_bytes, reply.elements))
         response.end_of_sequence = reply.end_of_sequence
         error = reply.error
         if error is not None:
@@ -202,11 +204,12 @@ class ElementServing:
         return response
 
     @staticmethod
-    def _encoded(read: TaskRead, request: Any) -> Reply:
+    def _encoded(read: TaskRead, request: Any, later: bool = False) -> Reply:
         """A reply of `read`'s raw elements, encoded and compressed as the request
-        asks; an element the codec cannot carry ends the reply (and the read) with
-        its error, after the elements before it."""
-        encoded = encode_elements(read)
+        asks (with `later` and no compression, large elements as `codec.Encoding`s,
+        for `_frames`); an element the codec cannot carry ends the reply (and the
+        read) with its error, after the elements before it."""
+        encoded = encode_elements(read, later=later and not request.compression)
         elements = encoded.elements
         if request.compression:
             elements = [codec.compress(e, request.compression) for e in elements]
@@ -244,7 +247,9 @@ class ElementServing:
         Yields:
             GetElementsChunk messages; the last has `last` set and the response.
         """
-        yield from self._serve_reply(request, pb.GetElementsChunk, self._chunks, _CHUNK_BYTES)
+        yield from self._serve_reply(
+            request, pb.GetElementsChunk, self._chunks, _CHUNK_BYTES, later=False
+        )
 
     def _get_elements_frames(self, request: Any) -> Iterator[Any]:
         """GetElementsFrames: the reply of `_serve_reply` as ElementsHead messages
@@ -254,7 +259,9 @@ class ElementServing:
             ElementsHead messages and `bytes` payloads; the last is a head with
             `last` set and the response.
         """
-        yield from self._serve_reply(request, pb.ElementsHead, self._frames, _ALIVE_FIRST_BYTES)
+        yield from self._serve_reply(
+            request, pb.ElementsHead, self._frames, _ALIVE_FIRST_BYTES, later=True
+        )
 
     def _serve_reply(
         self,
@@ -262,6 +269,7 @@ class ElementServing:
         alive: Callable[[], Any],
         emit: Callable[[Reply, Any, int], Iterator[Any]],
         alive_first_bytes: int,
+        later: bool,
     ) -> Iterator[Any]:
         """Takes (or, for a retry, takes again) the request's elements and streams
         their reply as `emit(reply, request, errors_ignored)` yields it (the task's
@@ -272,8 +280,10 @@ class ElementServing:
         With a `consumer_key`, the reply stays with the consumer until its next
         request acknowledges it (`UnackedReplies`): a retry of the same sequence
         number gets it again, also after the stream broke (a first come, first
-        served reply whose consumer does not come back goes back to the task). A
-        reply whose first element holds at least `alive_first_bytes` first sends
+        served reply whose consumer does not come back goes back to the task).
+        `later`: large elements are encoded as `codec.Encoding`s (`emit` makes their
+        bytes as it sends them). A reply whose first element holds at least
+        `alive_first_bytes` first sends
         `alive()` (and another every second of encoding), so the client's
         no-progress timeout measures the worker's liveness, not the element's size.
 
@@ -313,14 +323,14 @@ class ElementServing:
                         if time.monotonic() - last_yield > 1.0:
                             yield alive()
                             last_yield = time.monotonic()
-                        one = self._encoded(TaskRead([element], end, error), request)
+                        one = self._encoded(TaskRead([element], end, error), request, later)
                         elements.extend(one.elements)
                         if not one.elements:  # it cannot be encoded: its error ends the read
                             end, error = one.end_of_sequence, one.error
                             break
                     reply = Reply(elements, end, error)
                 else:
-                    reply = self._encoded(read, request)
+                    reply = self._encoded(read, request, later)
                 reply.requeue_on_failure = fcfs
                 if turn is not None:
                     turn.store(reply)
@@ -350,14 +360,15 @@ class ElementServing:
             yield pb.GetElementsChunk(last=True, response=pb.GetElementsResponse())
             return
         chunk_bytes = min(request.max_message_bytes or _CHUNK_BYTES, _CHUNK_BYTES)
-        sizes = [len(e) for e in reply.elements]
+        elements = [codec.as_bytes(e) for e in reply.elements]
+        sizes = [len(e) for e in elements]
         if sizes and (request.max_message_bytes or sum(sizes) > chunk_bytes):
             yield pb.GetElementsChunk(
                 reply_bytes=sum(sizes), reply_elements=len(sizes), largest_element_bytes=max(sizes)
             )
         batch: list[bytes] = []
         batch_bytes = 0
-        for element in reply.elements:
+        for element in elements:
             n = len(element)
             if n > chunk_bytes:
                 if batch:
@@ -385,19 +396,29 @@ class ElementServing:
         head announcing the sizes of the next elements, then their encoded bytes,
         then the next head; the last head (of the last elements, or alone for a
         reply without elements) carries the response. An element of at
-        least `_OWN_FRAME_BYTES` is announced alone and goes as the very `bytes`
-        object the encoder made (no copy) when it fits the message limit
-        (`request.max_message_bytes`, else `_FRAME_BYTES`), else in pieces of it;
-        smaller ones are joined into messages of about `_JOIN_BYTES` (one copy,
-        as a protobuf message would make, for far fewer messages). `request` None:
+        least `_OWN_FRAME_BYTES` is announced alone. Encoded later (a
+        `codec.Encoding`), it goes in pieces of `_PIECE_BYTES` (at most the message
+        limit: `request.max_message_bytes`, else `_FRAME_BYTES`), each made just
+        before it is sent; as `bytes`, it goes as the very object the encoder made
+        (no copy) when it fits the message limit, else in pieces of it. Smaller
+        ones are joined into messages of about `_JOIN_BYTES` (one copy, as a
+        protobuf message would make, for far fewer messages). `request` None:
         the empty answer of a task not known in time."""
         if request is None:
             yield pb.ElementsHead(last=True, response=pb.GetElementsResponse())
             return
         limit = request.max_message_bytes or _FRAME_BYTES
-        elements = [e if type(e) is bytes else bytes(e) for e in reply.elements]
+        piece = min(limit, _PIECE_BYTES)
+        elements = [
+            e if type(e) is bytes or isinstance(e, codec.Encoding) else bytes(e)
+            for e in reply.elements
+        ]
         sizes = [len(e) for e in elements]
-        announce = bool(sizes) and (bool(request.max_message_bytes) or sum(sizes) > limit)
+        announce = bool(sizes) and (
+            bool(request.max_message_bytes)
+            or sum(sizes) > limit
+            or any(isinstance(e, codec.Encoding) and len(e) > piece for e in elements)
+        )
         if not elements:
             response = self._response(reply, request, False, errors_ignored)
             yield pb.ElementsHead(last=True, response=response)
@@ -425,7 +446,21 @@ class ElementServing:
                 head.largest_element_bytes = max(sizes)
             first = False
             yield head
-            data = elements[k] if group_end == k + 1 else b"".join(elements[k:group_end])
+            element = elements[k]
+            if group_end == k + 1 and isinstance(element, codec.Encoding):
+                n = sizes[k]
+                # Equal pieces, none over `piece` by more than a quarter: a 1 MiB array
+                # and its header go as one message, not a second of a few bytes.
+                count = -(-n // min(limit, piece + piece // 4))
+                size = -(-n // count)
+                for offset in range(0, n, size):
+                    yield element.piece(offset, min(offset + size, n))
+                k = group_end
+                continue
+            if group_end == k + 1:
+                data = codec.as_bytes(element)
+            else:
+                data = b"".join(map(codec.as_bytes, elements[k:group_end]))
             if len(data) <= limit:
                 yield data
             else:

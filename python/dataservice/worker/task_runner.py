@@ -62,15 +62,17 @@ _PRODUCE_BATCH_BYTES = 1 << 20
 _PRODUCE_BATCH_ELEMENT_S = 50e-6  # an element slower than this is handed off at once
 
 
-def encode_elements(read: TaskRead) -> TaskRead:
-    """`read` with each element `codec.encode`d (`bytes`), up to the first that
+def encode_elements(read: TaskRead, later: bool = False) -> TaskRead:
+    """`read` with each element `codec.encode`d (`bytes`; with `later`,
+    `codec.encode_later`: large ones as `codec.Encoding`s), up to the first that
     cannot be encoded (e.g. a leaf that cannot be pickled): then the ones before
     it, ending the read with its error. That error reaches the consumer as the
     pipeline's own, as over shared memory."""
-    out: list[bytes] = []
+    out: list[Any] = []
+    encode = codec.encode_later if later else codec.encode
     for element in read.elements:
         try:
-            out.append(codec.encode(element))
+            out.append(encode(element))
         except Exception as err:
             return TaskRead(out, True, errors.capture(err))
     return TaskRead(out, read.end_of_sequence, read.error)
@@ -480,8 +482,10 @@ class TaskRunner:
             self._buffered_bytes += sum(nbytes for _, nbytes in items)
             self._cv.notify_all()
 
-    def _requeue_encoded(self, elements: list[bytes]) -> None:
-        self.requeue([codec.decode(e) for e in elements])
+    def _requeue_encoded(self, elements: list[Any]) -> None:
+        self.requeue(
+            [e.element if isinstance(e, codec.Encoding) else codec.decode(e) for e in elements]
+        )
 
     def get_elements(self, max_elements: int, max_bytes: int, timeout_s: float) -> TaskRead:
         """As `get_elements_raw`, with each element encoded for gRPC (`codec.encode`,

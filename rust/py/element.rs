@@ -125,36 +125,14 @@ impl PyEncoding {
                 "piece [{start}, {end}) of an encoding of {total} bytes"
             )));
         }
-        let prefix_len = self.prefix.len();
         new_bytes_filled(py, end - start, |out| {
-            let head_end = end.min(prefix_len);
-            if start < head_end {
-                // SAFETY: `out` holds end - start bytes; [start, head_end) lies inside
-                // both the prefix and that range; the prefix is a separate Vec.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        self.prefix.as_ptr().add(start),
-                        out,
-                        head_end - start,
-                    )
-                };
-            }
-            let from = start.max(prefix_len);
-            if from >= end {
-                return;
-            }
-            // SAFETY: from - start < end - start, so the offset stays inside `out`.
-            let dst = SendPtr(unsafe { out.add(from - start) });
-            let (a, b) = ((from - prefix_len) as u64, (end - prefix_len) as u64);
-            let plan = &self.plan;
+            let dst = SendPtr(out);
             let copy = move || {
                 let dst = dst;
-                // SAFETY: dst is the new bytes object's last b - a bytes (not shared yet);
-                // copy_range writes each of them; the payloads are pinned by
-                // `self._pinned`, which outlives this call, and do not overlap a new object.
-                unsafe { plan.copy_range(a, b, dst.0) }
+                // SAFETY: `dst` is the new bytes object's end - start bytes, not shared yet.
+                unsafe { self.write_range(start, end, dst.0) }
             };
-            if (b - a) as usize >= GIL_FREE_COPY_BYTES {
+            if end - start >= GIL_FREE_COPY_BYTES {
                 py.detach(copy);
             } else {
                 copy();
@@ -165,6 +143,109 @@ impl PyEncoding {
     fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         self.piece(py, 0, self.__len__())
     }
+}
+
+impl PyEncoding {
+    /// Writes bytes `[start, end)` of the encoding (`start <= end <= len`) to `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `end - start` bytes of writes and overlap neither the
+    /// prefix nor a payload (a new object's memory).
+    unsafe fn write_range(&self, start: usize, end: usize, dst: *mut u8) {
+        let prefix_len = self.prefix.len();
+        let head_end = end.min(prefix_len);
+        if start < head_end {
+            // SAFETY: [start, head_end) lies inside both the prefix and [start, end), whose
+            // end - start bytes `dst` holds; they do not overlap (caller's duty).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.prefix.as_ptr().add(start),
+                    dst,
+                    head_end - start,
+                )
+            };
+        }
+        let from = start.max(prefix_len);
+        if from < end {
+            // SAFETY: the plan's bytes [from - prefix_len, end - prefix_len) go to dst's last
+            // end - from bytes; copy_range writes each of them; the payloads are pinned by
+            // `self._pinned` (alive as long as `self`) and do not overlap dst.
+            unsafe {
+                self.plan.copy_range(
+                    (from - prefix_len) as u64,
+                    (end - prefix_len) as u64,
+                    dst.add(from - start),
+                )
+            };
+        }
+    }
+}
+
+/// One `bytes` object of `parts` (each `bytes` or an `Encoding`) back to back (see
+/// `_core.pyi`): one copy of each, where joining `bytes(encoding)`s would make two.
+#[pyfunction]
+pub fn join_encoded<'py>(
+    py: Python<'py>,
+    parts: &Bound<'py, PyList>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    enum Part<'a> {
+        Bytes(&'a [u8]),
+        Later(&'a PyEncoding),
+    }
+    let mut held = Vec::with_capacity(parts.len());
+    for part in parts.iter() {
+        held.push(part);
+    }
+    let mut plan = Vec::with_capacity(held.len());
+    let mut total = 0usize;
+    for part in &held {
+        if let Ok(b) = part.cast::<PyBytes>() {
+            let bytes = b.as_bytes();
+            total += bytes.len();
+            plan.push(Part::Bytes(bytes));
+        } else if let Ok(e) = part.cast::<PyEncoding>() {
+            let e: &PyEncoding = e.get();
+            total += e.__len__();
+            plan.push(Part::Later(e));
+        } else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "join_encoded takes bytes and Encoding objects, not {}",
+                part.get_type().name()?
+            )));
+        }
+    }
+    new_bytes_filled(py, total, |out| {
+        let dst = SendPtr(out);
+        let plan = &plan;
+        let copy = move || {
+            let dst = dst;
+            let mut at = 0usize;
+            for part in plan {
+                match part {
+                    Part::Bytes(bytes) => {
+                        // SAFETY: `dst` holds `total` bytes, the sum of the parts' lengths, so
+                        // [at, at + len) is inside it; a bytes object's buffer (kept alive
+                        // by `held`, immutable) does not overlap a new object.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.0.add(at), bytes.len())
+                        };
+                        at += bytes.len();
+                    }
+                    Part::Later(e) => {
+                        let n = e.__len__();
+                        // SAFETY: as above: [at, at + n) is inside the new object's bytes.
+                        unsafe { e.write_range(0, n, dst.0.add(at)) };
+                        at += n;
+                    }
+                }
+            }
+        };
+        if total >= GIL_FREE_COPY_BYTES {
+            py.detach(copy);
+        } else {
+            copy();
+        }
+    })
 }
 
 /// `element` flattened for `Encoding.piece` (see `_core.pyi`); nothing is copied yet.

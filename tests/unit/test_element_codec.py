@@ -522,3 +522,23 @@ def test_bytearray_to_fill_is_a_bytearray_of_the_size():
         assert type(b) is bytearray and len(b) == n
         b[:] = b"\x07" * n
         assert b.count(7) == n
+
+
+def test_join_copies_bytes_and_encodings_back_to_back():
+    """`codec.join` (`_core.join_encoded`): the worker's message of several small
+    elements, each encoded straight into it."""
+    rng = np.random.default_rng(4)
+    elements = [
+        rng.integers(0, 255, 5000, dtype=np.uint8),
+        np.int64(3),
+        {"a": rng.standard_normal(2000), "b": b"q" * 10},
+        b"",
+        rng.integers(0, 255, 300_000, dtype=np.uint8),  # past the GIL-free copy size
+    ]
+    encoded = [codec.encode_later(e) for e in elements]
+    assert {type(e) for e in encoded} == {bytes, codec.Encoding}
+    joined = codec.join(encoded)
+    assert joined == b"".join(codec.encode(e) for e in elements)
+    assert codec.join([]) == b""
+    with pytest.raises(TypeError, match="not bytearray"):
+        codec.join([bytearray(b"x")])

@@ -92,6 +92,7 @@ def test_elements_landing_after_the_end_are_counted_and_logged(
     class LateClient:
         protocol = "grpc"
         max_unconsumed_bytes = None
+        max_reply_bytes = 16 << 20
         retry_in_place = False
 
         def get_elements(self, *args: Any, **kwargs: Any) -> transfer.ElementsResult:

@@ -60,21 +60,23 @@ def encode(element: Any) -> bytes:
 
 
 # An element at least this big is encoded later (`encode_later`): its bytes are made
-# piece by piece as they are sent.
-LATER_BYTES = 256 << 10
+# as they are sent, piece by piece or straight into a message shared with others.
+LATER_BYTES = 4 << 10
 
 Encoding = _core.Encoding
 
 
 def encode_later(element: Any) -> bytes | _core.Encoding:
     """`element`'s encoding (the bytes of `encode`): as `bytes` when it is small
-    (under `LATER_BYTES`), else as an `Encoding` that copies nothing yet and makes
-    any range of those bytes on demand (`Encoding.piece(start, end)`; `len()` is
-    their size, `bytes()` all of them, `.element` the element). A worker sends a
-    large element in pieces of about 1 MiB made as they go, so it never holds the
-    whole copy and its allocator reuses a few blocks: measured on 9.6 MB elements,
-    3 page faults in 3 s of sending against ~1,300 per element for one whole
-    `bytes` (grpcio copies each message once more into memory of its own).
+    (under `LATER_BYTES`; a scalar, bytes or str leaf alone), else as an `Encoding`
+    that copies nothing yet and makes any range of those bytes on demand
+    (`Encoding.piece(start, end)`; `len()` is their size, `bytes()` all of them,
+    `.element` the element; `join` copies it straight into a shared message).
+
+    A worker sends a large element in pieces of about 1 MiB made as they go, so it
+    never holds the whole copy and its allocator reuses a few blocks: measured on
+    9.6 MB elements, 3 page faults in 3 s of sending against ~1,300 per element for
+    one whole `bytes` (grpcio copies each message once more into memory of its own).
 
     Raises:
         Exception: As `encode`.
@@ -91,6 +93,12 @@ def encode_later(element: Any) -> bytes | _core.Encoding:
 def as_bytes(encoded: bytes | _core.Encoding) -> bytes:
     """The bytes of an `encode` or `encode_later` result."""
     return encoded if type(encoded) is bytes else bytes(encoded)
+
+
+def join(encoded: list[bytes | _core.Encoding]) -> bytes:
+    """`encode` / `encode_later` results back to back in one `bytes`, each copied
+    once (`b"".join` of `as_bytes` would copy an `Encoding` twice)."""
+    return _core.join_encoded(encoded)
 
 
 def decode(data: bytes | bytearray) -> Any:

@@ -401,9 +401,10 @@ class ElementServing:
         limit: `request.max_message_bytes`, else `_FRAME_BYTES`), each made just
         before it is sent; as `bytes`, it goes as the very object the encoder made
         (no copy) when it fits the message limit, else in pieces of it. Smaller
-        ones are joined into messages of about `_JOIN_BYTES` (one copy, as a
-        protobuf message would make, for far fewer messages). `request` None:
-        the empty answer of a task not known in time."""
+        ones are joined into messages of about `_JOIN_BYTES` (`codec.join`: each
+        encoded straight into the message, one copy as a protobuf message would
+        make, for far fewer messages). `request` None: the empty answer of a task
+        not known in time."""
         if request is None:
             yield pb.ElementsHead(last=True, response=pb.GetElementsResponse())
             return
@@ -460,7 +461,7 @@ class ElementServing:
             if group_end == k + 1:
                 data = codec.as_bytes(element)
             else:
-                data = b"".join(map(codec.as_bytes, elements[k:group_end]))
+                data = codec.join(elements[k:group_end])
             if len(data) <= limit:
                 yield data
             else:

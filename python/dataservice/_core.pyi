@@ -200,7 +200,7 @@ class Encoding:
     def __bytes__(self) -> bytes:
         """The whole encoding (`piece(0, len(self))`)."""
 
-def join_encoded(parts: list[bytes | Encoding]) -> bytes:
+def join_encoded(parts: list[bytes] | list[bytes | Encoding]) -> bytes:
     """`parts` (each `bytes` or an `Encoding`) back to back in one new `bytes` object,
     each copied once; the copy runs with the GIL released from 256 KiB on.
 

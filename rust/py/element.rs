@@ -26,54 +26,16 @@ static ENCODER: Mutex<Option<Encoder>> = Mutex::new(None);
 static SPECS: Mutex<Option<HashMap<Vec<u8>, Arc<DecodeSpec>>>> = Mutex::new(None);
 const MAX_SPECS: usize = 64;
 
-/// The bytes of `element` as one self-contained element (see `_core.pyi`).
+/// The bytes of `element` as one self-contained element (see `_core.pyi`): its
+/// `Encoding`, copied whole into a new `bytes` object that is not zeroed first
+/// (`PyBytes::new_with` zeroes: a wasted pass, ~12% of a worker's CPU on 9.6 MB elements).
 #[pyfunction]
 pub fn encode_element<'py>(
     py: Python<'py>,
     element: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let flat = match ENCODER.try_lock() {
-        Ok(mut guard) => guard
-            .get_or_insert_with(Encoder::default)
-            .flatten(element)?,
-        Err(_) => Encoder::default().flatten(element)?,
-    };
-    let mut spec_bytes = Vec::new();
-    flat.spec.encode(&mut spec_bytes);
-    let prefix = frame::element_prefix(&spec_bytes);
-    let codec::Flat {
-        leaves,
-        holders,
-        objects,
-        ..
-    } = flat;
-    let plan = FramePlan::data_aligned(0, leaves, false);
-    let total = prefix.len() + plan.total_bytes as usize;
-    // Not `PyBytes::new_with`: it zeroes the buffer first, a wasted pass over every
-    // element (~12% of a worker's CPU sending 9.6 MB elements over gRPC).
-    let out = new_bytes_filled(py, total, |out| {
-        // SAFETY: `out` is valid for `total` bytes of writes (new_bytes_filled) and
-        // `prefix` is a separate Vec.
-        unsafe { std::ptr::copy_nonoverlapping(prefix.as_ptr(), out, prefix.len()) };
-        // SAFETY: prefix.len() <= total, so the offset stays inside the `total` bytes.
-        let dst = SendPtr(unsafe { out.add(prefix.len()) });
-        let plan = &plan;
-        let copy = move || {
-            let dst = dst;
-            // SAFETY: dst is the new bytes object's last total_bytes bytes (not shared
-            // yet); copy_range writes each of them (gaps zeroed); the plan's payloads
-            // are pinned by `holders` and `objects` (held until after this call) and do
-            // not overlap a new object.
-            unsafe { plan.copy_range(0, plan.total_bytes, dst.0) }
-        };
-        if plan.payload_bytes as usize >= GIL_FREE_COPY_BYTES {
-            py.detach(copy);
-        } else {
-            copy();
-        }
-    })?;
-    drop((holders, objects));
-    Ok(out)
+    let encoding = encode_element_later(element)?;
+    encoding.piece(py, 0, encoding.__len__())
 }
 
 /// An element's encoding, flattened now and copied later, one piece at a time (see

@@ -22,6 +22,7 @@ checked before it is used.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -95,10 +96,10 @@ def as_bytes(encoded: bytes | _core.Encoding) -> bytes:
     return encoded if type(encoded) is bytes else bytes(encoded)
 
 
-def join(encoded: list[bytes | _core.Encoding]) -> bytes:
+def join(encoded: Sequence[bytes | _core.Encoding]) -> bytes:
     """`encode` / `encode_later` results back to back in one `bytes`, each copied
     once (`b"".join` of `as_bytes` would copy an `Encoding` twice)."""
-    return _core.join_encoded(encoded)
+    return _core.join_encoded(list(encoded))
 
 
 def decode(data: bytes | bytearray) -> Any:

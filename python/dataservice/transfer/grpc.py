@@ -4,19 +4,15 @@
 Frames. A reply comes as small `ElementsHead` messages, each announcing the
 encoded sizes of the next elements, followed by those elements' bytes as raw
 messages (service.proto). Neither end copies an element into or out of a protobuf
-field: the worker makes a large element's encoding piece by piece
-(`codec.encode_later`), each piece of ~1 MiB the very `bytes` gRPC sends, made just
-before it is sent (gRPC's message limits are lifted on both ends, rpc/util.py), and
+field: the worker makes a large element's encoding in ~1 MiB pieces as it sends
+them (`codec.encode_later`; gRPC's message limits are lifted, rpc/util.py), and
 the client copies each message once, into one `bytearray` per element that
-`codec.decode` turns into arrays without another copy. (One whole `bytes` per
-element cost the worker a fresh mapping and ~1,300 page faults per 9.6 MB element,
-and the client could copy nothing before the last byte arrived; the pieces doubled
-the rate.) The next request is sent as soon as a reply arrives (`pipeline`), so the
-worker reads and encodes it while the consumer takes this one; replies are asked
-for up to 32 MiB (`max_reply_bytes`), as each request costs ~1.7 ms besides its
-bytes. `compression="AUTO"` is decided
-per link by measuring (`AutoCompression`). The consumer's malloc keeps freed
-memory for reuse (`tune_malloc`): fresh pages cost more than the copies.
+`codec.decode` turns into arrays without another copy (one whole `bytes` per
+element: ~1,300 page faults per 9.6 MB element on the worker, half the rate).
+The next request (up to 32 MiB, `max_reply_bytes`) is sent as soon as a reply
+arrives (`pipeline`). `compression="AUTO"` is decided per link by measuring
+(`AutoCompression`). The consumer's malloc keeps freed memory for reuse
+(`tune_malloc`): fresh pages cost more than the copies.
 
 No element is lost between the worker and the consumer: each client numbers its
 requests (a random `consumer_key` per client, `sequence` 1, 2, ...). The worker
@@ -341,9 +337,8 @@ class GrpcTransferClient(base.TransferClient):
 
     protocol = "grpc"
     retry_in_place = True
-    # Each request costs ~1.7 ms besides its bytes (a new call, its dispatch on the
-    # worker, the trailers): on 1 MiB elements, 32 MiB replies moved ~1.4x what 16 MiB
-    # ones did. Pipelining keeps one more reply in flight, so up to 64 MiB per task.
+    # A request costs ~1.7 ms besides its bytes: 32 MiB replies moved ~1.4x what 16 MiB
+    # did (1 MiB elements); with the pipelined one, up to 64 MiB in flight per task.
     max_reply_bytes = 32 << 20
 
     def __init__(

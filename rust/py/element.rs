@@ -189,7 +189,11 @@ pub fn join_encoded<'py>(
                         // [at, at + len) is inside it; a bytes object's buffer (kept alive
                         // by `held`, immutable) does not overlap a new object.
                         unsafe {
-                            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.0.add(at), bytes.len())
+                            std::ptr::copy_nonoverlapping(
+                                bytes.as_ptr(),
+                                dst.0.add(at),
+                                bytes.len(),
+                            )
                         };
                         at += bytes.len();
                     }

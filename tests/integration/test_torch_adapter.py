@@ -196,8 +196,11 @@ def test_a_named_job_moves_to_its_next_repetition_each_epoch(make_cluster):
 def test_dataloader_workers_are_refused_with_the_reason(make_cluster):
     cluster = make_cluster(1)
     dataset = ds.Dataset.range(4).apply(ds.distribute("parallel_epochs", cluster.target))
+    # "spawn", not "fork": a fork of this process (gRPC's threads and earlier tests'
+    # running) crashed the forked worker in os.fork() about once in ten runs, before
+    # any of our code ran in it; the refusal is the same in a spawned worker.
     loader = torch.utils.data.DataLoader(
-        ServiceDataset(dataset), batch_size=None, num_workers=2, multiprocessing_context="fork"
+        ServiceDataset(dataset), batch_size=None, num_workers=2, multiprocessing_context="spawn"
     )
     with pytest.raises(RuntimeError, match=r"DataLoader worker process \(num_workers=2\)"):
         list(loader)

@@ -242,10 +242,10 @@ pub fn encode_element_later(element: &Bound<'_, PyAny>) -> PyResult<PyEncoding> 
     })
 }
 
-/// A new `bytearray` of `len` bytes that are not zeroed first (see `_core.pyi`).
+/// A new `bytearray` of `size` bytes that are not zeroed first (see `_core.pyi`).
 #[pyfunction]
-pub fn bytearray_to_fill(py: Python<'_>, len: usize) -> PyResult<Bound<'_, PyByteArray>> {
-    let size = ffi::Py_ssize_t::try_from(len)
+pub fn bytearray_to_fill(py: Python<'_>, size: usize) -> PyResult<Bound<'_, PyByteArray>> {
+    let size = ffi::Py_ssize_t::try_from(size)
         .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("bytearray too large"))?;
     // SAFETY: the GIL is held (`py`); with a NULL source, PyByteArray_FromStringAndSize
     // returns a new reference to a bytearray of `size` bytes it did not initialise (the

@@ -459,7 +459,7 @@ class ElementServing:
                 k = group_end
                 continue
             if group_end == k + 1:
-                data = codec.as_bytes(element)
+                data = element  # bytes: an Encoding went in pieces above
             else:
                 data = codec.join(elements[k:group_end])
             if len(data) <= limit:

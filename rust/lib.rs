@@ -25,6 +25,7 @@ fn _core(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     m.add_class::<py::element::PyEncoding>()?;
     m.add_function(wrap_pyfunction!(py::element::join_encoded, m)?)?;
     m.add_function(wrap_pyfunction!(py::element::bytearray_to_fill, m)?)?;
+    m.add_function(wrap_pyfunction!(py::element::copy_if_plain, m)?)?;
     m.add_class::<py::element::PyElementCheck>()?;
     m.add_class::<py::producer::PyRingProducer>()?;
     m.add_class::<py::consumer::PyRingConsumer>()?;

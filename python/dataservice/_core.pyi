@@ -218,6 +218,13 @@ def bytearray_to_fill(size: int) -> bytearray:
         MemoryError: The allocation failed.
     """
 
+def copy_if_plain(value: Any, keep: set[type]) -> Any | None:
+    """`value` copied one level deep when nothing in it needs normalizing, else None: an
+    exact dict whose keys are all str and whose values' exact types are all in `keep` (a
+    new dict, same order), such a list (a new list), or such a tuple (`value` itself). The
+    fast path of `data.structure.normalize_element`, one walk with no Python call per leaf.
+    """
+
 def decode_element(data: Buffer) -> Any:
     """Rebuilds an element from `encode_element`'s bytes. Numpy leaves come back
     writeable: views of `data` (through a memoryview) when it is a bytearray, else copied

@@ -167,3 +167,25 @@ def test_normalize_element():
     assert normalize_element(arr) is arr
     assert type(normalize_element(7)) is np.int64
     assert normalize_element(None) is None
+
+
+def test_normalize_element_copies_plain_nests_and_converts_the_rest():
+    arrays = {f"f{i:02d}": np.full(3, i, np.float32) for i in range(40)}
+    out = normalize_element(arrays)
+    assert out is not arrays and list(out) == list(arrays)  # a new dict, same order
+    assert all(out[k] is arrays[k] for k in arrays)  # leaves kept, not copied
+    arrays["f00"] = np.zeros(1)  # the copy is the pipeline's own
+    assert out["f00"].shape == (3,)
+    # One leaf needing a change anywhere: the whole level is rebuilt, that leaf converted.
+    mixed = {**{f"f{i}": np.zeros(2) for i in range(5)}, "label": 7}
+    out = normalize_element(mixed)
+    assert type(out["label"]) is np.int64 and int(out["label"]) == 7
+    assert type(mixed["label"]) is int
+    leaves = [np.zeros(2), b"x", "s", None]
+    listed = normalize_element(leaves)
+    assert listed is not leaves and all(a is b for a, b in zip(listed, leaves, strict=True))
+    kept = (np.zeros(2), np.ones(2))
+    assert normalize_element(kept) is kept  # immutable and unchanged
+    assert normalize_element({3: np.zeros(1), 1: np.ones(1)}).keys() == {1, 3}
+    with pytest.raises(TypeError, match="sortable"):
+        normalize_element({1: np.zeros(1), "a": np.zeros(1)})

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dataservice._core import copy_if_plain
 from dataservice.errors import InvalidArgumentError
 
 __all__ = [
@@ -398,8 +399,9 @@ def normalize_element(element: Any) -> Any:
     nest is rebuilt: new dicts, lists and tuples, in their own key order), as
     `map_structure(_normalize_leaf, element)` does (a tuple whose items are all kept is
     returned as is: it is immutable). Plain dicts, lists and tuples are rebuilt with one
-    comprehension each (or one C-level copy when no item changes), not through `flatten`
-    and `pack_sequence_as`: an element of many leaves costs a set lookup per leaf.
+    comprehension each (or one copy when no item changes: `_core.copy_if_plain` checks a
+    dict of str keys, a list or a tuple in one walk), not through `flatten` and
+    `pack_sequence_as`: an element of many leaves costs a set lookup per leaf.
 
     Raises:
         TypeError: A dict has keys that cannot be sorted together (as `flatten`).
@@ -414,6 +416,10 @@ def _normalized(value: Any) -> Any:
     if kind in _PASS_TYPES:
         return value
     pass_types = _PASS_TYPES
+    if kind is dict or kind is list or kind is tuple:
+        copied = copy_if_plain(value, pass_types)  # str keys and kept leaves: one walk in Rust
+        if copied is not None:
+            return copied
     keep = pass_types.__contains__
     if kind is dict:
         _sorted_keys(value)  # unsortable keys raise, as map_structure's flatten does

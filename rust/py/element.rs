@@ -13,9 +13,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySet, PyString, PyTuple
 
 use crate::error::Error;
 use crate::py::decode::{self, Batch};
-use crate::transport::codec::{
-    self, DecodeSpec, Encoder, PlainStructure, SendPtr, GIL_FREE_COPY_BYTES,
-};
+use crate::transport::codec::{self, DecodeSpec, Encoder, PlainStructure, SendPtr};
 use crate::transport::frame::{self, FramePlan, Spec};
 
 /// The encoder `encode_element` uses: it keeps the structures of recent elements compiled.
@@ -95,11 +93,7 @@ impl PyEncoding {
                 // SAFETY: `dst` is the new bytes object's end - start bytes, not shared yet.
                 unsafe { self.write_range(start, end, dst.0) }
             };
-            if end - start >= GIL_FREE_COPY_BYTES {
-                py.detach(copy);
-            } else {
-                copy();
-            }
+            codec::copy_detached_if_large(py, end - start, copy);
         })
     }
 
@@ -207,11 +201,7 @@ pub fn join_encoded<'py>(
                 }
             }
         };
-        if total >= GIL_FREE_COPY_BYTES {
-            py.detach(copy);
-        } else {
-            copy();
-        }
+        codec::copy_detached_if_large(py, total, copy);
     })
 }
 

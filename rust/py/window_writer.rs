@@ -23,9 +23,6 @@ use crate::shm::window::WindowWriter;
 use crate::transport::codec::{self, DecodeSpec, Encoder, SendPtr};
 use crate::transport::frame::{self, FramePlan, LeafDesc, Spec};
 
-/// Copies of at least this many bytes run with the GIL released.
-const GIL_FREE_COPY_BYTES: u64 = 64 << 10;
-
 fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> PyResult<MutexGuard<'a, T>> {
     super::try_lock(m, what, "one thread at a time")
 }
@@ -131,11 +128,7 @@ impl PyWindowWriter {
             // payloads are buffers pinned by `holders` / `objects`.
             unsafe { p.copy_range(0, len, dst.0) }
         };
-        if plan.payload_bytes >= GIL_FREE_COPY_BYTES {
-            py.detach(copy);
-        } else {
-            copy();
-        }
+        codec::copy_detached_if_large(py, plan.payload_bytes as usize, copy);
         drop((holders, objects));
         s.window.commit(pos, len, align, s.spec_id);
         Ok((r.evicted, Some(len)))

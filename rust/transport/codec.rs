@@ -850,8 +850,24 @@ pub fn same_spec(current: Option<&Arc<Spec>>, spec: &Arc<Spec>) -> bool {
     current.is_some_and(|c| Arc::ptr_eq(c, spec) || **c == **spec)
 }
 
-/// Copies at least this many bytes with the GIL released.
+/// Copies at least this many bytes with the GIL released ([`copy_detached_if_large`]).
 pub const GIL_FREE_COPY_BYTES: usize = 256 << 10;
+
+/// Runs `copy`, a copy of `bytes` bytes, with the GIL released when it is at least
+/// [`GIL_FREE_COPY_BYTES`], so the caller's other threads run meanwhile; a smaller copy
+/// keeps the GIL: releasing it costs little, but taking it back from a thread running
+/// Python waits up to that thread's switch interval (5 ms), far longer than the copy.
+pub fn copy_detached_if_large<R: Send>(
+    py: Python<'_>,
+    bytes: usize,
+    copy: impl FnOnce() -> R + Send,
+) -> R {
+    if bytes >= GIL_FREE_COPY_BYTES {
+        py.detach(copy)
+    } else {
+        copy()
+    }
+}
 
 #[derive(Clone, Copy)]
 pub struct SendPtr(pub *mut u8);

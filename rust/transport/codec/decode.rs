@@ -244,11 +244,7 @@ pub fn copy_leaf(
                     // src is n validated bytes of a frame we own until it is released.
                     unsafe { std::ptr::copy_nonoverlapping(src.0, dst.0, n) }
                 };
-                if n >= GIL_FREE_COPY_BYTES {
-                    py.detach(copy);
-                } else {
-                    copy();
-                }
+                super::copy_detached_if_large(py, n, copy);
             }
             arr.unbind()
         }

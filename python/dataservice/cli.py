@@ -344,6 +344,14 @@ class _Stop(BaseException):
         self.signum = signum
 
 
+# A server process runs several Python threads at once (a task's pipeline, the threads
+# answering requests, heartbeats): one waiting for the GIL behind a busy pipeline thread
+# waits up to the switch interval. CPython's 5 ms put ~3-6 ms on a new iterator's first
+# element over gRPC (bench/first_element.py); 1 ms changed no throughput figure of
+# bench/transport.py or bench/many_leaves.py. Not set in a user's own process.
+SERVER_SWITCH_INTERVAL_S = 0.001
+
+
 def _serve(
     kind: str,
     make_server: Callable[[], tuple[_Server, str]],
@@ -380,6 +388,7 @@ def _serve(
     signal.signal(signal.SIGINT, on_signal)
     if parent_pid is not None:
         _proc.ParentWatch(parent_pid, on_parent_death).start()
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
 
     try:
         server, address = make_server()

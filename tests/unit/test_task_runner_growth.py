@@ -9,7 +9,9 @@ import numpy as np
 
 from dataservice.worker.task_runner import (
     DEFAULT_BUFFER_BYTES,
+    DEFAULT_BUFFER_ELEMENTS,
     INITIAL_BUFFER_BYTES,
+    INITIAL_ELEMENT_BOUND,
     TaskRunner,
 )
 
@@ -92,5 +94,41 @@ def test_fixed_bound_when_initial_is_the_maximum() -> None:
         for _ in range(5):
             runner.get_elements_raw(64, 16 << 20, 5)
         assert runner.buffer_bound_bytes == 8 << 20
+    finally:
+        runner.stop()
+
+
+def test_element_bound_starts_small_and_doubles_with_what_consumers_take() -> None:
+    # Scalars: the bytes bound never binds, the element bound does.
+    runner = TaskRunner(3, lambda: iter(range(1 << 30)), "w")
+    try:
+        _wait_for(
+            lambda: runner.buffered_elements >= INITIAL_ELEMENT_BOUND, 10, "the first buffer-full"
+        )
+        time.sleep(0.3)  # the producer had time to overfill, if it would
+        assert runner.buffered_elements == INITIAL_ELEMENT_BOUND
+        taken: list[int] = []
+        bound = INITIAL_ELEMENT_BOUND
+        while bound < DEFAULT_BUFFER_ELEMENTS:
+            read = runner.get_elements_raw(bound, 16 << 20, 5)
+            taken += read.elements
+            assert len(read.elements) == bound  # a bound's worth was buffered
+            bound *= 2
+            _wait_for(lambda b=bound: runner.buffered_elements >= b, 10, f"a buffer of {bound}")
+            time.sleep(0.05)
+            assert runner.buffered_elements == bound
+        assert taken == list(range(len(taken)))  # in order, none lost
+    finally:
+        runner.stop()
+
+
+def test_a_fixed_bytes_bound_keeps_every_element_slot() -> None:
+    runner = TaskRunner(
+        4, lambda: iter(range(1 << 30)), "w", buffer_bytes=1 << 20, initial_buffer_bytes=1 << 20
+    )
+    try:
+        _wait_for(lambda: runner.buffered_elements >= DEFAULT_BUFFER_ELEMENTS, 10, "a full buffer")
+        time.sleep(0.1)
+        assert runner.buffered_elements == DEFAULT_BUFFER_ELEMENTS
     finally:
         runner.stop()

@@ -93,8 +93,10 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._wake_heartbeat = threading.Event()
-        self._channel = rpc_util.make_channel(options.dispatcher_address)
-        self._stub = service_pb2_grpc.DispatcherServiceStub(self._channel)
+        # The process's one channel to the dispatcher: never closed here.
+        self._stub = service_pb2_grpc.DispatcherServiceStub(
+            rpc_util.shared_channel(options.dispatcher_address)
+        )
         # Sent to the dispatcher and to every worker (gRPC metadata, or proof of
         # it in the shared-memory handshake); see auth.client_token.
         self._token = auth.client_token(options.dispatcher_address, options.auth_token)
@@ -626,7 +628,6 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout=0.2)
-        self._channel.close()
 
 
 _live_readers: weakref.WeakSet[_Reader] = weakref.WeakSet()

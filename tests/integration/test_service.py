@@ -324,7 +324,7 @@ def test_compression_round_trip(cluster, compression):
 
 
 def test_auto_compression_is_not_decided_by_host(make_cluster, monkeypatch):
-    """AUTO compresses by measurement (transfer/grpc.py AutoCompression), not because
+    """AUTO compresses by measurement (transfer/auto_compression.py), not because
     the worker is on another host: replies too small to measure the link (here
     under 256 KiB) go as they are. test_grpc_frames.py has the slow and fast links."""
     c = make_cluster(0)

@@ -7,7 +7,7 @@ one asked for), falling back to the next when a handshake fails
 (`TransferUnavailable`, logged once per worker and protocol) and failing a forced
 protocol that cannot reach the worker. `compression_for` is `distribute`'s
 `compression` for one worker: "AUTO" leaves it to the gRPC client, which
-compresses only when measuring says it saves time (`transfer.grpc.AutoCompression`).
+compresses only when measuring says it saves time (`transfer.auto_compression.AutoCompression`).
 The fetch threads that use these clients are `reader.py`'s.
 """
 
@@ -27,7 +27,7 @@ def compression_for(requested: str | None, endpoint: transfer.TaskEndpoint) -> s
     """ "zstd", "" or "auto" for `endpoint`, from `distribute`'s `compression`
     ("AUTO", None or "NONE", or a codec name). AUTO: "auto", the gRPC client's
     choice by measurement (the link's throughput against the codec's, and how well
-    the data compresses: `transfer.grpc.AutoCompression`), not by host; a
+    the data compresses: `transfer.auto_compression.AutoCompression`), not by host; a
     worker's elements read over shared memory are never compressed."""
     requested = (requested or "NONE").upper()
     if requested == "AUTO":

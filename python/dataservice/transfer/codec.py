@@ -31,6 +31,7 @@ from dataservice import _core, errors
 
 _ZSTD_MAGIC = b"DSZ1"  # then a zstd frame of an encoded element
 COMPRESSIONS = ("zstd",)
+ZSTD_LEVEL = 1  # fast: a link must be slower than the codec for it to pay
 
 
 def compress(data: bytes, compression: str) -> bytes:
@@ -47,7 +48,7 @@ def compress(data: bytes, compression: str) -> bytes:
         )
     import zstandard
 
-    return _ZSTD_MAGIC + zstandard.ZstdCompressor(level=1).compress(data)
+    return _ZSTD_MAGIC + zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
 
 
 def encode(element: Any) -> bytes:

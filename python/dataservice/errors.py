@@ -149,7 +149,8 @@ class WorkerError(DataServiceError):
     the original `args` (and attributes) when the exception could be pickled.
     Otherwise it is a plain `WorkerError` whose `type_name` names the original.
 
-    `str()` is the original message once, then "(raised on worker ADDRESS)";
+    `str()` is the original message once (its type's name when it has none: a
+    bare `KeyboardInterrupt()`), then "(raised on worker ADDRESS)";
     `__cause__` is a `RemoteTraceback` holding the worker-side traceback, so a
     printed traceback shows the user's file and line first, as PyTorch's
     DataLoader shows its worker's "Original Traceback".
@@ -180,6 +181,8 @@ class WorkerError(DataServiceError):
         message = self.__dict__.get("_remote_message")
         if message is None:
             return super().__str__()
+        if not message:  # e.g. a bare KeyboardInterrupt(): say what was raised
+            message = getattr(self, "type_name", "")
         address = getattr(self, "worker_address", "")
         if not address:
             return message

@@ -503,3 +503,34 @@ def test_malloc_tuning_is_once_per_process_and_can_be_turned_off(setting):
     assert again == "False"  # once per process
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert first == str(setting != "0" and glibc)
+
+
+def test_announced_sizes_are_refused_only_when_they_cannot_be_received():
+    grpc_transfer.check_announced([0, 5, 3 << 30], "w:1")  # 3 GiB: in pieces, fine
+    with pytest.raises(errors.DataLossError, match="negative size"):
+        grpc_transfer.check_announced([5, -1], "w:1")
+    with pytest.raises(errors.ElementTooLargeError, match="more than this host's memory"):
+        grpc_transfer.check_announced([1 << 50], "w:1")
+
+
+@pytest.mark.slow
+def test_an_element_over_2_gib_crosses_grpc():
+    """One element of 2,100 MiB (over gRPC's 2 GiB message limit and the old announced
+    size limit): it comes in pieces, whole."""
+    nbytes = 2100 << 20
+
+    def big(x):
+        a = np.zeros(nbytes, np.uint8)
+        a[::4096] = 7
+        a[-1] = 9
+        return a
+
+    with ds.LocalCluster(num_workers=1) as cluster:
+        dataset = (
+            ds.Dataset.range(1)
+            .map(big)
+            .apply(ds.distribute("OFF", cluster.target, data_transfer_protocol="grpc"))
+        )
+        (got,) = list(dataset)
+        assert got.nbytes == nbytes
+        assert int(got[::4096].min()) == 7 and int(got[-1]) == 9 and int(got[1]) == 0

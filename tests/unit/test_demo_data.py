@@ -363,3 +363,10 @@ def test_one_blas_thread_holds_numpy_blas_to_one_thread() -> None:
     with training.one_blas_thread():
         blas = threadpoolctl.threadpool_info()
         assert blas and all(p["num_threads"] == 1 for p in blas if p["user_api"] == "blas")
+
+
+def test_an_unwritable_data_dir_is_named():
+    from dataservice.demo import DemoError, ensure_dataset
+
+    with pytest.raises(DemoError, match=r"--data-dir /proc/nope: cannot write"):
+        ensure_dataset("/proc/nope", 4)

@@ -321,3 +321,24 @@ def test_user_classes_that_resist_rebuilding_still_read_well():
     err = over_the_wire(raise_and_capture(NeedsNew(5, "odd"))[0])
     assert isinstance(err, errors.WorkerError) and err.type_name.endswith("NeedsNew")
     assert_reads_well(err, "5: odd")
+
+
+def test_an_error_not_from_a_dataservice_server_names_the_call_and_address():
+    import grpc
+
+    from dataservice.rpc import util as rpc_util
+
+    context = _FakeContext()
+    context.code = grpc.StatusCode.UNIMPLEMENTED
+    context.details = "Received http2 header with status: 404"
+    context.metadata = ()
+    got = rpc_util.to_error(_rpc_error(context), "10.0.0.1:5050", "RegisterDataset")
+    assert isinstance(got, errors.UnimplementedError)
+    assert "RegisterDataset at 10.0.0.1:5050 failed" in str(got)
+    assert "status: 404" in str(got) and "not a dataservice server" in str(got)
+
+
+def test_an_error_without_a_message_is_named_by_its_type():
+    err = errors.remote_error("KeyboardInterrupt", "", "10.0.0.7:5051")
+    assert str(err) == "KeyboardInterrupt (raised on worker 10.0.0.7:5051)"
+    assert err.type_name == "KeyboardInterrupt"

@@ -278,10 +278,21 @@ def ensure_dataset(
     data_dir: str, num_records: int = DEFAULT_NUM_RECORDS, *, seed: int = 0, log: Any = None
 ) -> DemoData:
     """Returns the dataset in `data_dir`, writing it first unless a complete one
-    with the same parameters is there. Safe against concurrent demos (flock)."""
+    with the same parameters is there. Safe against concurrent demos (flock).
+
+    Raises:
+        DemoError: `data_dir` cannot be made or written (the message names it and why).
+    """
     data_dir = os.path.abspath(os.path.expanduser(data_dir))
-    os.makedirs(data_dir, exist_ok=True)
-    with open(os.path.join(data_dir, ".lock"), "w") as lock:
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        lock = open(os.path.join(data_dir, ".lock"), "w")  # noqa: SIM115  (closed below)
+    except OSError as e:
+        raise DemoError(
+            f"--data-dir {data_dir}: cannot write the demo's images there "
+            f"({e.strerror or e}); pass a writable directory"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with open(os.path.join(data_dir, MARKER)) as f:

@@ -382,6 +382,16 @@ def to_error(err: grpc.RpcError, address: str, what: str) -> errors.DataServiceE
             return errors.UnimplementedError(wrong)
     if code in RETRYABLE:
         return cls(f"{what} at {address} failed: {details}")
+    if not type_name:
+        # Not our server's own error (which names what it refused): gRPC's, or another
+        # HTTP/2 server's at that address; say where it came from.
+        hint = ""
+        if "http2 header with status" in details:
+            hint = (
+                ": the server there is not a dataservice server (another HTTP/2 service "
+                "or a proxy answered); is the address right?"
+            )
+        return cls(f"{what} at {address} failed: {details}{hint}")
     return cls(details)
 
 

@@ -95,8 +95,35 @@ STALLED_ATTEMPTS = 3
 _FRAMES_METHOD = (
     f"/{service_pb2.DESCRIPTOR.services_by_name['WorkerService'].full_name}/GetElementsFrames"
 )
-# Encoded sizes a head may announce: at most what one read may carry (validate.py).
-_MAX_ANNOUNCED_BYTES = 2**31 - 1
+
+
+def check_announced(sizes: list[int], address: str) -> None:
+    """Refuses element sizes a worker announced that cannot be received here: a
+    negative one (a damaged head), or one larger than this host's memory (an element
+    has no size limit of its own: one of several GiB comes in pieces).
+
+    Raises:
+        DataLossError: A negative size.
+        ElementTooLargeError: A size over this host's physical memory.
+    """
+    if not sizes:
+        return
+    if min(sizes) < 0:
+        raise errors.DataLossError(
+            f"worker {address} announced an element of a negative size ({min(sizes)} bytes)"
+        )
+    largest = max(sizes)
+    if largest > _host_memory_bytes():
+        raise errors.ElementTooLargeError(
+            f"worker {address} announced an element of {largest} bytes, more than this "
+            f"host's memory ({_host_memory_bytes()} bytes): it cannot be received here"
+        )
+
+
+def _host_memory_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
 
 
 MALLOC_TUNING_ENV = "DATASERVICE_MALLOC_TUNING"
@@ -701,11 +728,7 @@ class GrpcTransferClient(base.TransferClient):
                 if head.last:
                     last = head.response
                 sizes = list(head.element_bytes)
-                if any(n < 0 or n > _MAX_ANNOUNCED_BYTES for n in sizes):
-                    raise errors.DataLossError(
-                        f"worker {address} announced an element of an impossible size "
-                        f"({max(sizes, key=abs)} bytes)"
-                    )
+                check_announced(sizes, address)
                 index, head_at = 0, now
                 while index < len(sizes) and sizes[index] == 0:
                     elements.append(bytearray())
@@ -755,7 +778,8 @@ class GrpcTransferClient(base.TransferClient):
                     attempt.largest_bytes = chunk.largest_element_bytes
                     self._reply_size = attempt
                 if chunk.element_bytes:
-                    part, filled = bytearray(chunk.element_bytes), 0
+                    check_announced([chunk.element_bytes], self._endpoint.worker_address)
+                    part, filled = _core.bytearray_to_fill(chunk.element_bytes), 0
                 if chunk.element_part:
                     n = len(chunk.element_part)
                     if part is None or filled + n > len(part):

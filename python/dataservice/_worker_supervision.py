@@ -50,6 +50,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dataservice import _proc, _serverproc, errors
+from dataservice.rpc import util as rpc_util
 
 # One logger for the cluster's lines (users and tests filter on its name).
 logger = logging.getLogger("dataservice.cluster")
@@ -134,6 +135,7 @@ class WorkerSupervisionMixin:
     checker) under `LocalCluster._lock`, as the class documents them."""
 
     _lock: threading.RLock
+    _dispatcher: _Proc | None
     _workers: list[_Proc]
     _stopping: threading.Event
     _stopped: bool
@@ -165,7 +167,10 @@ class WorkerSupervisionMixin:
         now = time.monotonic()
         slots: dict[str, _Slot] = {}
         next_rss = now
+        dispatcher_exited = False
         while not self._stopping.wait(_MONITOR_PERIOD_S):
+            if not dispatcher_exited:
+                dispatcher_exited = self._check_dispatcher()
             sample_rss = time.monotonic() >= next_rss
             if sample_rss:
                 next_rss = time.monotonic() + _RSS_PERIOD_S
@@ -194,6 +199,29 @@ class WorkerSupervisionMixin:
                 elif slot.state == "waiting" and time.monotonic() >= slot.retry_at:
                     if not self._restart(slot, w):
                         return
+
+    def _check_dispatcher(self) -> bool:
+        """Whether the dispatcher's process exited (reaped here). An exit while the
+        cluster runs is logged at once with its last stderr lines, and this
+        process's new calls to it fail at once (`rpc.util.mark_gone`): the
+        cluster does not restart its dispatcher."""
+        with self._lock:
+            d = self._dispatcher
+        if d is None:
+            return False
+        code = d.popen.poll()
+        if code is None or self._stopping.is_set():
+            return code is not None
+        how = _describe_exit(code)
+        why = f"the LocalCluster's dispatcher process (pid {d.popen.pid}) {how}"
+        rpc_util.mark_gone(d.address, why + "; a LocalCluster does not restart it")
+        tail = d.stderr.tail(10)
+        logger.error(
+            "%s; the cluster's consumers fail after their client_timeout_ms%s",
+            why,
+            f"; its last stderr lines:\n{tail}" if tail else "",
+        )
+        return True
 
     def _is_current(self, w: _Proc) -> bool:
         """Whether `w` is still one of the cluster's workers (not retired)."""

@@ -64,6 +64,7 @@ from dataservice._autoscale import (
 from dataservice._worker_supervision import HEALTHY_UPTIME_S, WorkerSupervisionMixin, _Proc
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 from dataservice.dispatcher import buffer_store
+from dataservice.rpc import util as rpc_util
 
 logger = logging.getLogger(__name__)
 
@@ -433,6 +434,7 @@ class LocalCluster(WorkerSupervisionMixin, AutoscaleMixin):
                 self._dispatcher = dispatcher
             self._wait_ready(dispatcher, time.monotonic() + self._start_timeout_s)
             auth.register_token(dispatcher.address, self._auth_token)
+            rpc_util.mark_back(dispatcher.address)  # an earlier cluster's, stopped, had it
             workers = [
                 self._spawn("worker", f"worker-{i}", self._worker_flags())
                 for i in range(self._num_workers)
@@ -448,11 +450,11 @@ class LocalCluster(WorkerSupervisionMixin, AutoscaleMixin):
         logger.info(
             "LocalCluster: dispatcher %s, workers %s", dispatcher.address, self.worker_addresses
         )
-        if self._num_workers:
-            self._monitor = threading.Thread(
-                target=self._monitor_workers, name="dataservice-cluster-monitor", daemon=True
-            )
-            self._monitor.start()
+        # (the dispatcher's process too: with or without workers)
+        self._monitor = threading.Thread(
+            target=self._monitor_workers, name="dataservice-cluster-monitor", daemon=True
+        )
+        self._monitor.start()
         if self._autoscale is not None:
             self._autoscaler = threading.Thread(
                 target=self._autoscale_loop, name="dataservice-cluster-autoscaler", daemon=True
@@ -498,6 +500,10 @@ class LocalCluster(WorkerSupervisionMixin, AutoscaleMixin):
         dispatcher = self._dispatcher
         if dispatcher is not None and dispatcher.address:
             auth.unregister_token(dispatcher.address)
+            # A dataset of this cluster iterated after stop() fails at once, saying why.
+            rpc_util.mark_gone(
+                dispatcher.address, "it was the dispatcher of a LocalCluster that was stopped"
+            )
         if dispatcher is not None and dispatcher.popen.returncode is not None:
             # One that died without stopping (SIGKILL) left its dataset buffer files.
             buffer_store.remove_private_dirs(dispatcher.popen.pid)

@@ -351,3 +351,41 @@ def test_new_iterator_every_epoch_with_early_breaks_never_hangs() -> None:
 @pytest.mark.timeout(1800)
 def test_200_epochs_with_early_breaks_never_hang() -> None:
     _epochs_with_early_breaks(200, seed=2)
+
+
+def test_a_dead_dispatcher_is_reaped_named_and_new_calls_fail_at_once(caplog) -> None:
+    import logging
+
+    from dataservice import errors
+
+    caplog.set_level(logging.ERROR)
+    with ds.LocalCluster(num_workers=1) as cluster:
+        pid = cluster.dispatcher_pid
+        os.kill(pid, signal.SIGKILL)
+        _wait_until(
+            lambda: any("dispatcher process" in r.getMessage() for r in caplog.records),
+            10,
+            "the cluster to log its dispatcher's exit",
+        )
+        assert not os.path.exists(f"/proc/{pid}")  # reaped, no zombie
+        logged = [r.getMessage() for r in caplog.records if "dispatcher process" in r.getMessage()]
+        assert f"(pid {pid}) was killed by signal 9" in logged[0]
+        started = time.monotonic()
+        with pytest.raises(errors.UnavailableError, match=f"pid {pid}.*does not restart it"):
+            next(iter(ds.Dataset.range(3).apply(ds.distribute("OFF", cluster.target))))
+        assert time.monotonic() - started < 5  # not the 8-60 s of retries
+    dataset = ds.Dataset.range(3).apply(ds.distribute("OFF", cluster.target))
+    with pytest.raises(errors.UnavailableError, match="a LocalCluster that was stopped"):
+        list(dataset)
+
+
+def test_iterating_after_the_cluster_stopped_says_so_at_once() -> None:
+    from dataservice import errors
+
+    with ds.LocalCluster(num_workers=1) as cluster:
+        dataset = ds.Dataset.range(3).apply(ds.distribute("OFF", cluster.target))
+        assert [int(x) for x in dataset] == [0, 1, 2]
+    started = time.monotonic()
+    with pytest.raises(errors.UnavailableError, match="a LocalCluster that was stopped"):
+        list(dataset)
+    assert time.monotonic() - started < 5

@@ -230,6 +230,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
     # ------------------------------------------------------------ heartbeats
     def _heartbeat_loop(self) -> None:
         last_ok = time.monotonic()
+        said_gone = False
         while not self._stop.is_set():
             with self._cv:
                 finished = [t for t, s in self._tasks.items() if s.finished]
@@ -254,12 +255,26 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                 self._on_heartbeat(response)
             except grpc.RpcError as err:
                 if err.code() in rpc_util.RETRYABLE:  # type: ignore[attr-defined]
+                    # Known gone (a LocalCluster's dispatcher process exited): said at
+                    # once; the read goes on with its workers until the timeout, as for
+                    # a dispatcher that may come back.
+                    gone = rpc_util.gone_reason(self.options.dispatcher_address)
+                    if gone is not None and not said_gone:
+                        said_gone = True
+                        log.error(
+                            "the dispatcher at %s is gone: %s; this read goes on with its "
+                            "workers and fails if no dispatcher answers within %.0f s",
+                            self.options.dispatcher_address,
+                            gone,
+                            self.options.client_timeout_ms / 1000,
+                        )
                     timeout_s = self.options.client_timeout_ms / 1000
                     if time.monotonic() - last_ok > timeout_s:
                         self._fail(
                             errors.UnavailableError(
                                 f"lost the dispatcher at {self.options.dispatcher_address}: no "
-                                f"answer for {timeout_s:.1f} s ({err.details()})"  # type: ignore[attr-defined]
+                                f"answer for {timeout_s:.1f} s "
+                                + (f"({gone})" if gone else f"({err.details()})")  # type: ignore[attr-defined]
                             )
                         )
                         return

@@ -411,10 +411,38 @@ class Backoff:
             time.sleep(delay)
 
 
+# Servers this process saw end for good (a LocalCluster's dispatcher process that
+# exited): address -> why. Guarded by _REACHED_MU.
+_GONE: dict[str, str] = {}
+
+
+def mark_gone(address: str, why: str) -> None:
+    """Notes that the server at `address` ended for good (`why` says how): calls
+    to it fail at their next failed try with that reason instead of retrying for
+    their whole timeout, until a server answers there again (`mark_reached`) or
+    `mark_back`."""
+    with _REACHED_MU:
+        _GONE[address] = why
+
+
+def mark_back(address: str) -> None:
+    """A server serves at `address` again (undoes `mark_gone`)."""
+    with _REACHED_MU:
+        _GONE.pop(address, None)
+
+
+def gone_reason(address: str) -> str | None:
+    """Why the server at `address` ended for good, if `mark_gone` said so."""
+    with _REACHED_MU:
+        return _GONE.get(address)
+
+
 def mark_reached(address: str) -> None:
-    """Notes that `address` answered an RPC in this process (see `was_reached`)."""
+    """Notes that `address` answered an RPC in this process (see `was_reached`); a
+    server marked gone there (`mark_gone`) is back."""
     with _REACHED_MU:
         _REACHED.add(address)
+        _GONE.pop(address, None)
 
 
 def was_reached(address: str) -> bool:
@@ -540,6 +568,9 @@ def call_with_retries(
                 if mismatch is not None:
                     raise mismatch from None
             last[0] = details
+            gone = gone_reason(address)
+            if gone is not None:
+                raise errors.UnavailableError(f"{what} at {address} failed: {gone}") from None
             now = time.monotonic()
             if not was_reached(address) and now >= fast_deadline:
                 raise unreachable_error(what, address, fast_ms, details) from None

@@ -182,7 +182,7 @@ class WorkerError(DataServiceError):
         if message is None:
             return super().__str__()
         if not message:  # e.g. a bare KeyboardInterrupt(): say what was raised
-            message = getattr(self, "type_name", "")
+            message = str(getattr(self, "type_name", "") or "")
         address = getattr(self, "worker_address", "")
         if not address:
             return message

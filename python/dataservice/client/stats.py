@@ -286,9 +286,13 @@ class WorkerLossTracking:
                 f"worker {s.endpoint.worker_address} (pid {s.worker_pid or 'unknown'}): sent "
                 f"the dispatcher no heartbeat for {now - s.silent_since:.1f} s ({how})"
             )
-        what = "its workers stopped answering" if live else "it lost its workers"
+        if live:
+            what = "the worker" + ("s" if len(live) > 1 else "") + " it still waits for"
+            what += " stopped answering"
+        else:
+            what = "it lost its workers"
         raise errors.WorkerCrashedError(
-            f"no worker is left to run iteration {self.iteration_id}: {what} and none came "
+            f"iteration {self.iteration_id} cannot go on: {what} and none came "
             f"back within {timeout_ms / 1000:.1f} s (worker_loss_timeout_ms):\n  "
             + "\n  ".join(lines)
         )

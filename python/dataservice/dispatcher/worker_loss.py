@@ -176,7 +176,7 @@ class WorkerLossMixin(DispatcherBase):
             name = f" ({job.job_name})" if job.job_name else ""
             self._iteration_errors[iteration.iteration_id] = (
                 f"no worker is left to run job {job.job_id}{name}, repetition "
-                f"{iteration.repetition}: its workers kept exiting and were given up on:\n  "
+                f"{iteration.repetition}: every worker that ran it was given up on:\n  "
                 + "\n  ".join(reasons or self._failed_workers.values())
             )
             log.error("%s", self._iteration_errors[iteration.iteration_id])

@@ -137,7 +137,11 @@ class ExactlyOnceMixin(DispatcherBase):
             if fresh:
                 self._lease_locked(iteration_id, task_id, ordinals, fresh)
             self._apply_locked(st.ProduceSplits(iteration_id, len(fresh), end, 0))
-            take.extend(ordinals)
+            # After a crash between a LeaseSplits and its ProduceSplits, the same splits
+            # come out again under the same ordinals, which `again` may already hold:
+            # each goes out once (a split run twice by one process could reach its
+            # consumer after the split completed, past the consumer's dedup).
+            take.extend(o for o in ordinals if o not in take)
         if take:
             old = [o for o in take if leases[o].task_id != task_id]
             if old:

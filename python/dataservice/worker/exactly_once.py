@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dataservice.worker.server import WorkerServer
 
 _MAX_LEASES = 64  # splits asked for in one GetSplits (doubling from 1)
+_RAN_KEPT = 4 * _MAX_LEASES
 _POLL_S = (0.01, 0.2)  # first and longest wait before asking again when none is free
 
 
@@ -55,6 +56,9 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
             the pipeline raises.
     """
     produced: list[tuple[int, int]] = []
+    # ordinal -> elements, of the last `_RAN_KEPT` splits this process ran (a duplicate
+    # lease comes in the same or the next GetSplits answer)
+    ran: collections.OrderedDict[int, int] = collections.OrderedDict()
     queue: collections.deque[Any] = collections.deque()
     batch = 1
     wait_s = _POLL_S[0]
@@ -87,6 +91,11 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
             queue.extend(response.leases)
             batch = min(batch * 2, _MAX_LEASES)
         lease = queue.popleft()
+        if lease.ordinal in ran:
+            # Leased to this process again (a dispatcher restarted between two journal
+            # records): already run; its count goes back, its elements not twice.
+            produced.append((lease.ordinal, ran[lease.ordinal]))
+            continue
         split = lease.str_split if lease.is_str else lease.int_split
         skip = eo.unflatten(lease.skip)
         iterator = graph.make_iterator(dataset, split_sources=(_OneSplit(split),), stats=stats)
@@ -101,3 +110,6 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
             if close is not None:
                 close()
         produced.append((lease.ordinal, seq))
+        ran[lease.ordinal] = seq
+        if len(ran) > _RAN_KEPT:
+            ran.popitem(last=False)

@@ -86,28 +86,29 @@ impl HeapBuf {
     /// arrive: a first chunk that declares far more than ever follows does not make this
     /// process write (and keep resident) that many zeros.
     pub fn new(len: usize) -> Option<Self> {
-        let layout = std::alloc::Layout::array::<u8>(len).ok()?;
-        if len == 0 {
-            return None;
-        }
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return None;
-        }
-        Some(HeapBuf { ptr, len })
+        Self::allocate(len, true)
     }
 
     /// `len` (> 0) bytes the caller must write, every one, before any is read (no
     /// zeroing pass: a decoder's copy of many small leaves writes them all), or None if
     /// they cannot be allocated.
     pub fn new_unfilled(len: usize) -> Option<Self> {
+        Self::allocate(len, false)
+    }
+
+    fn allocate(len: usize, zeroed: bool) -> Option<Self> {
         let layout = std::alloc::Layout::array::<u8>(len).ok()?;
         if len == 0 {
             return None;
         }
         // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(layout) };
+        let ptr = unsafe {
+            if zeroed {
+                std::alloc::alloc_zeroed(layout)
+            } else {
+                std::alloc::alloc(layout)
+            }
+        };
         if ptr.is_null() {
             return None;
         }

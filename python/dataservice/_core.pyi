@@ -23,6 +23,7 @@ __all__ = [
     "TFRecordReader",
     "TFRecordWriter",
     "bytearray_to_fill",
+    "copy_if_plain",
     "crc32c",
     "decode_element",
     "encode_element",

@@ -428,11 +428,19 @@ def heavy_job(target: str, job_name: str):
 
 
 def drain_to_grow(it) -> None:
-    """Reads 40 MiB per worker: a task's buffer starts at a few elements and
-    doubles as its consumer drains it (worker/task_runner.py), so each task's
-    bound is then 32 MiB or more and the workers buffer that much."""
+    """Reads until every worker handed out 40 MiB: a task's buffer starts at a few
+    elements and doubles as its consumer drains it (worker/task_runner.py), so each
+    task's bound is then 32 MiB or more and the workers buffer that much. (Counted
+    per worker: the reader takes from whichever worker answers first, so 40 MiB per
+    worker on average can leave one worker's bound at 16 MiB.)"""
     for _ in range(40 * SHARED_WORKERS):
         next(it)
+    for _ in range(100 * SHARED_WORKERS):
+        workers = it.stats()["workers"].values()
+        if len(workers) == SHARED_WORKERS and min(w["elements"] for w in workers) >= 40:
+            return
+        next(it)
+    raise AssertionError(f"a worker handed out under 40 elements: {it.stats()['workers']}")
 
 
 def wait_buffered_then_freed(pids: list[int], baseline: list[int], abandon: Callable) -> float:

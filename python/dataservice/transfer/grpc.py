@@ -50,6 +50,7 @@ the reply's start. A wait past `_waits.FIRST_WARNING_S` logs what it waits for.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import os
@@ -113,14 +114,17 @@ def check_announced(sizes: list[int], address: str) -> None:
             f"worker {address} announced an element of a negative size ({min(sizes)} bytes)"
         )
     largest = max(sizes)
-    if largest > _host_memory_bytes():
+    memory = _host_memory_bytes()
+    if largest > memory:
         raise errors.ElementTooLargeError(
             f"worker {address} announced an element of {largest} bytes, more than this "
-            f"host's memory ({_host_memory_bytes()} bytes): it cannot be received here"
+            f"host's memory ({memory} bytes): it cannot be received here"
         )
 
 
+@functools.cache
 def _host_memory_bytes() -> int:
+    """This host's physical memory (bytes), read once: every head is checked."""
     import psutil
 
     return int(psutil.virtual_memory().total)

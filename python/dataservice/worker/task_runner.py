@@ -199,8 +199,8 @@ class TaskRunner:
         self._taken_since_growth = 0  # bytes consumers took at this bound
         # The element bound grows as the bytes bound does, unless that one is fixed.
         grows = initial_buffer_bytes < buffer_bytes
-        self._element_bound = min(
-            buffer_elements, INITIAL_ELEMENT_BOUND if grows else buffer_elements
+        self._element_bound = (
+            min(buffer_elements, INITIAL_ELEMENT_BOUND) if grows else buffer_elements
         )
         self._taken_elements_since_growth = 0  # elements consumers took at this bound
         self._cv = threading.Condition()

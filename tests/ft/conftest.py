@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,8 @@ from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
+
+from dataservice.rpc import util as rpc_util
 
 READY_RE = re.compile(r"^dataservice (dispatcher|worker) listening on (\S+)")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -363,3 +366,15 @@ def exit_at_once(marker_dir: str, index: int, code: int) -> Callable[[object], o
         return x
 
     return fn
+
+
+def unanswered_port() -> int:
+    """A port nothing listens on (bound, then closed) and that no server this
+    process talked to had: a port another test's dispatcher used answered
+    once, so a refusal there reads as a restart (the full timeout)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not any(rpc_util.was_reached(f"{h}:{port}") for h in ("127.0.0.1", "localhost")):
+            return port

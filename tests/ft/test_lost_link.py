@@ -33,6 +33,7 @@ import dataservice as ds
 from dataservice import _waits, errors
 from dataservice.rpc import util as rpc_util
 from tests.conftest import FAST
+from tests.ft.conftest import unanswered_port
 from tests.ft.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,7 +123,7 @@ def test_an_advertised_address_that_leads_nowhere_fails_in_seconds(
     make_cluster, monkeypatch, caplog
 ):
     # Nothing listens on this port: the address the worker advertises is wrong.
-    wrong = f"127.0.0.1:{_free_port()}"
+    wrong = f"127.0.0.1:{unanswered_port()}"
     monkeypatch.setenv(rpc_util.UNREACHABLE_ENV, "3000")
     caplog.set_level(logging.INFO, logger="dataservice")
     cluster = make_cluster(0)

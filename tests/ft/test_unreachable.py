@@ -8,7 +8,6 @@ restarting, and is retried up to the full timeout.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -18,19 +17,7 @@ import dataservice as ds
 from dataservice import errors
 from dataservice.rpc import util as rpc_util
 
-from .conftest import Servers
-
-
-def _free_port() -> int:
-    """A port nothing listens on (bound, then closed) and that no server this
-    process talked to had: a port another test's dispatcher used answered
-    once, so a refusal there reads as a restart (the full timeout)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not any(rpc_util.was_reached(f"{h}:{port}") for h in ("127.0.0.1", "localhost")):
-            return port
+from .conftest import Servers, unanswered_port
 
 
 def _register(address: str) -> None:
@@ -47,7 +34,7 @@ def _from_dataset_id(address: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_the_default_bound_is_under_10_s_and_names_the_address() -> None:
-    address = f"localhost:{_free_port()}"  # a dispatcher on another host, named wrongly
+    address = f"localhost:{unanswered_port()}"  # a dispatcher on another host, named wrongly
     t0 = time.monotonic()
     with pytest.raises(errors.UnavailableError) as info:
         _register(address)
@@ -65,7 +52,7 @@ def test_client_calls_fail_fast_on_an_address_that_never_answered(
     call, host: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(rpc_util.UNREACHABLE_ENV, "1500")
-    address = f"{host}:{_free_port()}"
+    address = f"{host}:{unanswered_port()}"
     t0 = time.monotonic()
     with pytest.raises(errors.UnavailableError, match="never answered within 1500 ms") as info:
         call(address)
@@ -76,7 +63,7 @@ def test_client_calls_fail_fast_on_an_address_that_never_answered(
 
 @pytest.mark.timeout(60)
 def test_client_timeout_ms_still_bounds_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{unanswered_port()}"
     t0 = time.monotonic()
     with pytest.raises(errors.UnavailableError, match=f"{address}: it never answered within 1000"):
         ds.register_dataset(address, ds.Dataset.range(3), client_timeout_ms=1_000)
@@ -114,7 +101,7 @@ def test_a_dispatcher_that_answered_once_is_retried_while_it_restarts(
 def test_worker_process_exits_non_zero_on_a_dispatcher_address_nobody_answers(
     servers: Servers,
 ) -> None:
-    address = f"localhost:{_free_port()}"
+    address = f"localhost:{unanswered_port()}"
     worker = servers.worker(address, wait=False)
     code = worker.popen.wait(15)
     took = time.monotonic() - worker.started_at
@@ -127,7 +114,7 @@ def test_worker_process_exits_non_zero_on_a_dispatcher_address_nobody_answers(
 
 @pytest.mark.timeout(60)
 def test_worker_process_unresolvable_dispatcher_host(servers: Servers) -> None:
-    address = f"no-such-host.invalid:{_free_port()}"
+    address = f"no-such-host.invalid:{unanswered_port()}"
     worker = servers.worker(
         address, wait=False, extra=("--dispatcher-unreachable-timeout-ms", "1500")
     )
@@ -140,7 +127,7 @@ def test_worker_process_unresolvable_dispatcher_host(servers: Servers) -> None:
 
 @pytest.mark.timeout(60)
 def test_in_process_worker_stops_with_an_error_naming_the_address() -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{unanswered_port()}"
     t0 = time.monotonic()
     worker = ds.WorkerServer(
         ds.WorkerConfig(address, heartbeat_interval_ms=100, dispatcher_unreachable_timeout_ms=1500)

@@ -212,12 +212,19 @@ _HOLDER = textwrap.dedent(
 
 
 def _fd_targets() -> list[str]:
+    """What this process's fds point at, TCP sockets left out: the in-process
+    cluster's gRPC channels are TCP and may reconnect at any time; the shm
+    transport's connections are Unix sockets (by inode in /proc/net/unix)."""
+    with open("/proc/net/unix") as f:
+        unix = {fields[6] for fields in map(str.split, list(f)[1:]) if len(fields) > 6}
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
+            continue
+        if not target.startswith("socket:[") or target[8:-1] in unix:
+            out.append(target)
     return sorted(out)
 
 
@@ -246,9 +253,10 @@ def test_sigkill_of_a_trainer_holding_views_leaves_nothing(make_cluster):
             child.wait(10)
             child.stdin.close()
             child.stdout.close()
-        # The worker's end of the dead trainer's connection is closed and its slot
-        # free. (Counted by kind: the cached job's own reader in this process maps
-        # a new segment now and then, a dup of a memfd already open.)
+        # The worker's end of the dead trainer's connection (a Unix socket) is
+        # closed and its slot free. (Counted by kind: the cached job's own reader
+        # in this process maps a new segment now and then, a dup of a memfd
+        # already open.)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and (
             _sockets() > sockets or cache.stats()["attached_slots"] != attached

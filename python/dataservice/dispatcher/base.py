@@ -131,6 +131,10 @@ class DispatcherBase:
         self._eo_orphans: dict[st.IterationId, dict[int, Any]] = {}
         self._eo_ready: dict[st.IterationId, list[int]] = {}
         self._eo_dead_uids: set[str] = set()
+        # Consumers journaled before this dispatcher started that have not sent a
+        # heartbeat since: what they received is unknown here.
+        self._eo_unheard: set[st.IterationClientId] = set()
+        self._eo_told_unheard: set[tuple[st.IterationId, st.TaskId]] = set()  # logged once
         self._dataset_objects: dict[str, Any] = {}
         self._restart_time = time.monotonic()
         # The maintenance thread's: iterations with consumers and no worker.

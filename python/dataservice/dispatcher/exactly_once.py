@@ -15,8 +15,14 @@ restart: `_eo_received` (iteration -> ordinal -> client -> ranges received),
 `_eo_holder` ((iteration, ordinal) -> uid of the worker process holding it),
 `_eo_orphans` (iteration -> ordinal -> the lost process's (task, uid) and the
 clients still to close it), `_eo_ready` (iteration -> ordinals to lease again)
-and `_eo_dead_uids` (processes declared lost: a process that comes back after
-that gets no lease, since the consumers drop what it sends).
+`_eo_dead_uids` (processes declared lost: a process that comes back after
+that gets no lease, since the consumers drop what it sends) and `_eo_unheard`
+(consumers journaled before a restart and not heard since: a split leased
+before the restart is not run again until they reported what they received).
+
+A split is out to one worker process at a time: a second copy running would
+reach the consumers after the split completed, when they no longer keep its
+receipts.
 """
 
 from __future__ import annotations
@@ -94,20 +100,43 @@ class ExactlyOnceMixin(DispatcherBase):
             # Built outside the lock, then asked again (before any lease moves).
             raise NotLoaded(lambda: self._build_split_providers(iteration_id))
         held = set(request.held)
+        ready = self._eo_ready.get(iteration_id, [])
         # After a dispatcher restart the holders are unknown: a lease of this
         # task that this process says it holds is its; one it does not hold and
-        # that produced no count is given to it again.
+        # that produced no count is given to it again. A lease without a holder
+        # for another reason is a lost process's: it waits for the consumers to
+        # close that process (`_eo_orphans`), then goes out once, to whichever
+        # task asks first (`ready`); the lost process's task, run by its next
+        # process, must not take it here as well.
+        waiting = self._eo_orphans.get(iteration_id, {}).keys() | set(ready)
         again: list[int] = []
         for lease in leases.values():
             if lease.task_id != task_id or (iteration_id, lease.ordinal) in self._eo_holder:
                 continue
-            if lease.ordinal in self._eo_orphans.get(iteration_id, {}):
+            if lease.ordinal in waiting:
                 continue
             if lease.ordinal in held or lease.count >= 0:
                 self._eo_holder[(iteration_id, lease.ordinal)] = uid
             else:
                 again.append(lease.ordinal)
-        ready = self._eo_ready.get(iteration_id, [])
+        unheard = sorted(self._eo_unheard & iteration.clients)
+        if again and unheard:
+            # Run again now, a split would skip nothing, and a consumer that got
+            # some of it before the restart could get those elements twice once
+            # the split completes: it waits for their receipts (consumers heartbeat
+            # every second or so; one that never does times out, client_timeout_ms).
+            if (iteration_id, task_id) not in self._eo_told_unheard:
+                self._eo_told_unheard.add((iteration_id, task_id))
+                log.info(
+                    "exactly-once iteration %d: %d splits of task %d go out again once "
+                    "the consumers %s report what they received before this dispatcher "
+                    "restarted",
+                    iteration_id,
+                    len(again),
+                    task_id,
+                    unheard,
+                )
+            again = []
         max_splits = max(1, min(request.max_splits or 1, _MAX_LEASES_PER_RPC))
         take = again[:max_splits]
         while ready and len(take) < max_splits:
@@ -213,6 +242,7 @@ class ExactlyOnceMixin(DispatcherBase):
         self, client_id: st.IterationClientId, iteration: st.Iteration, request: Any, response: Any
     ) -> None:
         """A consumer's receipts and closed processes (ClientHeartbeatRequest)."""
+        self._eo_unheard.discard(client_id)
         if not request.split_receipts and not request.closed_processes:
             return
         iteration_id = iteration.iteration_id
@@ -237,6 +267,7 @@ class ExactlyOnceMixin(DispatcherBase):
     ) -> None:
         """A consumer left: no lost process waits for it any more. (What it
         received stays counted: it was delivered.)"""
+        self._eo_unheard.discard(client_id)
         for orphan in self._eo_orphans.get(iteration_id, {}).values():
             orphan.waiting.discard(client_id)
         self._eo_promote_locked(iteration_id)
@@ -263,9 +294,11 @@ class ExactlyOnceMixin(DispatcherBase):
         if uid:
             self._eo_dead_uids.add(uid)
         orphans = self._eo_orphans.setdefault(iteration_id, {})
+        # (an earlier lost process's split not leased again yet is no one's)
+        ready = set(self._eo_ready.get(iteration_id, []))
         moved = 0
         for lease in iteration.leases.values():
-            if lease.task_id != task.task_id or lease.ordinal in orphans:
+            if lease.task_id != task.task_id or lease.ordinal in orphans or lease.ordinal in ready:
                 continue
             holder = self._eo_holder.get((iteration_id, lease.ordinal))
             if holder is not None and uid and holder != uid:

@@ -350,6 +350,7 @@ class DispatchServer(
             now = time.monotonic()
             for client_id in self._state.clients:
                 self._client_seen[client_id] = now
+            self._eo_unheard = set(self._state.clients)
             for job_id in self._state.jobs:
                 self._job_last_used[job_id] = now
             if not self._state.incarnation_id:

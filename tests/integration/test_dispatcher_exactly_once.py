@@ -1,0 +1,158 @@
+"""Exactly-once split leases on the dispatcher, driven through its RPC handlers
+(dispatcher/exactly_once.py): a split is out to one worker process at a time."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import dataservice as ds
+from dataservice.data.serialize import serialize
+from dataservice.rpc import service_pb2 as pb
+from dataservice.sharding import sharding_policy_to_proto
+
+DYNAMIC = sharding_policy_to_proto(ds.ShardingPolicy.DYNAMIC)
+
+
+def _heartbeat(d, address, uid):
+    return d._worker_heartbeat(
+        pb.WorkerHeartbeatRequest(
+            worker_address=address,
+            transfer_address=address,
+            host_id="h",
+            worker_uid=uid,
+            heartbeat_interval_ms=100,
+        )
+    )
+
+
+def _leases(d, iteration_id, task_id, uid, max_splits, produced=()):
+    request = pb.GetSplitsRequest(
+        iteration_id=iteration_id,
+        task_id=task_id,
+        max_splits=max_splits,
+        exactly_once=True,
+        worker_uid=uid,
+    )
+    for ordinal, count in produced:
+        request.produced.add(ordinal=ordinal, count=count)
+    return [lease.ordinal for lease in d._get_splits(request).leases]
+
+
+def _start(d):
+    """Workers w:1 (uid-1a) and w:2 (uid-2) and one consumer of an exactly-once
+    DYNAMIC read of range(100): (the consumer's iteration, w:1's task, w:2's task)."""
+    _heartbeat(d, "w:1", "uid-1a")
+    _heartbeat(d, "w:2", "uid-2")
+    dataset_id = d._register_dataset(
+        pb.RegisterDatasetRequest(
+            dataset=serialize(ds.Dataset.range(100)),
+            element_spec=pickle.dumps(None),
+            fingerprint="range",
+        )
+    ).dataset_id
+    job_id = d._get_or_create_job(
+        pb.GetOrCreateJobRequest(dataset_id=dataset_id, processing_mode=DYNAMIC, exactly_once=True)
+    ).job_id
+    iteration = d._get_or_create_iteration(pb.GetOrCreateIterationRequest(job_id=job_id))
+    tasks = {t.worker_address: t.task_id for t in d._state.tasks.values()}
+    return iteration, tasks["w:1"], tasks["w:2"]
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_processs_splits_go_out_once_when_its_consumer_closed_it():
+    """Worker w:1's process is replaced by a new one at the same address (as
+    LocalCluster restarts it): the old process's open leases wait for the
+    consumer to close it, then go out again, each to one process: the new
+    process of the same task, which asks first, must not take what another
+    task then also gets (two copies of one split: the later one reaches the
+    consumer after the split completed, past its dedup)."""
+    d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=60_000))
+    try:
+        iteration, task1, task2 = _start(d)
+        iteration_id = iteration.iteration_id
+        held = _leases(d, iteration_id, task1, "uid-1a", 4)
+        assert held, "the first process got no lease"
+        _heartbeat(d, "w:1", "uid-1b")  # a new process at w:1: the old one's leases wait
+        assert _leases(d, iteration_id, task1, "uid-1b", 1)[0] not in held  # (not yet)
+        closed = pb.ClientHeartbeatRequest(iteration_client_id=iteration.iteration_client_id)
+        closed.closed_processes.add(task_id=task1, worker_uid="uid-1a")
+        d._client_heartbeat(closed)
+        out = []
+        for _ in range(len(held)):
+            out += _leases(d, iteration_id, task1, "uid-1b", 1)
+            out += _leases(d, iteration_id, task2, "uid-2", 1)
+        again = [o for o in out if o in held]
+        assert sorted(again) == sorted(held), (held, out)  # each once, none twice
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_split_waiting_to_go_out_again_is_not_orphaned_twice():
+    """A lost process's splits wait, ready to go out again, when the next
+    process of the same task is lost too: they are not that process's, so they
+    do not wait for its close as well (then going out twice)."""
+    d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=60_000))
+    try:
+        iteration, task1, task2 = _start(d)
+        iteration_id = iteration.iteration_id
+        held = _leases(d, iteration_id, task1, "uid-1a", 4)
+
+        def close(uid):
+            request = pb.ClientHeartbeatRequest(iteration_client_id=iteration.iteration_client_id)
+            request.closed_processes.add(task_id=task1, worker_uid=uid)
+            d._client_heartbeat(request)
+
+        _heartbeat(d, "w:1", "uid-1b")
+        close("uid-1a")  # held: ready to go out again
+        _heartbeat(d, "w:1", "uid-1c")  # uid-1b is lost before anyone took them
+        out = []
+        for _ in range(len(held)):
+            out += _leases(d, iteration_id, task2, "uid-2", 1)
+        close("uid-1b")
+        for _ in range(len(held)):
+            out += _leases(d, iteration_id, task2, "uid-2", 1)
+            out += _leases(d, iteration_id, task1, "uid-1c", 1)
+        again = [o for o in out if o in held]
+        assert sorted(again) == sorted(held), (held, out)
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_after_a_dispatcher_restart_a_split_goes_out_again_only_with_its_receipts(tmp_path):
+    """A split leased before the dispatcher restarted, whose process is gone,
+    goes out again once the consumer told the new dispatcher what it received
+    of it (then skipped), not before (then produced again, a second copy)."""
+    config = ds.DispatcherConfig(
+        work_dir=str(tmp_path), fault_tolerant_mode=True, worker_timeout_ms=120_000
+    )
+    d = ds.DispatchServer(config)
+    try:
+        iteration, task1, _ = _start(d)
+        iteration_id = iteration.iteration_id
+        held = _leases(d, iteration_id, task1, "uid-1a", 2)
+        assert held
+    finally:
+        d.stop()
+    d = ds.DispatchServer(config)
+    try:
+        _heartbeat(d, "w:1", "uid-1b")  # w:1's process is new too
+        _heartbeat(d, "w:2", "uid-2")
+        assert not set(_leases(d, iteration_id, task1, "uid-1b", 8)) & set(held)
+        receipts = pb.ClientHeartbeatRequest(iteration_client_id=iteration.iteration_client_id)
+        receipts.split_receipts.add(ordinal=held[0], ranges=[0, 1])  # got its element
+        d._client_heartbeat(receipts)
+        request = pb.GetSplitsRequest(
+            iteration_id=iteration_id,
+            task_id=task1,
+            max_splits=8,
+            exactly_once=True,
+            worker_uid="uid-1b",
+        )
+        skip = {lease.ordinal: list(lease.skip) for lease in d._get_splits(request).leases}
+        assert skip[held[0]] == [0, 1], skip
+    finally:
+        d.stop()

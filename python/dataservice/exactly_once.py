@@ -29,6 +29,8 @@ mean what the user meant (see its docstring).
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -136,7 +138,9 @@ def add(ranges: Ranges, seq: int) -> None:
 
 
 def contains(ranges: Ranges, seq: int) -> bool:
-    return any(start <= seq < end for start, end in ranges)
+    """Whether `seq` is in `ranges` (O(log n): a consumer checks every element)."""
+    i = bisect.bisect_right(ranges, (seq, math.inf)) - 1
+    return i >= 0 and seq < ranges[i][1]
 
 
 def union(sets: Iterable[Ranges]) -> Ranges:

@@ -1,6 +1,7 @@
 """The consumer's side of exactly-once DYNAMIC (dataservice/exactly_once.py):
 strip each element's `(ordinal, seq)` tag, drop what this consumer already
-received or what comes from a worker process it closed, and tell the
+received, what belongs to a split the dispatcher called complete, or what comes
+from a worker process it closed, and tell the
 dispatcher, heartbeat by heartbeat, what it received and which processes it
 closed. A part of `reader._Reader`; the `_locked` methods expect `_cv` held.
 """
@@ -24,6 +25,10 @@ class ExactlyOnceReceipts:
     def _init_receipts(self) -> None:
         # guarded by self._cv:
         self._eo_received: dict[int, eo.Ranges] = {}  # split ordinal -> seqs received
+        # Ordinals of the splits the dispatcher called complete: an element of one
+        # arriving later is a copy (e.g. of a split run again elsewhere), whatever
+        # its seq, and its receipts are gone.
+        self._eo_completed: eo.Ranges = []
         self._eo_closed: set[tuple[int, str]] = set()  # (task id, worker uid) closed
         self._eo_dropped = 0  # duplicates and elements of closed processes dropped
         # A resumed read (client/checkpoint.py): per split, the sequence numbers
@@ -36,8 +41,9 @@ class ExactlyOnceReceipts:
         self, task_id: int, worker_uid: str, elements: list[Any]
     ) -> tuple[list[Any], list[tuple[Any, int]]]:
         """The elements of one fetch from `task_id`'s process `worker_uid`,
-        untagged, less those already received here, sent by a closed process,
-        or delivered before a checkpoint; and the (split, seq) of each."""
+        untagged, less those already received here, of a completed split, sent
+        by a closed process, or delivered before a checkpoint; and the (split,
+        seq) of each."""
         if (task_id, worker_uid) in self._eo_closed:
             self._eo_dropped += len(elements)
             return [], []
@@ -45,11 +51,15 @@ class ExactlyOnceReceipts:
         tags = []
         received = self._eo_received
         preloaded = self._eo_preloaded
+        completed = self._eo_completed
         for ordinal, seq, split, element in elements:
             ordinal, seq = int(ordinal), int(seq)
             split = split if isinstance(split, str) else int(split)
             ranges = received.get(ordinal)
             if ranges is None:
+                if eo.contains(completed, ordinal):
+                    self._eo_dropped += 1
+                    continue
                 ranges = received[ordinal] = []
             elif eo.contains(ranges, seq):
                 self._eo_dropped += 1
@@ -92,3 +102,4 @@ class ExactlyOnceReceipts:
     def _eo_on_heartbeat_locked(self, response: Any) -> None:
         for ordinal in response.completed_splits:
             self._eo_received.pop(ordinal, None)
+            eo.add(self._eo_completed, ordinal)

@@ -17,6 +17,7 @@ import pytest
 
 import dataservice as ds
 from dataservice import _waits
+from dataservice.client import connect
 from dataservice.client import reader as reader_module
 from dataservice.locality import host_id
 from dataservice.sharding import ShardingPolicy
@@ -172,6 +173,29 @@ def test_the_falling_back_line_is_logged_once_per_worker(caplog) -> None:
         assert [r.levelno for r in lines] == [logging.WARNING] + [logging.DEBUG] * 4, [
             (r.levelname, r.getMessage()) for r in lines
         ]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_served_shared_memory_and_now_refuses_is_not_a_fallback(
+    make_cluster, caplog
+) -> None:
+    """A same-host worker read over shared memory, then restarted: its refusal is
+    not "shm unavailable; falling back" (it has shm, and the next reconnect tries
+    it first); one that never served shared memory still gets that WARNING."""
+    if "shm" not in transfer.available_protocols():
+        pytest.skip("no shared-memory transfer on this platform")
+    caplog.set_level(logging.DEBUG, logger="dataservice")
+    cluster = make_cluster(1)
+    address = cluster.workers[0].address
+    dataset = ds.Dataset.range(5).apply(ds.distribute(ShardingPolicy.OFF, cluster.target))
+    assert [int(x) for x in dataset] == list(range(5))
+    endpoint = transfer.TaskEndpoint(4000, address, address, host_id())
+    cluster.workers[0].stop()
+    # (gRPC connects lazily: a client comes back, whose first fetch would fail)
+    connect.connect(endpoint, None, None, zero_copy=True, trainer_id="", compression=None).close()
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if address in r.getMessage()]
+    assert not [m for level, m in messages if "falling back" in m], messages
+    assert [m for level, m in messages if "served this process before" in m], messages
 
 
 @pytest.mark.timeout(90)

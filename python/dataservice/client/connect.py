@@ -22,6 +22,10 @@ from dataservice.transfer import shm
 # A read logs under one name, the reader's, whichever module does the work.
 log = logging.getLogger("dataservice.client.reader")
 
+# (protocol, worker address) pairs whose handshake succeeded in this process: a
+# later refusal there is a worker restarting or gone, not one without the protocol.
+_SERVED: set[tuple[str, str]] = set()
+
 
 def compression_for(requested: str | None, endpoint: transfer.TaskEndpoint) -> str:
     """ "zstd", "" or "auto" for `endpoint`, from `distribute`'s `compression`
@@ -83,7 +87,19 @@ def connect(
                     f"data transfer protocol {candidate!r} cannot reach worker "
                     f"{endpoint.worker_address}: {err}"
                 ) from err
-            # Once per worker and protocol: a restarting worker refuses every
+            if (candidate, endpoint.worker_address) in _SERVED:
+                # Not a fallback for good: the worker served this protocol before
+                # (its loss or restart is the read's to report); the next
+                # reconnect tries it first again.
+                log.debug(
+                    "%s transfer to %s refused (%s); it served this process before (the "
+                    "worker is restarting or gone); trying the next protocol",
+                    candidate,
+                    endpoint.worker_address,
+                    err,
+                )
+                continue
+            # Once per worker and protocol: a worker without it refuses every
             # reconnect, and each would log the same line.
             _waits.warn_once(
                 log,
@@ -94,6 +110,7 @@ def connect(
                 err,
             )
             continue
+        _SERVED.add((candidate, endpoint.worker_address))
         client.pipeline = client.pipeline and pipeline
         codec = compression_for(compression, endpoint)
         if codec:

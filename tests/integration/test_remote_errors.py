@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 import pytest
@@ -136,6 +137,44 @@ def test_coordinated_and_cached_reads(cluster, protocol, read):
     got, err = read_until_error(distribute(fail_key, cluster.target, **kw))
     assert got == list(range(FAIL_AT))
     check(err, "fail_key", [w.address for w in cluster.workers])
+
+
+def raising(error: BaseException):
+    def fn(x):
+        if x == FAIL_AT:
+            raise error
+        return x
+
+    return fn
+
+
+# Types a consumer retries when the transfer raises them (a worker restarting, a
+# task it does not know yet): raised by the pipeline (a missing shard is
+# NotFoundError), they are the pipeline's error, raised at once.
+RETRIED_TYPES = [
+    errors.NotFoundError("/data/shard-00007.tar: no such file or directory"),
+    errors.UnavailableError("the feature store at db:5432 refused"),
+    errors.DeadlineExceededError("the feature store did not answer in 5 s"),
+    errors.CancelledError("cancelled upstream"),
+    ConnectionResetError("peer reset the download"),
+]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "shm"])
+@pytest.mark.parametrize("read", ["plain", "coordinated"])
+@pytest.mark.parametrize("error", RETRIED_TYPES, ids=lambda e: type(e).__name__)
+def test_a_pipeline_error_of_a_type_the_transfer_retries_is_raised_at_once(
+    cluster, protocol, read, error
+):
+    kw: dict = {"data_transfer_protocol": protocol}
+    if read == "coordinated":
+        kw.update(job_name=f"retried-{protocol}", consumer_index=0, num_consumers=1)
+    started = time.monotonic()
+    got, err = read_until_error(distribute(raising(error), cluster.target, **kw))
+    assert time.monotonic() - started < 10, "the consumer retried the pipeline's error"
+    assert got == list(range(FAIL_AT))
+    assert isinstance(err, type(error)) and isinstance(err, errors.WorkerError), type(err)
+    assert str(err) == f"{error} (raised on worker {err.worker_address})"
 
 
 class Box:

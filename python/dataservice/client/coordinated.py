@@ -168,6 +168,10 @@ class CoordinatedReads:
                     consumer_index=self.options.consumer_index,
                     round_index=round_index,
                 )
+            except errors.WorkerError:
+                # The pipeline raised, even one of the retried types below (a missing
+                # file is NotFoundError): the consumer's error, not the transfer's.
+                raise
             except (errors.UnavailableError, errors.NotFoundError) as err:
                 log.debug("round %d on task %d: %s", round_index, task_id, err)
                 now = time.monotonic()

@@ -259,9 +259,11 @@ class TaskFetching:
                     result = client.get_elements(
                         want, max_bytes, _FETCH_WAIT_S, trainer_id=self.options.trainer_id
                     )
-                except errors.TransferStalledError:
-                    # The link cannot carry the reply (transfer/grpc.py): retrying
-                    # cannot help; the consumer gets the error.
+                except (errors.TransferStalledError, errors.WorkerError):
+                    # The link cannot carry the reply (transfer/grpc.py), or the
+                    # pipeline raised (even one of the types retried below: a missing
+                    # file is NotFoundError): retrying cannot help; the consumer gets
+                    # the error.
                     if self._outstanding is not None:
                         self._outstanding.release()
                     raise

@@ -490,6 +490,10 @@ class DistributedDataset(Dataset):
         return iterator
 
 
+# A definition this large is worth a WARNING at registration (see `_register`).
+LARGE_DEFINITION_BYTES = 256 << 20
+
+
 def _register(
     address: str,
     dataset: Dataset,
@@ -498,6 +502,16 @@ def _register(
     timeout_ms: int,
 ) -> str:
     data = serialize_dataset(dataset)
+    if len(data) >= LARGE_DEFINITION_BYTES:
+        log.warning(
+            "the pipeline's definition is %d MiB (arrays its functions or sources "
+            "capture): it goes to the dispatcher %s in one request, which takes "
+            "seconds per 100 MiB and more (one gRPC message), and is kept there; a "
+            "large array read in the pipeline from a file (np.load(path, mmap_mode='r') "
+            "in a map, the path captured) costs nothing to register",
+            len(data) >> 20,
+            address,
+        )
     spec = graph.static_element_spec(dataset)
     request = pb.RegisterDatasetRequest(
         dataset=data,

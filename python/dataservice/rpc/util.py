@@ -31,6 +31,11 @@ UNREACHABLE_ENV = "DATASERVICE_UNREACHABLE_TIMEOUT_MS"
 DEFAULT_UNREACHABLE_TIMEOUT_MS = 8_000  # with DNS and start-up, an error within 10 s
 # The first attempt of a dispatcher RPC; each after a timed-out one gets twice as long.
 DISPATCHER_ATTEMPT_S = 10.0
+# A large dispatcher request (a pipeline capturing big arrays) gets this much more
+# time per byte on its first attempt, and at least one whole attempt in all: resent
+# at a fixed deadline, a request of a GB was sent, parsed and stored again and
+# again until the client timeout (a pessimistic link, and the dispatcher storing it).
+LARGE_REQUEST_BYTES_PER_S = 10_000_000
 # A dispatcher request at least this large, to a dispatcher this process never
 # reached, is preceded by a small GetDispatcherInfo (see `call_dispatcher`).
 PROBE_FIRST_BYTES = 64 << 10
@@ -611,8 +616,9 @@ def call_dispatcher(
 ) -> Any:
     """`stub.<method>(request)` on the dispatcher, retried as `call_with_retries`
     for up to `timeout_ms` (`unreachable_ms` for a dispatcher that never
-    answered; the first attempt bounded at `DISPATCHER_ATTEMPT_S`, each one after
-    a timed-out one twice as long).
+    answered; the first attempt bounded at `DISPATCHER_ATTEMPT_S`, plus a second
+    per `LARGE_REQUEST_BYTES_PER_S` bytes of the request, each one after a
+    timed-out one twice as long; `timeout_ms` is raised to one such attempt).
 
     Raises:
         UnavailableError: As `call_with_retries`; when every attempt at a
@@ -623,6 +629,8 @@ def call_dispatcher(
     """
     fn = getattr(stub, method)
     size = request.ByteSize()
+    attempt_s = DISPATCHER_ATTEMPT_S + size / LARGE_REQUEST_BYTES_PER_S
+    timeout_ms = max(timeout_ms, int(attempt_s * 1000))
     if size >= PROBE_FIRST_BYTES and not was_reached(address):
         # A large request that a slow link holds up past its deadline would be taken
         # for a wrong address (given up after the unreachable timeout): a small call
@@ -645,6 +653,6 @@ def call_dispatcher(
         what=f"{method} to the dispatcher" + (f" ({size} bytes)" if size >= 1 << 20 else ""),
         timeout_ms=timeout_ms,
         stop=stop,
-        attempt_timeout_s=DISPATCHER_ATTEMPT_S,
+        attempt_timeout_s=attempt_s,
         unreachable_ms=unreachable_ms,
     )

@@ -29,6 +29,8 @@ pub use plain::PlainStructure;
 /// numpy, pickle and collections callables, imported once.
 pub struct Api {
     pub ndarray: Py<PyType>,
+    /// numpy.ma.MaskedArray: pickled whole, as a plain array would lose its mask.
+    pub masked_array: Py<PyType>,
     pub generic: Py<PyType>,
     pub empty: Py<PyAny>,
     pub frombuffer: Py<PyAny>,
@@ -50,6 +52,11 @@ pub fn api(py: Python<'_>) -> PyResult<&Api> {
         let dtype = np.getattr("dtype")?;
         Ok::<_, PyErr>(Api {
             ndarray: np.getattr("ndarray")?.cast_into::<PyType>()?.unbind(),
+            masked_array: py
+                .import("numpy.ma")?
+                .getattr("MaskedArray")?
+                .cast_into::<PyType>()?
+                .unbind(),
             generic: np.getattr("generic")?.cast_into::<PyType>()?.unbind(),
             empty: np.getattr("empty")?.unbind(),
             frombuffer: np.getattr("frombuffer")?.unbind(),
@@ -378,6 +385,9 @@ impl Encoder {
             return self.scalar_leaf(obj, &info, flat);
         }
         if obj.is_instance(api.ndarray.bind(py))? {
+            if !ty.is(api.ndarray.bind(py)) && obj.is_instance(api.masked_array.bind(py))? {
+                return self.pickle_leaf(obj, flat);
+            }
             return self.array_leaf(obj, flat);
         }
         if let Ok(b) = obj.cast::<PyBytes>() {

@@ -204,3 +204,23 @@ def test_an_object_array_of_dicts_needs_allow_pickled_elements(cluster):
         ds.distribute(ds.ShardingPolicy.OFF, cluster.target, allow_pickled_elements=True)
     )
     assert [[r["id"] for r in e["rows"]] for e in read] == [[0, 0], [1, -1], [2, -2]]
+
+
+def masked(i):
+    return {"x": np.ma.array([int(i), 2, 3], mask=[0, 1, 0])}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_masked_array_keeps_its_mask_or_is_refused(cluster, protocol):
+    """As a plain array a masked array would lose its mask (the masked values
+    come back): refused naming the way out, or pickled whole when allowed."""
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        list(dist(ds.Dataset.range(2).map(masked), cluster, protocol))
+    text = str(info.value)
+    assert "element['x'] is a numpy.ma.MaskedArray" in text and "getmaskarray" in text, text
+    got = list(
+        dist(ds.Dataset.range(2).map(masked), cluster, protocol, allow_pickled_elements=True)
+    )
+    assert [type(e["x"]) for e in got] == [np.ma.MaskedArray] * 2
+    assert [e["x"].mask.tolist() for e in got] == [[False, True, False]] * 2
+    assert [e["x"].data.tolist() for e in got] == [[0, 2, 3], [1, 2, 3]]

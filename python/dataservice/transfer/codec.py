@@ -237,6 +237,14 @@ def element_nbytes(element: Any, *, allow_pickled: bool = True) -> int:
 def _nbytes(value: Any, walk: _Walk, depth: int) -> int:
     walk.nodes += 1
     if isinstance(value, np.ndarray):
+        if type(value) is not np.ndarray and isinstance(value, np.ma.MaskedArray):
+            # As a plain array its mask would be lost, and the masked values come back.
+            return _other(
+                value,
+                walk,
+                "a masked array, whose mask a plain array would lose: send "
+                "np.ma.getdata(x) and np.ma.getmaskarray(x) as two leaves",
+            )
         if not value.dtype.hasobject:
             return int(value.nbytes)
         if value.dtype.fields is not None:  # a structured dtype with object fields

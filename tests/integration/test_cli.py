@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import selectors
@@ -13,6 +14,7 @@ import time
 
 import pytest
 
+import dataservice as ds
 from dataservice import cli
 from dataservice.config import DispatcherConfig, WorkerConfig, config_fields
 
@@ -189,3 +191,14 @@ def test_help_lists_the_subcommands() -> None:
     assert out.returncode == 0
     for command in ("dispatcher", "worker", "demo"):
         assert command in out.stdout
+
+
+def test_a_work_dir_without_fault_tolerance_is_said_to_be_unused(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="dataservice"):
+        d = ds.DispatchServer(ds.DispatcherConfig(work_dir=str(tmp_path)), start=False)
+        d.stop()
+        ds.DispatchServer(
+            ds.DispatcherConfig(work_dir=str(tmp_path), fault_tolerant_mode=True), start=False
+        ).stop()
+    warned = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path) in warned[0] and "--fault-tolerant" in warned[0]

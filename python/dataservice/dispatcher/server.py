@@ -178,6 +178,12 @@ class DispatchServer(
 
     def __init__(self, config: DispatcherConfig | None = None, start: bool = True) -> None:
         super().__init__(config or DispatcherConfig())
+        if self._config.work_dir and not self._config.fault_tolerant_mode:
+            log.warning(
+                "work_dir %r is not used: nothing is journaled without fault_tolerant_mode "
+                "(--fault-tolerant), so a restarted dispatcher starts empty",
+                self._config.work_dir,
+            )
         if start:
             self.start()
 

@@ -138,6 +138,13 @@ class MissingShardsError(WorkerCrashedError):
     """
 
 
+# Raised on a worker, these come as a plain WorkerError (as themselves they would
+# end or exit the consumer's loop): its str() names them.
+_NOT_RAISED_AS_ITSELF = frozenset(
+    {"SystemExit", "KeyboardInterrupt", "GeneratorExit", "StopIteration", "StopAsyncIteration"}
+)
+
+
 class WorkerError(DataServiceError):
     """A user function raised on a worker.
 
@@ -150,7 +157,8 @@ class WorkerError(DataServiceError):
     Otherwise it is a plain `WorkerError` whose `type_name` names the original.
 
     `str()` is the original message once (its type's name when it has none: a
-    bare `KeyboardInterrupt()`), then "(raised on worker ADDRESS)";
+    bare `KeyboardInterrupt()`; prefixed by it for the types that come as a plain
+    `WorkerError`: "SystemExit: 3"), then "(raised on worker ADDRESS)";
     `__cause__` is a `RemoteTraceback` holding the worker-side traceback, so a
     printed traceback shows the user's file and line first, as PyTorch's
     DataLoader shows its worker's "Original Traceback".
@@ -181,8 +189,11 @@ class WorkerError(DataServiceError):
         message = self.__dict__.get("_remote_message")
         if message is None:
             return super().__str__()
+        type_name = str(getattr(self, "type_name", "") or "")
         if not message:  # e.g. a bare KeyboardInterrupt(): say what was raised
-            message = str(getattr(self, "type_name", "") or "")
+            message = type_name
+        elif type(self) is WorkerError and type_name in _NOT_RAISED_AS_ITSELF:
+            message = f"{type_name}: {message}"  # "3" alone would not say sys.exit(3)
         address = getattr(self, "worker_address", "")
         if not address:
             return message

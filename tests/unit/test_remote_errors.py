@@ -342,3 +342,13 @@ def test_an_error_without_a_message_is_named_by_its_type():
     err = errors.remote_error("KeyboardInterrupt", "", "10.0.0.7:5051")
     assert str(err) == "KeyboardInterrupt (raised on worker 10.0.0.7:5051)"
     assert err.type_name == "KeyboardInterrupt"
+
+
+def test_an_exit_or_stop_raised_on_a_worker_is_named_by_its_type():
+    # They come as a plain WorkerError (as themselves they would end the consumer's loop).
+    for type_name in ("SystemExit", "StopIteration"):
+        err = errors.remote_error(type_name, "3", "10.0.0.7:5051")
+        assert type(err) is errors.WorkerError
+        assert str(err) == f"{type_name}: 3 (raised on worker 10.0.0.7:5051)"
+    err = errors.remote_error("ValueError", "3", "10.0.0.7:5051")
+    assert isinstance(err, ValueError) and str(err) == "3 (raised on worker 10.0.0.7:5051)"

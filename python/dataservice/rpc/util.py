@@ -618,7 +618,8 @@ def call_dispatcher(
     for up to `timeout_ms` (`unreachable_ms` for a dispatcher that never
     answered; the first attempt bounded at `DISPATCHER_ATTEMPT_S`, plus a second
     per `LARGE_REQUEST_BYTES_PER_S` bytes of the request, each one after a
-    timed-out one twice as long; `timeout_ms` is raised to one such attempt).
+    timed-out one twice as long; `timeout_ms` is raised to at least that second
+    per `LARGE_REQUEST_BYTES_PER_S` bytes).
 
     Raises:
         UnavailableError: As `call_with_retries`; when every attempt at a
@@ -629,8 +630,9 @@ def call_dispatcher(
     """
     fn = getattr(stub, method)
     size = request.ByteSize()
-    attempt_s = DISPATCHER_ATTEMPT_S + size / LARGE_REQUEST_BYTES_PER_S
-    timeout_ms = max(timeout_ms, int(attempt_s * 1000))
+    sending_s = size / LARGE_REQUEST_BYTES_PER_S
+    attempt_s = DISPATCHER_ATTEMPT_S + sending_s
+    timeout_ms = max(timeout_ms, int(sending_s * 1000))  # (a small request: as given)
     if size >= PROBE_FIRST_BYTES and not was_reached(address):
         # A large request that a slow link holds up past its deadline would be taken
         # for a wrong address (given up after the unreachable timeout): a small call

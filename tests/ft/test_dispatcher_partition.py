@@ -29,7 +29,6 @@ import collections
 import dataclasses
 import logging
 import os
-import pickle
 import threading
 import time
 from collections.abc import Iterator
@@ -38,9 +37,9 @@ import pytest
 
 import dataservice as ds
 from dataservice import errors
-from dataservice.data.serialize import serialize
 from dataservice.rpc import service_pb2 as pb
 
+from ..integration.dispatcher_handlers import register_range, worker_heartbeat
 from ..multihost import harness
 from .conftest import Server, Servers, report, wait_until
 from .tcp_proxy import TcpProxy
@@ -574,18 +573,6 @@ def test_a_worker_killed_while_the_dispatchers_link_is_down_is_lost_once_it_is_b
 # ------------------------------------------------------------ the rule, handler by handler
 
 
-def _worker_heartbeat(d: ds.DispatchServer, address: str) -> None:
-    d._worker_heartbeat(
-        pb.WorkerHeartbeatRequest(
-            worker_address=address,
-            transfer_address=address,
-            host_id="h",
-            worker_uid=f"uid-{address}",
-            heartbeat_interval_ms=100,
-        )
-    )
-
-
 def _silence(d: ds.DispatchServer, seconds: float) -> None:
     """As if nobody had been heard for `seconds` (the handlers' last-seen times)."""
     with d._mu:
@@ -608,15 +595,9 @@ def test_silence_holds_the_timeouts_until_an_rpc_arrives_then_grants_the_grace(
     lost after all."""
     d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=2_000, client_timeout_ms=2_000))
     try:
-        _worker_heartbeat(d, "w:1")
-        _worker_heartbeat(d, "w:2")
-        dataset_id = d._register_dataset(
-            pb.RegisterDatasetRequest(
-                dataset=serialize(ds.Dataset.range(10)),
-                element_spec=pickle.dumps(None),
-                fingerprint="x",
-            )
-        ).dataset_id
+        worker_heartbeat(d, "w:1", "uid-w:1")
+        worker_heartbeat(d, "w:2", "uid-w:2")
+        dataset_id = register_range(d, 10)
         job = d._get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=dataset_id))
         client_id = d._get_or_create_iteration(
             pb.GetOrCreateIterationRequest(job_id=job.job_id)
@@ -645,7 +626,7 @@ def test_silence_holds_the_timeouts_until_an_rpc_arrives_then_grants_the_grace(
         # w:2 stays silent while w:1 and the client are heard: it is lost.
         with d._mu:
             d._workers["w:2"].last_heartbeat = time.monotonic() - 5.0
-        _worker_heartbeat(d, "w:1")
+        worker_heartbeat(d, "w:1", "uid-w:1")
         d._client_heartbeat(pb.ClientHeartbeatRequest(iteration_client_id=client_id))
         d._check_workers()
         assert sorted(d._workers) == ["w:1"]
@@ -660,13 +641,7 @@ def test_without_workers_a_silent_client_is_released_as_before() -> None:
     that stopped heartbeating releases it after client_timeout_ms."""
     d = ds.DispatchServer(ds.DispatcherConfig(client_timeout_ms=2_000))
     try:
-        dataset_id = d._register_dataset(
-            pb.RegisterDatasetRequest(
-                dataset=serialize(ds.Dataset.range(10)),
-                element_spec=pickle.dumps(None),
-                fingerprint="x",
-            )
-        ).dataset_id
+        dataset_id = register_range(d, 10)
         job = d._get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=dataset_id))
         client_id = d._get_or_create_iteration(
             pb.GetOrCreateIterationRequest(job_id=job.job_id)

@@ -3,28 +3,15 @@
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 
 import dataservice as ds
-from dataservice.data.serialize import serialize
 from dataservice.rpc import service_pb2 as pb
 from dataservice.sharding import sharding_policy_to_proto
 
+from .dispatcher_handlers import register_range, worker_heartbeat
+
 DYNAMIC = sharding_policy_to_proto(ds.ShardingPolicy.DYNAMIC)
-
-
-def _heartbeat(d, address, uid):
-    return d._worker_heartbeat(
-        pb.WorkerHeartbeatRequest(
-            worker_address=address,
-            transfer_address=address,
-            host_id="h",
-            worker_uid=uid,
-            heartbeat_interval_ms=100,
-        )
-    )
 
 
 def _leases(d, iteration_id, task_id, uid, max_splits, produced=()):
@@ -43,15 +30,9 @@ def _leases(d, iteration_id, task_id, uid, max_splits, produced=()):
 def _start(d):
     """Workers w:1 (uid-1a) and w:2 (uid-2) and one consumer of an exactly-once
     DYNAMIC read of range(100): (the consumer's iteration, w:1's task, w:2's task)."""
-    _heartbeat(d, "w:1", "uid-1a")
-    _heartbeat(d, "w:2", "uid-2")
-    dataset_id = d._register_dataset(
-        pb.RegisterDatasetRequest(
-            dataset=serialize(ds.Dataset.range(100)),
-            element_spec=pickle.dumps(None),
-            fingerprint="range",
-        )
-    ).dataset_id
+    worker_heartbeat(d, "w:1", "uid-1a")
+    worker_heartbeat(d, "w:2", "uid-2")
+    dataset_id = register_range(d, 100)
     job_id = d._get_or_create_job(
         pb.GetOrCreateJobRequest(dataset_id=dataset_id, processing_mode=DYNAMIC, exactly_once=True)
     ).job_id
@@ -74,7 +55,7 @@ def test_a_restarted_processs_splits_go_out_once_when_its_consumer_closed_it():
         iteration_id = iteration.iteration_id
         held = _leases(d, iteration_id, task1, "uid-1a", 4)
         assert held, "the first process got no lease"
-        _heartbeat(d, "w:1", "uid-1b")  # a new process at w:1: the old one's leases wait
+        worker_heartbeat(d, "w:1", "uid-1b")  # a new process at w:1: the old one's leases wait
         assert _leases(d, iteration_id, task1, "uid-1b", 1)[0] not in held  # (not yet)
         closed = pb.ClientHeartbeatRequest(iteration_client_id=iteration.iteration_client_id)
         closed.closed_processes.add(task_id=task1, worker_uid="uid-1a")
@@ -105,9 +86,9 @@ def test_a_split_waiting_to_go_out_again_is_not_orphaned_twice():
             request.closed_processes.add(task_id=task1, worker_uid=uid)
             d._client_heartbeat(request)
 
-        _heartbeat(d, "w:1", "uid-1b")
+        worker_heartbeat(d, "w:1", "uid-1b")
         close("uid-1a")  # held: ready to go out again
-        _heartbeat(d, "w:1", "uid-1c")  # uid-1b is lost before anyone took them
+        worker_heartbeat(d, "w:1", "uid-1c")  # uid-1b is lost before anyone took them
         out = []
         for _ in range(len(held)):
             out += _leases(d, iteration_id, task2, "uid-2", 1)
@@ -139,8 +120,8 @@ def test_after_a_dispatcher_restart_a_split_goes_out_again_only_with_its_receipt
         d.stop()
     d = ds.DispatchServer(config)
     try:
-        _heartbeat(d, "w:1", "uid-1b")  # w:1's process is new too
-        _heartbeat(d, "w:2", "uid-2")
+        worker_heartbeat(d, "w:1", "uid-1b")  # w:1's process is new too
+        worker_heartbeat(d, "w:2", "uid-2")
         assert not set(_leases(d, iteration_id, task1, "uid-1b", 8)) & set(held)
         receipts = pb.ClientHeartbeatRequest(iteration_client_id=iteration.iteration_client_id)
         receipts.split_receipts.add(ordinal=held[0], ranges=[0, 1])  # got its element

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import time
 
 import pytest
@@ -10,29 +9,11 @@ import pytest
 import dataservice as ds
 from dataservice.rpc import service_pb2 as pb
 
-
-def _heartbeat(d, uid, current=(), address="w:1"):
-    return d._worker_heartbeat(
-        pb.WorkerHeartbeatRequest(
-            worker_address=address,
-            transfer_address=address,
-            host_id="h",
-            worker_uid=uid,
-            current_tasks=list(current),
-            heartbeat_interval_ms=100,
-        )
-    )
+from .dispatcher_handlers import register_range, worker_heartbeat
 
 
 def _start_read(d):
-    dataset = ds.Dataset.range(10)
-    from dataservice.data.serialize import serialize
-
-    dataset_id = d._register_dataset(
-        pb.RegisterDatasetRequest(
-            dataset=serialize(dataset), element_spec=pickle.dumps(None), fingerprint="x"
-        )
-    ).dataset_id
+    dataset_id = register_range(d, 10)
     job = d._get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=dataset_id, job_name="j"))
     return d._get_or_create_iteration(pb.GetOrCreateIterationRequest(job_id=job.job_id))
 
@@ -41,9 +22,9 @@ def _start_read(d):
 def test_a_slow_worker_declared_lost_gets_its_task_back_not_a_new_copy():
     d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=100))
     try:
-        _heartbeat(d, "uid-1")
+        worker_heartbeat(d, "w:1", "uid-1")
         iteration = _start_read(d)
-        (task,) = _heartbeat(d, "uid-1").new_tasks
+        (task,) = worker_heartbeat(d, "w:1", "uid-1").new_tasks
         d._workers["w:1"].last_heartbeat -= 10  # it missed its heartbeats
         d._check_workers()
         assert (
@@ -52,7 +33,7 @@ def test_a_slow_worker_declared_lost_gets_its_task_back_not_a_new_copy():
             ).tasks
             == []
         )
-        response = _heartbeat(d, "uid-1", current=[task.task_id])  # back, same process
+        response = worker_heartbeat(d, "w:1", "uid-1", [task.task_id])  # back, same process
         assert list(response.new_tasks) == [] and list(response.tasks_to_delete) == []
         tasks = d._client_heartbeat(
             pb.ClientHeartbeatRequest(iteration_client_id=iteration.iteration_client_id)
@@ -66,12 +47,12 @@ def test_a_slow_worker_declared_lost_gets_its_task_back_not_a_new_copy():
 def test_a_restarted_worker_process_starts_its_task_over():
     d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=100))
     try:
-        _heartbeat(d, "uid-1")
+        worker_heartbeat(d, "w:1", "uid-1")
         _start_read(d)
-        (task,) = _heartbeat(d, "uid-1").new_tasks
+        (task,) = worker_heartbeat(d, "w:1", "uid-1").new_tasks
         d._workers["w:1"].last_heartbeat = time.monotonic() - 10
         d._check_workers()
-        (again,) = _heartbeat(d, "uid-2").new_tasks  # a new process at the same address
+        (again,) = worker_heartbeat(d, "w:1", "uid-2").new_tasks  # a new process, same address
         assert again.task_id != task.task_id  # OFF: a new task, from the start
     finally:
         d.stop()
@@ -97,8 +78,8 @@ def test_workers_given_up_on_fail_the_iterations_no_worker_is_left_to_run():
     reason; a new iteration fails at once; a worker that registers ends it."""
     d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=100))
     try:
-        _heartbeat(d, "uid-1", address="w:1")
-        _heartbeat(d, "uid-2", address="w:2")
+        worker_heartbeat(d, "w:1", "uid-1")
+        worker_heartbeat(d, "w:2", "uid-2")
         iteration = _start_read(d)
         assert _client_tasks(d, iteration) == ["w:1", "w:2"]
         _give_up(d, "w:1")
@@ -114,7 +95,7 @@ def test_workers_given_up_on_fail_the_iterations_no_worker_is_left_to_run():
         job_id = next(iter(d._state.jobs))
         with pytest.raises(ds.errors.WorkerCrashedError, match="w:1 kept crashing"):
             d._get_or_create_iteration(pb.GetOrCreateIterationRequest(job_id=job_id, repetition=1))
-        _heartbeat(d, "uid-3", address="w:3")  # a worker again: new iterations wait for it
+        worker_heartbeat(d, "w:3", "uid-3")  # a worker again: new iterations wait for it
         d._get_or_create_iteration(pb.GetOrCreateIterationRequest(job_id=job_id, repetition=2))
     finally:
         d.stop()
@@ -124,14 +105,14 @@ def test_workers_given_up_on_fail_the_iterations_no_worker_is_left_to_run():
 def test_a_lost_worker_that_may_come_back_keeps_the_iteration_waiting():
     d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=100))
     try:
-        _heartbeat(d, "uid-1", address="w:1")
-        _heartbeat(d, "uid-2", address="w:2")
+        worker_heartbeat(d, "w:1", "uid-1")
+        worker_heartbeat(d, "w:2", "uid-2")
         iteration = _start_read(d)
         d._workers["w:2"].last_heartbeat = time.monotonic() - 10
         d._check_workers()  # w:2 lost: it may be restarting
         _give_up(d, "w:1")
         assert _client_tasks(d, iteration) == []  # no error: waiting for w:2
-        _heartbeat(d, "uid-3", address="w:2")  # w:2 restarted
+        worker_heartbeat(d, "w:2", "uid-3")  # w:2 restarted
         assert _client_tasks(d, iteration) == ["w:2"]
     finally:
         d.stop()

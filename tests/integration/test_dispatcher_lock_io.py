@@ -12,7 +12,6 @@ handlers are called in-process, from threads of the test.
 from __future__ import annotations
 
 import importlib
-import pickle
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,8 @@ import pytest
 import dataservice as ds
 from dataservice.data import graph
 from dataservice.rpc import service_pb2 as pb
+
+from .dispatcher_handlers import register_range, worker_heartbeat
 
 # The module (`dataservice.data.serialize` is also the name of its function).
 serialize = importlib.import_module("dataservice.data.serialize")
@@ -62,22 +63,8 @@ def restarted(tmp_path: Path) -> Iterator[tuple[ds.DispatchServer, int, int, int
     splits were handed out. Yields (dispatcher, job_id, iteration_id, task_id)."""
     d = ds.DispatchServer(_config(tmp_path))
     try:
-        d._worker_heartbeat(
-            pb.WorkerHeartbeatRequest(
-                worker_address="w:1",
-                transfer_address="w:1",
-                host_id="h",
-                worker_uid="uid-1",
-                heartbeat_interval_ms=100,
-            )
-        )
-        dataset_id = d._register_dataset(
-            pb.RegisterDatasetRequest(
-                dataset=serialize.serialize(ds.Dataset.range(N)),
-                element_spec=pickle.dumps(None),
-                fingerprint="range",
-            )
-        ).dataset_id
+        worker_heartbeat(d, "w:1", "uid-1")
+        dataset_id = register_range(d, N)
         job_id = d._get_or_create_job(
             pb.GetOrCreateJobRequest(dataset_id=dataset_id, job_name="j", processing_mode=DYNAMIC)
         ).job_id

@@ -31,10 +31,11 @@ UNREACHABLE_ENV = "DATASERVICE_UNREACHABLE_TIMEOUT_MS"
 DEFAULT_UNREACHABLE_TIMEOUT_MS = 8_000  # with DNS and start-up, an error within 10 s
 # The first attempt of a dispatcher RPC; each after a timed-out one gets twice as long.
 DISPATCHER_ATTEMPT_S = 10.0
-# A large dispatcher request (a pipeline capturing big arrays) gets this much more
-# time per byte on its first attempt, and at least one whole attempt in all: resent
-# at a fixed deadline, a request of a GB was sent, parsed and stored again and
-# again until the client timeout (a pessimistic link, and the dispatcher storing it).
+# A large dispatcher request (a pipeline capturing big arrays) gets a second per this
+# many bytes on its first attempt, and the client timeout is raised to that sending
+# time: resent at a fixed deadline, a request of a GB was sent, parsed and stored
+# again and again until the client timeout (a pessimistic link, and the dispatcher
+# storing it).
 LARGE_REQUEST_BYTES_PER_S = 10_000_000
 # A dispatcher request at least this large, to a dispatcher this process never
 # reached, is preceded by a small GetDispatcherInfo (see `call_dispatcher`).

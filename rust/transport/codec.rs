@@ -21,9 +21,11 @@ use crate::transport::frame::{self, Dims, LeafDesc, LeafIn, LeafKind, LeafSpec, 
 use crate::transport::npy;
 
 mod decode;
+mod dict_keys;
 mod plain;
 
 pub use decode::{copy_leaf, DecodeSpec};
+use dict_keys::DictKeys;
 pub use plain::PlainStructure;
 
 /// numpy, pickle and collections callables, imported once.
@@ -143,8 +145,9 @@ struct DtypeInfo {
 /// Producer side: flattens elements into leaves and tracks the current spec.
 ///
 /// The structures of the last few elements are kept compiled ([`Compiled`]): an element of
-/// one of them is flattened by walking it along that structure (dict items looked up by
-/// their cached key objects, arrays read through numpy's struct), without building or
+/// one of them is flattened by walking it along that structure (a dict's items read in one
+/// pass while it lists the learnt keys in the learnt order, else looked up by key: see
+/// `DictKeys`; arrays read through numpy's struct), without building or
 /// comparing a `Spec`; any difference sends it down the general walk, which compiles its
 /// structure in turn.
 #[derive(Default)]
@@ -189,7 +192,8 @@ enum CNode {
     None,
     Tuple(Vec<CNode>),
     List(Vec<CNode>),
-    Dict(Vec<(Py<PyString>, CNode)>),
+    /// An exact dict of these keys; its values' nodes, in the keys' order.
+    Dict(DictKeys, Vec<CNode>),
     NamedTuple(Py<PyType>, Vec<CNode>),
 }
 
@@ -345,18 +349,18 @@ impl Encoder {
             }
             Spec::Dict(items) => {
                 let d = obj.cast::<PyDict>()?;
+                let names = items.iter().map(|(k, _)| k.as_str());
+                let Some((keys, values)) = DictKeys::learn(d, names)? else {
+                    return Ok(None);
+                };
                 let mut nodes = Vec::with_capacity(items.len());
-                for (k, s) in items {
-                    let key = PyString::intern(py, k);
-                    let Some(item) = d.get_item(&key)? else {
-                        return Ok(None);
-                    };
-                    match self.compile(&item, s)? {
-                        Some(n) => nodes.push((key.unbind(), n)),
+                for (item, (_, s)) in values.iter().zip(items) {
+                    match self.compile(item, s)? {
+                        Some(n) => nodes.push(n),
                         None => return Ok(None),
                     }
                 }
-                CNode::Dict(nodes)
+                CNode::Dict(keys, nodes)
             }
         }))
     }
@@ -819,20 +823,23 @@ impl Encoder {
                 Ok(l) if l.len() == items.len() => self.walk_items(l.iter(), items, flat)?,
                 _ => false,
             },
-            CNode::Dict(items) => match obj.cast_exact::<PyDict>() {
+            CNode::Dict(keys, nodes) => match obj.cast_exact::<PyDict>() {
                 // Same length and every compiled key present: the same keys.
-                Ok(d) if d.len() == items.len() => {
-                    for (key, item) in items {
-                        match d.get_item(key.bind(py))? {
-                            Some(v) => {
-                                if !self.fast_walk(&v, item, flat)? {
-                                    return Ok(false);
-                                }
+                Ok(d) if d.len() == nodes.len() => {
+                    let mark = (flat.leaves.len(), flat.holders.len(), flat.objects.len());
+                    match keys.visit_in_order(d, |i, v| self.fast_walk(v, &nodes[i], flat))? {
+                        Some(same) => same,
+                        None => {
+                            // Another order: undo what was walked, and look the keys up.
+                            flat.leaves.truncate(mark.0);
+                            flat.holders.truncate(mark.1);
+                            flat.objects.truncate(mark.2);
+                            match keys.looked_up(d)? {
+                                Some(values) => self.walk_items(values.into_iter(), nodes, flat)?,
+                                None => false,
                             }
-                            None => return Ok(false),
                         }
                     }
-                    true
                 }
                 _ => false,
             },

@@ -372,6 +372,67 @@ def test_element_check_agrees_with_signature_and_element_nbytes():
         assert check.nbytes_if_same(unplain) is None
 
 
+def _fresh(key: str) -> str:
+    """A str equal to `key` that is another object (as keys built per element are)."""
+    return "".join(list(key))
+
+
+def _keyed(keys: list[str]) -> dict[str, np.ndarray]:
+    """A dict inserted in the order of `keys`, each value telling its key apart."""
+    return {k: np.full(3, sum(map(ord, k)), np.int32 if k != "beta" else np.int64) for k in keys}
+
+
+# Dicts of one stream: the encoder and the structure check read a dict of a structure
+# they know in one pass over its entries while it lists the same keys in the same order;
+# another order (learnt first, or met midway), equal keys that are other objects, or
+# another key must never put a value under another key.
+_KEY_ORDERS = [
+    ["alpha", "beta", "gamma"],
+    ["alpha", "beta", "gamma"],
+    ["alpha", "gamma", "beta"],  # differs at the second entry, after one leaf
+    ["gamma", "beta", "alpha"],
+    [_fresh("alpha"), _fresh("beta"), _fresh("gamma")],
+    ["alpha", "beta", "delta"],
+    ["alpha", "beta", "gamma"],
+]
+
+
+@pytest.mark.parametrize("first", [0, 3], ids=["learnt-in-order", "learnt-out-of-order"])
+@pytest.mark.parametrize("path", ["ring", "encode_element"])
+def test_dicts_keep_each_value_under_its_key_whatever_their_key_order(path, first):
+    orders = _KEY_ORDERS[first:] + _KEY_ORDERS[:first]
+    elements = [_keyed(order) for order in orders for _ in range(2)]
+    if path == "ring":
+        p = _core.ShmRingProducer(1 << 20)
+        c = _core.ShmRingConsumer(p.fileno(), nonce=p.nonce)
+        assert p.put_many(elements, 5000) == len(elements)
+        out: list = []
+        while len(out) < len(elements):
+            got, _, _, err = c.get_many(64, 5000)
+            assert err is None
+            out.extend(got)
+    else:
+        out = [_core.decode_element(_core.encode_element(e)) for e in elements]
+    for sent, got in zip(elements, out, strict=True):
+        assert list(got) == sorted(sent)
+        for key, value in sent.items():
+            assert got[key].dtype == value.dtype
+            assert got[key].tolist() == value.tolist(), key
+
+
+def test_element_check_reads_a_dict_in_any_key_order_and_refuses_swapped_values():
+    learnt = {"b": np.zeros(4, np.float32), "a": np.zeros(2, np.int64)}
+    check = _core.ElementCheck()
+    assert check.learn(learnt)
+    assert check.nbytes_if_same(dict(learnt)) == 32
+    assert check.nbytes_if_same({"a": np.zeros(5, np.int64), "b": learnt["b"]}) == 56
+    assert check.nbytes_if_same({_fresh("b"): learnt["b"], _fresh("a"): learnt["a"]}) == 32
+    # The same keys with each other's values (a float32 array under "a"): not the structure.
+    assert check.nbytes_if_same({"b": np.zeros(2, np.int64), "a": np.zeros(4, np.float32)}) is None
+    assert check.nbytes_if_same({"a": np.zeros(4, np.float32), "b": np.zeros(2, np.int64)}) is None
+    assert check.nbytes_if_same({"b": learnt["b"], "c": learnt["a"]}) is None
+
+
 def test_structure_check_still_refuses_a_changed_structure():
     check = _StructureCheck(task_id=4001)
     e = {f"f{i}": np.zeros(3, np.float32) for i in range(100)}

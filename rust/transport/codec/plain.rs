@@ -129,17 +129,26 @@ fn plain_node(obj: &Bound<'_, PyAny>, nodes: &mut usize, depth: usize) -> PyResu
         if *nodes + d.len() > PLAIN_MAX_NODES {
             return Ok(None);
         }
+        let mut keys = Vec::with_capacity(d.len());
         let mut out = Vec::with_capacity(d.len());
         for (k, v) in d.iter() {
             let Ok(k) = k.cast_exact::<PyString>() else {
                 return Ok(None);
             };
             match plain_node(&v, nodes, depth + 1)? {
-                Some(node) => out.push((k.clone().unbind(), node)),
+                Some(node) => {
+                    keys.push(k.clone().unbind());
+                    out.push(node);
+                }
                 None => return Ok(None),
             }
         }
-        return Ok(Some(CNode::Dict(out)));
+        // The keys in the dict's own order.
+        let keys = DictKeys {
+            keys,
+            in_order: true,
+        };
+        return Ok(Some(CNode::Dict(keys, out)));
     }
     Ok(None)
 }
@@ -205,20 +214,28 @@ fn plain_nbytes(obj: &Bound<'_, PyAny>, node: &CNode) -> PyResult<Option<u64>> {
             Ok(l) if l.len() == items.len() => same_items(&mut l.iter(), items)?,
             _ => None,
         },
-        CNode::Dict(items) => match obj.cast_exact::<PyDict>() {
+        CNode::Dict(keys, nodes) => match obj.cast_exact::<PyDict>() {
             // Same length and every learnt key present: the same keys.
-            Ok(d) if d.len() == items.len() => {
+            Ok(d) if d.len() == nodes.len() => {
                 let mut total = 0;
-                for (key, item) in items {
-                    let Some(v) = d.get_item(key.bind(py))? else {
-                        return Ok(None);
-                    };
-                    match plain_nbytes(&v, item)? {
-                        Some(b) => total += b,
-                        None => return Ok(None),
-                    }
+                let visit = |i: usize, v: &Bound<'_, PyAny>| -> PyResult<bool> {
+                    Ok(match plain_nbytes(v, &nodes[i])? {
+                        Some(b) => {
+                            total += b;
+                            true
+                        }
+                        None => false,
+                    })
+                };
+                match keys.visit_in_order(d, visit)? {
+                    Some(true) => Some(total),
+                    Some(false) => None,
+                    // Another order: one lookup per key.
+                    None => match keys.looked_up(d)? {
+                        Some(values) => same_items(&mut values.into_iter(), nodes)?,
+                        None => None,
+                    },
                 }
-                Some(total)
             }
             _ => None,
         },

@@ -184,3 +184,44 @@ def test_first_fetch_asks_for_one_element_then_the_read_ahead(make_cluster, monk
     assert [to_py(x) for x in dataset] == list(range(200))
     assert asked[0] == 1, asked
     assert max(asked[1:]) >= 16, asked
+
+
+def test_shm_reader_asks_for_its_next_reply_as_it_takes_the_last_one(
+    make_cluster, monkeypatch, fresh_idle_pool
+):
+    """Pipelined shared-memory requests (as gRPC's): from a stream's second reply on,
+    a reader's next request is on its way before it asks (the worker writes the next
+    reply meanwhile); the elements are still exactly the dataset's, in order. A named
+    (shared) job's reader never asks ahead. A read closed with a request on its way
+    drops that reply and leaves its connection to the next read, which starts over."""
+    counts = _Counts(monkeypatch)
+    asked_ahead: list[bool] = []
+    original = shm.ShmTransferClient.get_elements
+
+    def recording(self, *args, **kwargs):
+        asked_ahead.append(self._sent is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(shm.ShmTransferClient, "get_elements", recording)
+    cluster = make_cluster(1)
+    dataset = ds.Dataset.range(3000).map(_image).apply(ds.distribute(OFF, cluster.target))
+    assert [int(x[0, 0]) for x in dataset] == [i % 251 for i in range(3000)]
+    assert not any(asked_ahead[:2]), asked_ahead[:2]
+    assert len(asked_ahead) > 4 and all(asked_ahead[2:-1]), asked_ahead
+    wait_until(lambda: shm._idle._idle, 10, "the connection to go idle")
+
+    asked_ahead.clear()
+    named = ds.Dataset.range(3000).apply(ds.distribute(OFF, cluster.target, job_name="pipe"))
+    assert [to_py(x) for x in named] == list(range(3000))
+    assert len(asked_ahead) > 4 and not any(asked_ahead), asked_ahead
+    wait_until(lambda: shm._idle._idle, 10, "the connection to go idle")
+
+    endless = ds.Dataset.range(10**9).apply(ds.distribute(OFF, cluster.target))
+    for _ in range(3):
+        asked_ahead.clear()
+        it = iter(endless)
+        assert [to_py(next(it)) for _ in range(200)] == list(range(200))
+        assert any(asked_ahead), "no request went out ahead"
+        it.close()
+        wait_until(lambda: shm._idle._idle, 10, "the connection to go idle")
+    assert counts.admitted == 1, "a read closed with a request on its way left no connection"

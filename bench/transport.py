@@ -600,7 +600,7 @@ def bench_memcpy(name: str) -> dict[str, float]:
 
 
 def _targets(results: dict[str, Any]) -> list[str]:
-    """Issue 3's targets, as ratios of figures measured in this run."""
+    """Issues 3's and 13's targets, as ratios of figures measured in this run."""
     lines = []
 
     def rate(name: str, col: str) -> float | None:
@@ -625,7 +625,10 @@ def _targets(results: dict[str, Any]) -> list[str]:
         check("scalars ring >= 1M/s", scalars_ring, 1e6, 1)
     cpu = results.get("cpu_map")
     if cpu:
-        check("cpu_map 2 workers vs 1", cpu["2_workers"], cpu["1_worker"], 1.7)
+        # Issue 13 keeps issue 3's wins and asks 1.8x from 1 to 2 workers.
+        check("cpu_map 2 workers vs 1", cpu["2_workers"], cpu["1_worker"], 1.8)
+        check("cpu_map 1 worker vs DataLoader(1)", cpu["1_worker"], cpu.get("torch1"), 1.0)
+        check("cpu_map 2 workers vs DataLoader(2)", cpu["2_workers"], cpu.get("torch2"), 1.0)
     # Issue 13: the gRPC data path.
     check("images gRPC vs tf.data service", rate("images", "grpc"), rate("images", "tf"), 4)
     for name in ("mb1", "batches"):

@@ -76,7 +76,6 @@ def connect(
             # A connection an earlier iterator of this process left (and its ring).
             reused = shm.reuse_idle(endpoint, auth_token, zero_copy)
             if reused is not None:
-                reused.pipeline = pipeline  # this read's, not the last one's
                 return reused
         try:
             client = transfer.make_client(

@@ -313,11 +313,6 @@ class ShmTransferClient(base.TransferClient):
         # another task (`rebind`) once this one ended.
         self._end_in_reply = bool(reply.get(END_IN_REPLY_ONLY)) and self._ring is not None
         self._between_requests = True  # false while a request's elements are on their way
-        # The next request, sent as the last reply's elements were all taken (`pipeline`):
-        # (max elements, max bytes, timeout ms) while its reply is on its way.
-        self._sent: tuple[int, int, int] | None = None
-        self._replies = 0  # replies of the current stream
-        self.pipeline = True
         self.idle_key = (endpoint.worker_address, zero_copy, auth.client_token(None, auth_token))
         """Which idle connections can serve a task: (worker address, zero_copy, token)."""
 
@@ -378,7 +373,6 @@ class ShmTransferClient(base.TransferClient):
             raise
         self._endpoint = endpoint
         self._end = False
-        self._replies = 0
         self.worker_uid = str(reply.get("worker_uid", self.worker_uid))
 
     @staticmethod
@@ -446,18 +440,6 @@ class ShmTransferClient(base.TransferClient):
         `timeout_s`), then they arrive through the ring. A cross-trainer cache
         read names the trainer id the client was made with (its HELLO's).
 
-        With `pipeline` (not for coordinated reads, whose next round differs, nor
-        cross-trainer cache reads), from a stream's second reply on, the next request
-        goes out, with the same arguments, as soon as every element of a reply without
-        an end or error was taken out of the ring, as gRPC's pipelined request does:
-        the worker writes the next reply while the reader hands this one to its
-        consumer (a round trip and the worker's turn each round otherwise, ~20 % of a
-        stream of 150 KB elements of 100 leaves). The next call returns that reply.
-        The worker still never gets a request before the last reply was taken (what a
-        consumer that goes away did not take goes back to the task). A read that ends
-        with a request on its way drops that reply's elements (`settle`) before its
-        connection serves another read.
-
         Raises:
             InvalidArgumentError: `trainer_id` is not the connection's.
         """
@@ -477,12 +459,8 @@ class ShmTransferClient(base.TransferClient):
         if self._window is not None:
             return self._get_window_elements(max_elements, max_bytes, timeout_s, timeout_ms)
         self._between_requests = False
-        sent, self._sent = self._sent, None
         try:
-            if sent is None:
-                self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
-            else:
-                timeout_s = sent[2] / 1000  # that request's
+            self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
             self._sock.settimeout(timeout_s + 10.0)
             reply = self._sock.recv(64)
         except OSError:
@@ -522,28 +500,7 @@ class ShmTransferClient(base.TransferClient):
                     raise self._error
             self._end = end
         self._between_requests = True
-        self._replies += 1
-        if (
-            self.pipeline
-            and out
-            and not end
-            and self._error is None
-            and round_index < 0
-            and not self._trainer_id
-            and self._replies >= 2
-        ):
-            self._send_next(max_elements, max_bytes, timeout_ms)
         return base.ElementsResult(out, nbytes, end, self.worker_uid, errors_ignored)
-
-    def _send_next(self, max_elements: int, max_bytes: int, timeout_ms: int) -> None:
-        """Sends the next request now (`pipeline`); a failure to send is left to the next
-        call, which then sends it itself and learns the connection's fate."""
-        try:
-            self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
-        except OSError:
-            return
-        self._sent = (max_elements, max_bytes, timeout_ms)
-        self._between_requests = False
 
     def _get_window_elements(
         self, max_elements: int, max_bytes: int, timeout_s: float, timeout_ms: int
@@ -602,43 +559,6 @@ class ShmTransferClient(base.TransferClient):
         self._end = bool(reply.get("end")) and not out
         return base.ElementsResult(out, nbytes, self._end, self.worker_uid, ignored)
 
-    def settle(self, timeout_s: float) -> bool:
-        """Takes the reply to a pipelined request still on its way (`pipeline`) and
-        drops its elements (the read that sent it is over), so that the connection can
-        serve another read (`reusable`). Returns False if the reply and its elements
-        did not all come within `timeout_s` seconds, or the stream failed: the caller
-        closes the connection then."""
-        if self._sent is None:
-            return True
-        self._sent = None
-        ring = self._ring
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._sock.settimeout(timeout_s)
-            reply = self._sock.recv(64)
-        except OSError:
-            return False
-        if ring is None or len(reply) != RESPONSE.size:
-            return False
-        _, count, flags, _ = RESPONSE.unpack(reply)
-        if flags & ERROR_FLAG or (flags & END_FLAG and not self._end_in_reply):
-            return False  # an END or ERROR frame follows: the ring does not go on
-        taken = 0
-        while taken < count:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                return False
-            try:
-                elements, _, _, error = ring.get_many(count - taken, left_ms)
-            except errors.DataServiceError:
-                return False
-            if error is not None:
-                return False
-            taken += len(elements)
-            del elements  # their leases go now
-        self._between_requests = True
-        return True
-
     def _after_death(self, out: list[Any], nbytes: int) -> base.ElementsResult:
         """The worker side is gone: hand out what it published, then UnavailableError."""
         ring = self._ring
@@ -688,10 +608,6 @@ class ShmTransferClient(base.TransferClient):
 
 
 IDLE_CONNECTION_S = 5.0
-SETTLE_S = 0.1
-"""Longest wait (s) for the reply to a pipelined request of a read that is over, to
-keep its connection for the next read (`ShmTransferClient.settle`); the fetch thread
-waits, not the consumer."""
 """How long (s) a connection no iterator reads is kept for the next one (`keep_idle`):
 it holds its worker's ring (`shm_ring_bytes`), and a memfd fd here, meanwhile. An
 epoch's next iterator comes within ms of the last; one that comes later maps a new
@@ -826,12 +742,7 @@ def keep_idle(client: base.TransferClient) -> None:
     """Done with `client`: an shm connection that can serve another task is kept for
     this process's next iterators (`reuse_idle`, for `IDLE_CONNECTION_S`); any other
     client is closed."""
-    if (
-        isinstance(client, ShmTransferClient)
-        and client.settle(SETTLE_S)
-        and client.reusable
-        and client.quiet()
-    ):
+    if isinstance(client, ShmTransferClient) and client.reusable and client.quiet():
         _idle.put(client)
     else:
         client.close()

@@ -120,7 +120,8 @@ fn same_key(k: &Bound<'_, PyAny>, key: &Bound<'_, PyString>) -> bool {
         return true;
     }
     // SAFETY: both are live objects and the GIL is held; PyUnicode_Compare only reads them
-    // (a non-str `k` sets an error, cleared here).
+    // (both are str once `k` passed the check; it returns -1 for "less" and on an error,
+    // which is cleared here).
     unsafe {
         if ffi::PyUnicode_Check(k.as_ptr()) == 0 {
             return false;

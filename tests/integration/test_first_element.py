@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import dataservice as ds
-from dataservice.transfer import shm, shm_server
+from dataservice.transfer import base, shm, shm_server
 from tests.conftest import to_py
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,14 +169,23 @@ def test_first_fetch_asks_for_one_element_then_the_read_ahead(make_cluster, monk
     and sent (16 150 KB images over gRPC: 10-25 ms); later fetches ask for more."""
     from dataservice.transfer import grpc as grpc_transfer
 
-    asked: list[int] = []
-    original = grpc_transfer.GrpcTransferClient.get_elements
+    asked: list[int] = []  # each request's max elements, in the order sent
+    cls = grpc_transfer.GrpcTransferClient
+    original_get, original_ahead = cls.get_elements, cls.request_ahead
 
-    def recording(self, max_elements, *args, **kwargs):
-        asked.append(max_elements)
-        return original(self, max_elements, *args, **kwargs)
+    def get_elements(self, max_elements, *args, **kwargs):
+        if self._next is None:  # else the reply to the request sent ahead
+            asked.append(max_elements)
+        return original_get(self, max_elements, *args, **kwargs)
 
-    monkeypatch.setattr(grpc_transfer.GrpcTransferClient, "get_elements", recording)
+    def request_ahead(self, max_elements, *args, **kwargs):
+        sent = original_ahead(self, max_elements, *args, **kwargs)
+        if sent:
+            asked.append(max_elements)
+        return sent
+
+    monkeypatch.setattr(cls, "get_elements", get_elements)
+    monkeypatch.setattr(cls, "request_ahead", request_ahead)
     cluster = make_cluster(1)
     dataset = ds.Dataset.range(200).apply(
         ds.distribute(OFF, cluster.target, data_transfer_protocol="grpc")
@@ -184,3 +193,57 @@ def test_first_fetch_asks_for_one_element_then_the_read_ahead(make_cluster, monk
     assert [to_py(x) for x in dataset] == list(range(200))
     assert asked[0] == 1, asked
     assert max(asked[1:]) >= 16, asked
+
+
+def test_shm_readers_send_requests_ahead_but_not_for_a_named_job(
+    make_cluster, monkeypatch, fresh_idle_pool
+):
+    """A reader sends shared-memory requests ahead (the worker writes the next reply
+    meanwhile) and the elements are still exactly the dataset's, in order; a named
+    (shared) job's reader never does."""
+    sent_ahead: list[bool] = []
+    original = shm.ShmTransferClient.get_elements
+
+    def recording(self, *args, **kwargs):
+        sent_ahead.append(self._sent is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(shm.ShmTransferClient, "get_elements", recording)
+    cluster = make_cluster(1)
+    dataset = ds.Dataset.range(3000).map(_image).apply(ds.distribute(OFF, cluster.target))
+    assert [int(x[0, 0]) for x in dataset] == [i % 251 for i in range(3000)]
+    # (after a full reply only: not while the pipeline is what the read waits for)
+    assert not sent_ahead[0] and sum(sent_ahead) >= 3, sent_ahead
+    wait_until(lambda: shm._idle._idle, 10, "the connection to go idle")
+
+    sent_ahead.clear()
+    named = ds.Dataset.range(3000).apply(ds.distribute(OFF, cluster.target, job_name="ahead"))
+    assert [to_py(x) for x in named] == list(range(3000))
+    assert len(sent_ahead) > 4 and not any(sent_ahead), sent_ahead
+    wait_until(lambda: shm._idle._idle, 10, "the connection to go idle")
+
+
+def test_a_read_closed_with_a_request_sent_ahead_drops_its_reply(make_cluster, fresh_idle_pool):
+    """`settle`: a shared-memory connection whose read ended with a request sent ahead
+    takes that reply and drops its elements, so it can serve the next read (else it is
+    half-way through a reply: not reusable, and closed)."""
+    cluster = make_cluster(1)
+    dataset = ds.Dataset.range(1000).apply(
+        ds.distribute(OFF, cluster.target, job_name="settle", data_transfer_protocol="shm")
+    )
+    it = iter(dataset)  # its reader asks for nothing before next()
+    wait_until(lambda: it._reader._tasks, 10, "the task")
+    (state,) = it._reader._tasks.values()
+    client = base.make_client("shm", state.endpoint, None)
+    try:
+        first = client.get_elements(4, 1 << 20, 1.0)
+        assert client.request_ahead(4, 1 << 20, 1.0)
+        assert not client.request_ahead(4, 1 << 20, 1.0)  # one at a time
+        assert not client.reusable  # a reply on its way
+        assert client.settle(1.0) and client.reusable
+        after = client.get_elements(4, 1 << 20, 1.0)
+        # The settled reply's elements (4-7) were dropped.
+        assert [to_py(x) for x in first.elements + after.elements] == [0, 1, 2, 3, 8, 9, 10, 11]
+    finally:
+        client.close()
+        it.close()

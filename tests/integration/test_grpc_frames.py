@@ -295,21 +295,22 @@ def _task_client(worker: WorkerServer, **kw: Any) -> grpc_transfer.GrpcTransferC
     return grpc_transfer.GrpcTransferClient(endpoint, kw.get("token"))
 
 
-def test_the_next_request_is_pipelined(make_cluster):
+def test_a_request_sent_ahead_brings_the_next_elements(make_cluster):
     cluster = make_cluster(1)
     dataset = ds.Dataset.range(40).map(lambda i: np.full(1000, i, np.int32))
     it = iter(dataset.apply(ds.distribute(OFF, cluster.target, job_name="pipe")))
     client = _task_client(cluster.workers[0])
     try:
         first = client.get_elements(4, 1 << 20, 1.0)
+        assert client.request_ahead(4, 1 << 20, 1.0)
         assert client._next is not None  # sent before the caller asked
-        second = client.get_elements(4, 1 << 20, 1.0)
-        ids = [int(e[0]) for e in first.elements + second.elements]
-        assert ids == sorted(ids) and len(set(ids)) == len(ids) == 8
-        client.pipeline = False
-        client.get_elements(4, 1 << 20, 1.0)  # the pipelined one
-        client.get_elements(4, 1 << 20, 1.0)
+        assert not client.request_ahead(4, 1 << 20, 1.0)  # one at a time
+        second = client.get_elements(1, 1, 1.0)  # the reply to the one sent ahead
+        third = client.get_elements(4, 1 << 20, 1.0)
         assert client._next is None
+        ids = [int(e[0]) for e in first.elements + second.elements + third.elements]
+        assert len(second.elements) == 4
+        assert ids == sorted(ids) and len(set(ids)) == len(ids) == 12
     finally:
         client.close()
         it.close()
@@ -318,21 +319,24 @@ def test_the_next_request_is_pipelined(make_cluster):
 @pytest.mark.parametrize(
     "kw", [dict(max_outstanding_requests=1), dict(job_name="shared")], ids=["bounded", "named"]
 )
-def test_bounded_requests_and_named_jobs_turn_pipelining_off(make_cluster, monkeypatch, kw):
+def test_bounded_requests_and_named_jobs_send_no_request_ahead(make_cluster, monkeypatch, kw):
     """Not with max_outstanding_requests (it bounds the requests in flight), nor for a
-    named job: another consumer may end the task while a pipelined reply waits."""
-    made: list[grpc_transfer.GrpcTransferClient] = []
-    original = grpc_transfer.GrpcTransferClient.__init__
+    named job, whose small fetches are first come, first served."""
+    sent: list[int] = []
+    original = grpc_transfer.GrpcTransferClient.request_ahead
 
-    def init(self, *a, **kw):
-        original(self, *a, **kw)
-        made.append(self)
+    def request_ahead(self, *a, **kw):
+        sent.append(1)
+        return original(self, *a, **kw)
 
-    monkeypatch.setattr(grpc_transfer.GrpcTransferClient, "__init__", init)
+    monkeypatch.setattr(grpc_transfer.GrpcTransferClient, "request_ahead", request_ahead)
     cluster = make_cluster(1)
-    got, _ = read(ds.Dataset.range(50), cluster, **kw)
-    assert [int(x) for x in got] == list(range(50))
-    assert made and not any(c.pipeline for c in made)
+    got, _ = read(ds.Dataset.range(3000), cluster, **kw)
+    assert [int(x) for x in got] == list(range(3000))
+    assert not sent
+    got, _ = read(ds.Dataset.range(3000), cluster)
+    assert [int(x) for x in got] == list(range(3000))
+    assert sent  # the patch sees requests sent ahead where they are
 
 
 def test_a_read_cancelled_mid_element_leaves_nothing_behind(make_cluster, monkeypatch):

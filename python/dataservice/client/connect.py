@@ -47,7 +47,6 @@ def connect(
     zero_copy: bool,
     trainer_id: str,
     compression: str | None,
-    pipeline: bool = True,
 ) -> transfer.TransferClient:
     """A transfer client for `endpoint`: the first candidate protocol whose
     handshake succeeds ("auto" or None: shared memory on the same host, else
@@ -62,8 +61,6 @@ def connect(
         trainer_id: Non-empty: the client reads through the task's cross-trainer
             cache as this trainer.
         compression: `distribute`'s `compression` ("AUTO", None, "ZSTD").
-        pipeline: False: the client never sends a request before it is asked
-            (`TransferClient.pipeline`).
 
     Raises:
         UnavailableError: A forced protocol cannot reach the worker, or no
@@ -111,7 +108,6 @@ def connect(
             )
             continue
         _SERVED.add((candidate, endpoint.worker_address))
-        client.pipeline = client.pipeline and pipeline
         codec = compression_for(compression, endpoint)
         if codec:
             client.set_compression(codec)

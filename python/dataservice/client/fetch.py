@@ -7,12 +7,16 @@ asked for its first one and the results queue (`_Fetched` entries, in the
 order fetched) is under its bounds: the read-ahead (`_read_ahead_locked`, which
 grows with what the consumer took), `_RESULT_BUFFER_BYTES`, and the transfer
 client's own bound on unconsumed bytes; at most `max_outstanding_requests`
-fetches run at once (`_FairSemaphore`, served in arrival order). A worker that
-cannot be reached is retried with backoff and reported to the dispatcher (the
-heartbeat thread asks at once); a worker that restarted has the elements
-fetched from its previous process dropped when the task starts over there (not
-under DYNAMIC sharding, whose restarted task reads new splits: they are
-yielded); a pipeline error ends the read after what was fetched before it.
+fetches run at once (`_FairSemaphore`, served in arrival order). Without that
+bound, and for a job of its own, a full reply that leaves room under those bounds
+sends the next request at once (`TransferClient.request_ahead`), counted in them
+until its reply lands: the worker prepares it while the consumer uses this one,
+and the reader is never further ahead of its consumer than a read without it.
+A worker that cannot be reached is retried with backoff and reported to the
+dispatcher (the heartbeat thread asks at once); a worker that restarted has the
+elements fetched from its previous process dropped when the task starts over
+there (not under DYNAMIC sharding, whose restarted task reads new splits: they
+are yielded); a pipeline error ends the read after what was fetched before it.
 
 `TaskFetching` is a part of `reader._Reader`, whose state (declared below) it
 reads and writes under `_cv`. This module may import `connect`, `stats`,
@@ -133,6 +137,11 @@ class _TaskState:
     # no route, timed out, a dead link: `_LINK_ERRORS`); None once a fetch got through
     unreachable_since: float | None = None
     reached: bool = False  # a fetch from the worker got through
+    # A request sent ahead (`request_ahead`), until its reply lands or it fails: the
+    # most elements and bytes it may bring, counted in the bounds (the elements in
+    # `_Reader._ahead_elements` too).
+    ahead_elements: int = 0
+    ahead_bytes: int = 0
 
 
 class TaskFetching:
@@ -152,6 +161,7 @@ class TaskFetching:
     _results: collections.deque[_Fetched]
     _buffered_elements: int
     _buffered_bytes: int
+    _ahead_elements: int
     _consumer_asked: bool
     _ended: bool
     iteration_id: int
@@ -181,11 +191,6 @@ class TaskFetching:
             zero_copy=options.zero_copy,
             trainer_id=options.trainer_id,
             compression=options.compression,
-            # Not with bounded requests in flight; nor for a shared job, whose other
-            # consumers may end the task while a pipelined reply waits in the client
-            # unasked for (the iteration would end without it: `_TaskState.fetching`
-            # is only set for a fetch the reader asked for).
-            pipeline=self._outstanding is None and not options.job_name,
         )
 
     def _fetch_loop(self, state: _TaskState) -> None:
@@ -212,40 +217,43 @@ class TaskFetching:
         if client is not None:
             self._connected(state, client)
         backoff = rpc_util.Backoff(0.05, 1.0)
+        # Requests sent ahead: not with bounded requests in flight; nor for a shared
+        # job, whose small fetches are first come, first served among its consumers.
+        ahead = self._outstanding is None and not self.options.job_name
+        want = max_bytes = 1
+        asked = (want, max_bytes)  # the request whose reply comes next
         try:
             while not self._stop.is_set():
                 with self._cv:
-                    while not self._stop.is_set() and (
-                        not self._consumer_asked
-                        or self._buffered_elements >= self._read_ahead_locked()
-                        or self._buffered_bytes >= _RESULT_BUFFER_BYTES
-                        or state.unconsumed_bytes >= state.max_unconsumed_bytes
+                    sent_ahead = state.ahead_elements > 0  # within the bounds when sent
+                    while (
+                        not self._stop.is_set()
+                        and not sent_ahead
+                        and (
+                            not self._consumer_asked
+                            or self._buffered_elements + self._ahead_elements
+                            >= self._read_ahead_locked()
+                            or self._buffered_bytes >= _RESULT_BUFFER_BYTES
+                            or state.unconsumed_bytes >= state.max_unconsumed_bytes
+                        )
                     ):
                         self._cv.wait(0.5)
                     if state.removed or self._stop.is_set():
                         return
                     state.fetching = True
-                    want = max(
-                        1,
-                        min(
-                            self._fetch_elements,
-                            self._read_ahead_locked() - self._buffered_elements,
-                        ),
-                    )
-                    if self.stats.elements == 0 and not self._buffered_elements:
-                        # The consumer waits for its first element: a worker answers
-                        # with every element it has ready, and 16 150 KB images
-                        # encoded and sent before the first is handed out cost it
-                        # 10-25 ms over gRPC; the next fetch asks for the read-ahead.
-                        want = 1
-                    # (at least one element is always sent, whatever its size)
-                    max_bytes = max(
-                        1,
-                        min(
-                            state.max_reply_bytes,
-                            state.max_unconsumed_bytes - state.unconsumed_bytes,
-                        ),
-                    )
+                    if sent_ahead:
+                        asked = (state.ahead_elements, state.ahead_bytes)
+                    else:
+                        want = max(1, min(self._fetch_elements, self._room_locked()))
+                        if self.stats.elements == 0 and not self._buffered_elements:
+                            # The consumer waits for its first element: a worker answers
+                            # with every element it has ready, and 16 150 KB images
+                            # encoded and sent before the first is handed out cost it
+                            # 10-25 ms over gRPC; the next fetch asks for the read-ahead.
+                            want = 1
+                        # (at least one element is always sent, whatever its size)
+                        max_bytes = max(1, self._byte_room_locked(state, ahead))
+                        asked = (want, max_bytes)
                 if self._outstanding is not None:
                     while not self._outstanding.acquire(timeout=0.5):
                         if self._stop.is_set() or state.removed:
@@ -321,8 +329,10 @@ class TaskFetching:
                         time.monotonic() - state.unreachable_since,
                     )
                     state.unreachable_since = None
+                next_request: tuple[int, int] | None = None
                 with self._cv:
                     state.fetching = False
+                    self._ahead_landed_locked(state)
                     self._cv.notify_all()
                     if self._ended:
                         # Only a lost worker's fetch may still be on its way when the
@@ -371,6 +381,18 @@ class TaskFetching:
                     end = result.end_of_sequence
                     if end:
                         self._results.append(_Fetched([], task=state, end=True))
+                    elif ahead and elements and not state.removed:
+                        # Only after a full reply: the worker had more ready than asked
+                        # for, and its next reply is worth writing while the consumer
+                        # takes this one. After a short one the pipeline is what the read
+                        # waits for, and a request sent ahead would only split what it
+                        # makes into more, smaller replies.
+                        element_bytes = result.nbytes // len(result.elements)
+                        if (
+                            len(result.elements) >= asked[0]
+                            or result.nbytes + element_bytes > asked[1]
+                        ):
+                            next_request = self._plan_ahead_locked(state, element_bytes)
                     self._cv.notify_all()
                 # The elements are the queue's now: this frame must not keep them (views
                 # of a shared-memory ring keep it mapped, its memfd open) while it waits,
@@ -378,6 +400,13 @@ class TaskFetching:
                 del result, elements
                 if end:
                     return
+                if next_request is not None and not client.request_ahead(
+                    *next_request, _FETCH_WAIT_S, trainer_id=self.options.trainer_id
+                ):
+                    with self._cv:
+                        self._ahead_landed_locked(state)
+                        state.fetching = False
+                        self._cv.notify_all()
         except BaseException as err:  # e.g. WorkerError: the pipeline raised
             self._fail(err)
         finally:
@@ -434,9 +463,49 @@ class TaskFetching:
     def _fetch_over(self, state: _TaskState) -> None:
         """The task's fetch in flight (if any) ended without a result to queue."""
         with self._cv:
+            self._ahead_landed_locked(state)
             if state.fetching:
                 state.fetching = False
                 self._cv.notify_all()
+
+    def _room_locked(self) -> int:
+        """How many more elements this read may ask for: its read-ahead less what
+        waits in the results queue and what requests sent ahead may bring."""
+        return self._read_ahead_locked() - self._buffered_elements - self._ahead_elements
+
+    def _byte_room_locked(self, state: _TaskState, ahead: bool) -> int:
+        """How many bytes a request to `state`'s task may ask for: its transfer
+        client's reply bound, less what this task's fetched elements and its request
+        sent ahead pin. With requests sent ahead (`ahead`), at most half the client's
+        bound on unconsumed bytes, so that one reply can land while the last one is
+        still unconsumed (a reply that fills the bound leaves no room for the next)."""
+        bound = state.max_unconsumed_bytes
+        reply = min(state.max_reply_bytes, bound // 2) if ahead else state.max_reply_bytes
+        return min(
+            reply,
+            bound - state.unconsumed_bytes - state.ahead_bytes,
+            _RESULT_BUFFER_BYTES - self._buffered_bytes,
+        )
+
+    def _plan_ahead_locked(self, state: _TaskState, element_bytes: int) -> tuple[int, int] | None:
+        """The request to send ahead to `state`'s task now that a reply of elements of
+        about `element_bytes` bytes landed: (max elements, max bytes), counted in the
+        bounds until its reply lands (`_ahead_landed_locked`); None if the bounds
+        leave no room for a reply of at least one such element."""
+        room = min(self._fetch_elements, self._room_locked())
+        byte_room = self._byte_room_locked(state, True)
+        if room < 1 or byte_room < max(1, element_bytes):
+            return None
+        state.ahead_elements, state.ahead_bytes = room, byte_room
+        self._ahead_elements += room
+        state.fetching = True
+        return room, byte_room
+
+    def _ahead_landed_locked(self, state: _TaskState) -> None:
+        """`state`'s request sent ahead (if any) landed, or failed, or was not sent:
+        the bounds no longer count it."""
+        self._ahead_elements -= state.ahead_elements
+        state.ahead_elements = state.ahead_bytes = 0
 
     def _unbuffer_locked(self, fetched: _Fetched, state: _TaskState) -> None:
         """A fetched chunk leaves the results queue (taken by next(), or dropped):

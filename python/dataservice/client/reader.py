@@ -121,6 +121,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         self._results: collections.deque[_Fetched] = collections.deque()
         self._buffered_elements = 0  # in self._results
         self._buffered_bytes = 0
+        self._ahead_elements = 0  # what requests sent ahead may bring (fetch.py)
         self._start_time = time.monotonic()
         self._started = False  # see _started_locked
         # Fetch threads connect at once but ask for no element before the

@@ -226,10 +226,6 @@ class TransferClient(abc.ABC):
     # worker sends the reply the consumer did not get (gRPC). False: a failed client is
     # closed and replaced (a shared-memory connection needs a new handshake).
     retry_in_place: bool = False
-    # The client sends its next request as soon as a reply arrives (gRPC), one more
-    # reply in flight per task; the reader turns it off under `max_outstanding_requests`,
-    # which bounds the requests in flight, and for a named (shared) job.
-    pipeline: bool = False
 
     @abc.abstractmethod
     def get_elements(
@@ -253,6 +249,23 @@ class TransferClient(abc.ABC):
             UnavailableError: The worker cannot be reached.
             NotFoundError: The worker does not know the task.
         """
+
+    def request_ahead(
+        self, max_elements: int, max_bytes: int, timeout_s: float, trainer_id: str = ""
+    ) -> bool:
+        """Sends the next request now, before the caller asks for its reply, so that
+        the worker prepares it while the consumer uses the last one (pipelining, as
+        tf.data service's client keeps requests in flight). The next `get_elements`
+        call returns that request's reply (its own arguments are not sent). The caller
+        counts the request against its read-ahead: up to `max_elements` elements and
+        about `max_bytes` bytes may arrive. `trainer_id` as `get_elements`'s. Not for
+        coordinated reads, whose next round differs.
+
+        Returns False, having sent nothing, when this client cannot send a request
+        ahead now (the default; a failure to send is left to the next call, which
+        then learns the connection's fate)."""
+        del max_elements, max_bytes, timeout_s, trainer_id
+        return False
 
     def set_compression(self, compression: str) -> None:  # noqa: B027  (optional hook)
         """Asks the worker to compress elements ("zstd"); protocols that move

@@ -9,10 +9,10 @@ them (`codec.encode_later`; gRPC's message limits are lifted, rpc/util.py), and
 the client copies each message once, into one `bytearray` per element that
 `codec.decode` turns into arrays without another copy (one whole `bytes` per
 element: ~1,300 page faults per 9.6 MB element on the worker, half the rate).
-The next request (up to 32 MiB, `max_reply_bytes`) is sent as soon as a reply
-arrives (`pipeline`). `compression="AUTO"` is decided per link by measuring
-(`AutoCompression`). The consumer's malloc keeps freed memory for reuse
-(`tune_malloc`): fresh pages cost more than the copies.
+The reader sends its next request (up to 32 MiB, `max_reply_bytes`) as soon as a
+reply arrives (`request_ahead`), within its read-ahead. `compression="AUTO"` is
+decided per link by measuring (`AutoCompression`). The consumer's malloc keeps
+freed memory for reuse (`tune_malloc`): fresh pages cost more than the copies.
 
 No element is lost between the worker and the consumer: each client numbers its
 requests (a random `consumer_key` per client, `sequence` 1, 2, ...). The worker
@@ -336,10 +336,8 @@ class GrpcTransferClient(base.TransferClient):
         self._slow: _waits.SlowWait | None = None
         self._frames_ok = True  # False: the worker lacks GetElementsFrames
         self._frames = self._frames_stub()
-        # Pipelining: after a reply with elements, the next request (the same
-        # arguments) is sent at once on `_executor`'s thread, so the worker reads,
-        # encodes and sends it while the consumer decodes and uses this one.
-        self.pipeline = True
+        # A request sent ahead (`request_ahead`) runs on `_executor`'s thread, so the
+        # worker reads, encodes and sends it while the consumer uses the last reply.
         self._executor: futures.ThreadPoolExecutor | None = None
         self._next: futures.Future[base.ElementsResult] | None = None
         self._call_mu = threading.Lock()
@@ -355,51 +353,37 @@ class GrpcTransferClient(base.TransferClient):
         round_index: int = -1,
         trainer_id: str = "",
     ) -> base.ElementsResult:
-        """One request (see `TransferClient.get_elements`); a failed one may be
-        retried by calling again: it repeats its sequence number, so the worker sends
-        the same reply (or, after a no-progress timeout, the part of it that fits the
-        smaller messages and replies asked for now; the rest comes next).
-
-        With `pipeline` (the default; not for coordinated reads, whose next round
-        differs), a reply with elements and without an end or error sends the next
-        request at once, with the same arguments, and the next call returns its
-        reply (or raises its error): one more reply of at most `max_bytes` may be on
-        its way or waiting here, as the reader's read-ahead. That request
-        acknowledges the reply just returned, which is here.
+        """One request (see `TransferClient.get_elements`), or the reply to the one
+        sent ahead (`request_ahead`), or its error. A failed one may be retried by
+        calling again: it repeats its sequence number, so the worker sends the same
+        reply (or, after a no-progress timeout, the part of it that fits the smaller
+        messages and replies asked for now; the rest comes next).
 
         Raises:
             As `_fetch`.
         """
         pending, self._next = self._next, None
         if pending is not None:
-            result = pending.result()  # bounded by that call's no-progress timeout
-        else:
-            result = self._fetch(
-                max_elements, max_bytes, timeout_s, consumer_index, round_index, trainer_id
+            return pending.result()  # bounded by that call's no-progress timeout
+        return self._fetch(
+            max_elements, max_bytes, timeout_s, consumer_index, round_index, trainer_id
+        )
+
+    def request_ahead(
+        self, max_elements: int, max_bytes: int, timeout_s: float, trainer_id: str = ""
+    ) -> bool:
+        """Sends the next request now, on a thread of this client's (see
+        `TransferClient.request_ahead`); it acknowledges the last reply, which is
+        here. Not after the pipeline's error, nor on a closed client."""
+        with self._call_mu:
+            if self._closed or self._error is not None or self._next is not None:
+                return False
+            if self._executor is None:
+                self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="ds-grpc-next")
+            self._next = self._executor.submit(
+                self._fetch, max_elements, max_bytes, timeout_s, -1, -1, trainer_id
             )
-        if (
-            self.pipeline
-            and round_index < 0
-            and result.elements
-            and not result.end_of_sequence
-            and self._error is None
-        ):
-            with self._call_mu:
-                if not self._closed:
-                    if self._executor is None:
-                        self._executor = futures.ThreadPoolExecutor(
-                            1, thread_name_prefix="ds-grpc-next"
-                        )
-                    self._next = self._executor.submit(
-                        self._fetch,
-                        max_elements,
-                        max_bytes,
-                        timeout_s,
-                        consumer_index,
-                        round_index,
-                        trainer_id,
-                    )
-        return result
+        return True
 
     def _fetch(
         self,
@@ -829,7 +813,7 @@ class GrpcTransferClient(base.TransferClient):
             self._compression = compression
 
     def close(self) -> None:
-        """Cancels a pipelined request still on its way (the worker keeps its reply
+        """Cancels a request sent ahead still on its way (the worker keeps its reply
         for a retry that does not come, then hands first come, first served elements
         to the task's other consumers: `unacked_replies.REQUEUE_AFTER_S`), waits for
         its thread, and closes the channel if it is this client's own."""

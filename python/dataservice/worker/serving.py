@@ -55,6 +55,27 @@ _JOIN_BYTES = 1 << 20
 _ALIVE_FIRST_BYTES = 64 << 20
 
 
+def _element_messages(element: Any, limit: int, piece: int) -> Iterator[Any]:
+    """GetElementsFrames messages of one element's (or joined elements') encoding: a
+    `codec.Encoding` in pieces of about `piece` bytes, each made just before it is
+    sent; `bytes` whole (the very object, no copy) up to `limit`, else in pieces of
+    `limit`."""
+    if isinstance(element, codec.Encoding):
+        n = len(element)
+        # Equal pieces, none over `piece` by more than a quarter: a 1 MiB array and its
+        # header go as one message, not a second of a few bytes.
+        count = -(-n // min(limit, piece + piece // 4))
+        size = -(-n // count)
+        for offset in range(0, n, size):
+            yield element.piece(offset, min(offset + size, n))
+    elif len(element) <= limit:
+        yield element
+    else:
+        view = memoryview(element)
+        for offset in range(0, len(element), limit):
+            yield bytes(view[offset : offset + limit])
+
+
 class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
     """`WorkerService` on the worker's gRPC server: checks each request's fields
     (`rpc/validate.py`) and maps what the read raises to a gRPC status."""
@@ -395,8 +416,9 @@ class ElementServing:
         """`reply` as GetElementsFrames messages (service.proto's ElementsHead): a
         head announcing the sizes of the next elements, then their encoded bytes,
         then the next head; the last head (of the last elements, or alone for a
-        reply without elements) carries the response. An element of at
-        least `_OWN_FRAME_BYTES` is announced alone. Encoded later (a
+        reply without elements) carries the response. Elements of at least
+        `_OWN_FRAME_BYTES` in a row are announced by one head (up to the message
+        limit in all), each then sent in messages of its own: encoded later (a
         `codec.Encoding`), it goes in pieces of `_PIECE_BYTES` (at most the message
         limit: `request.max_message_bytes`, else `_FRAME_BYTES`), each made just
         before it is sent; as `bytes`, it goes as the very object the encoder made
@@ -428,15 +450,20 @@ class ElementServing:
         k = 0
         while k < len(elements):
             group_end = k + 1
-            if sizes[k] < _OWN_FRAME_BYTES:
-                total = sizes[k]
-                while (
-                    group_end < len(elements)
-                    and sizes[group_end] < _OWN_FRAME_BYTES
-                    and total + sizes[group_end] <= min(_JOIN_BYTES, limit)
-                ):
-                    total += sizes[group_end]
-                    group_end += 1
+            large = sizes[k] >= _OWN_FRAME_BYTES
+            # Small elements: joined into one message. Large ones: announced together up
+            # to the message limit, each then sent on its own (a head per 1 MiB element
+            # was every other message of the stream, and a message costs grpcio's Python
+            # server about as much as its bytes).
+            cap = limit if large else min(_JOIN_BYTES, limit)
+            total = sizes[k]
+            while (
+                group_end < len(elements)
+                and (sizes[group_end] >= _OWN_FRAME_BYTES) == large
+                and total + sizes[group_end] <= cap
+            ):
+                total += sizes[group_end]
+                group_end += 1
             head = pb.ElementsHead(element_bytes=sizes[k:group_end])
             if group_end == len(elements):  # the reply ends with these elements
                 head.last = True
@@ -447,25 +474,9 @@ class ElementServing:
                 head.largest_element_bytes = max(sizes)
             first = False
             yield head
-            element = elements[k]
-            if group_end == k + 1 and isinstance(element, codec.Encoding):
-                n = sizes[k]
-                # Equal pieces, none over `piece` by more than a quarter: a 1 MiB array
-                # and its header go as one message, not a second of a few bytes.
-                count = -(-n // min(limit, piece + piece // 4))
-                size = -(-n // count)
-                for offset in range(0, n, size):
-                    yield element.piece(offset, min(offset + size, n))
-                k = group_end
-                continue
-            if group_end == k + 1:
-                data = element  # bytes: an Encoding went in pieces above
+            if large or group_end == k + 1:
+                for element in elements[k:group_end]:
+                    yield from _element_messages(element, limit, piece)
             else:
-                data = codec.join(elements[k:group_end])
-            if len(data) <= limit:
-                yield data
-            else:
-                view = memoryview(data)
-                for offset in range(0, len(data), limit):
-                    yield bytes(view[offset : offset + limit])
+                yield from _element_messages(codec.join(elements[k:group_end]), limit, piece)
             k = group_end

@@ -538,3 +538,32 @@ def test_an_element_over_2_gib_crosses_grpc():
         (got,) = list(dataset)
         assert got.nbytes == nbytes
         assert int(got[::4096].min()) == 7 and int(got[-1]) == 9 and int(got[1]) == 0
+
+
+def test_auto_compression_goes_on_only_while_it_delivers_more():
+    """The model (link vs codec speed) only decides to try zstd; once both modes were
+    measured on full replies (bytes of elements as before compression per second of
+    request), compressing goes on only while it delivers more than not compressing.
+    Short replies (the pipeline was what the request waited for) measure nothing."""
+    zeros = np.zeros(1 << 20, np.uint8).tobytes()
+    plain = [bytearray(zeros)] * 4  # 4 MiB of elements
+    packed = [bytearray(codec.compress(zeros, "zstd"))] * 4
+    assert all(codec.plain_nbytes(e) == 1 << 20 for e in packed)
+    asked = (4, 32 << 20)  # 4 elements: these replies are full
+    auto = grpc_transfer.AutoCompression()
+    # A link the model finds slower than the codec on this data: try zstd.
+    auto.observe("", 4 << 20, (4 << 20) / 100e6, plain, wall_s=(4 << 20) / 100e6, asked=asked)
+    assert auto.compressing and auto.delivered[""] == pytest.approx(100e6)
+    # Compressed replies that deliver less (the worker's CPU is the bottleneck): stop.
+    auto.observe("zstd", 4 << 10, 1e-3, packed, wall_s=(4 << 20) / 50e6, asked=asked)
+    assert auto.delivered["zstd"] == pytest.approx(50e6)
+    assert not auto.compressing and auto.choose(time.monotonic()) == ""
+    # Delivering more (a slow link): go on.
+    for _ in range(4):
+        auto.observe("zstd", 4 << 10, 1e-3, packed, wall_s=(4 << 20) / 400e6, asked=asked)
+    assert auto.delivered["zstd"] > auto.delivered[""]
+    assert auto.compressing and auto.choose(time.monotonic()) == "zstd"
+    # A short reply (1 element of 4 asked for, far under the bytes) measures nothing.
+    before = dict(auto.delivered)
+    auto.observe("zstd", 1 << 10, 1e-3, packed[:1], wall_s=10.0, asked=asked)
+    assert auto.delivered == before

@@ -103,6 +103,18 @@ def join(encoded: Sequence[bytes | _core.Encoding]) -> bytes:
     return _core.join_encoded(list(encoded))
 
 
+def plain_nbytes(data: bytes | bytearray) -> int:
+    """The size of an encoded element as it was before `compress` (bytes): a zstd
+    frame's recorded content size, else `len(data)`."""
+    if data[:4] == _ZSTD_MAGIC:
+        import zstandard
+
+        size = zstandard.frame_content_size(memoryview(data)[4:])
+        if size >= 0:
+            return int(size)
+    return len(data)
+
+
 def decode(data: bytes | bytearray) -> Any:
     """Rebuilds an element; arrays come back writeable: one copy out of `data`, or
     views of it when `data` is a `bytearray` (the caller hands it over: a large

@@ -430,6 +430,7 @@ class GrpcTransferClient(base.TransferClient):
             max_message_bytes=message_bytes or 0,
         )
         attempt = self._current = _Attempt()
+        sent_at = time.monotonic()
         try:
             encoded, response = self._receive(request, timeout_s, attempt)
         except errors.DeadlineExceededError as err:
@@ -441,7 +442,14 @@ class GrpcTransferClient(base.TransferClient):
         self._reply_arrived(attempt, message_bytes)
         self._sequence += 1  # the reply is here: the next request acknowledges it
         if auto is not None:
-            auto.observe(compression, attempt.received, attempt.payload_s, encoded)
+            auto.observe(
+                compression,
+                attempt.received,
+                attempt.payload_s,
+                encoded,
+                wall_s=time.monotonic() - sent_at,
+                asked=(max_elements, max_bytes),
+            )
         elements: list[Any] = [codec.decode(e) for e in encoded]
         nbytes = sum(len(e) for e in encoded)
         if response.error_type:

@@ -344,6 +344,47 @@ class ExitWatchdog:
         os._exit(code)
 
 
+MALLOC_TUNING_ENV = "DATASERVICE_MALLOC_TUNING"
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_malloc_tuned = False
+_GLIBC_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+def tune_malloc(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
+    """Once per process, sets glibc malloc's thresholds: blocks under
+    `mmap_threshold_bytes` come from its heap (reused, already mapped) and not from
+    a mapping of their own, and up to `trim_threshold_bytes` of free memory stays at
+    the top of a heap for reuse. By default both move with the largest block freed
+    so far, so the same stream of ~1 MiB messages can run from the heap or from a
+    fresh mapping (page faults and the kernel's zeroing) per block, depending on
+    what the process happened to free first. $DATASERVICE_MALLOC_TUNING=0 leaves
+    malloc as it is, and so do glibc's own settings in the environment
+    ($MALLOC_MMAP_THRESHOLD_, $MALLOC_TRIM_THRESHOLD_, $GLIBC_TUNABLES): the user's
+    choice wins. Other allocators than glibc's are left alone. Returns whether
+    malloc was tuned now (False: already, turned off, or not glibc)."""
+    global _malloc_tuned
+    if _malloc_tuned:
+        return False
+    _malloc_tuned = True
+    env = os.environ
+    if (
+        env.get(MALLOC_TUNING_ENV, "1") == "0"
+        or not sys.platform.startswith("linux")
+        or any(name in env for name in _GLIBC_MALLOC_ENV)
+    ):
+        return False
+    try:
+        mallopt = _libc().mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)
+        and mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)
+    )
+
+
 def release_free_memory() -> None:
     """Gives the free memory malloc keeps back to the kernel (glibc's
     `malloc_trim(0)`, which also releases free pages inside the heap, not only at

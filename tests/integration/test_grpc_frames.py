@@ -493,11 +493,23 @@ def test_a_worker_without_frames_is_read_with_get_elements_stream(make_cluster, 
     assert calls.count("frames") == 1 and calls.count("stream") >= 1
 
 
-@pytest.mark.parametrize("setting", ["", "0"])
+@pytest.mark.parametrize(
+    "setting", ["", "0", "MALLOC_MMAP_THRESHOLD_=65536", "MALLOC_TRIM_THRESHOLD_=0"]
+)
 def test_malloc_tuning_is_once_per_process_and_can_be_turned_off(setting):
-    env = {k: v for k, v in os.environ.items() if k != "DATASERVICE_MALLOC_TUNING"}
-    if setting:
+    """Off with $DATASERVICE_MALLOC_TUNING=0, and when glibc's own malloc settings are
+    in the environment (the user's choice wins)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DATASERVICE_MALLOC_TUNING", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+        and k != "MALLOC_TRIM_THRESHOLD_"
+    }
+    if setting == "0":
         env["DATASERVICE_MALLOC_TUNING"] = setting
+    elif setting:
+        name, value = setting.split("=")
+        env[name] = value
     code = "from dataservice.transfer import grpc as g; print(g.tune_malloc(), g.tune_malloc())"
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
@@ -506,7 +518,7 @@ def test_malloc_tuning_is_once_per_process_and_can_be_turned_off(setting):
     first, again = out.stdout.split()
     assert again == "False"  # once per process
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
-    assert first == str(setting != "0" and glibc)
+    assert first == str(not setting and glibc)
 
 
 def test_announced_sizes_are_refused_only_when_they_cannot_be_received():

@@ -53,8 +53,6 @@ from __future__ import annotations
 import functools
 import heapq
 import logging
-import os
-import sys
 import threading
 import time
 import uuid
@@ -63,7 +61,7 @@ from typing import Any
 
 import grpc
 
-from dataservice import _core, _waits, auth, errors
+from dataservice import _core, _proc, _waits, auth, errors
 from dataservice.rpc import service_pb2, service_pb2_grpc
 from dataservice.rpc import util as rpc_util
 from dataservice.transfer import base, codec
@@ -130,47 +128,28 @@ def _host_memory_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
-MALLOC_TUNING_ENV = "DATASERVICE_MALLOC_TUNING"
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
+MALLOC_TUNING_ENV = _proc.MALLOC_TUNING_ENV
 # Blocks below this come from malloc's heap (reused, already mapped), above it from
 # their own mapping (glibc's own largest dynamic threshold); at most this much free
 # memory is kept at the top of a heap for reuse.
 _MMAP_THRESHOLD_BYTES = 32 << 20
 _TRIM_THRESHOLD_BYTES = 64 << 20
-_malloc_tuned = False
 
 
 def tune_malloc() -> bool:
     """Once per consumer process (the first gRPC transfer client), asks glibc's
     malloc to keep up to `_TRIM_THRESHOLD_BYTES` of freed memory for reuse
-    instead of handing it back to the kernel at once. Each element of a few MB read
-    over gRPC is two fresh blocks of that size (gRPC's message `bytes`, then the
-    element's own buffer); by default glibc trims its heap past twice the largest
-    block freed so far, and every page of memory handed back and taken again
-    costs a page fault and the kernel's zeroing: measured on 9.6 MB elements,
-    5,600 faults an element and 1.6 s of the consumer's CPU per GB read, against
-    1,200 and 0.8 s with the memory kept. (Not on workers: their task buffers
-    must give memory back when a job ends, and they gained little.)
-    ${MALLOC_TUNING_ENV}=0 leaves malloc as it is; other allocators than glibc's
-    are left alone. Returns whether malloc was tuned now."""
-    global _malloc_tuned
-    if _malloc_tuned:
-        return False
-    _malloc_tuned = True
-    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(
-        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
-        and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
-    )
+    instead of handing it back to the kernel at once (`_proc.tune_malloc`). Each
+    element of a few MB read over gRPC is two fresh blocks of that size (gRPC's
+    message `bytes`, then the element's own buffer); by default glibc trims its
+    heap past twice the largest block freed so far, and every page of memory
+    handed back and taken again costs a page fault and the kernel's zeroing:
+    measured on 9.6 MB elements, 5,600 faults an element and 1.6 s of the
+    consumer's CPU per GB read, against 1,200 and 0.8 s with the memory kept.
+    (Workers tune less: `worker.server`.) ${MALLOC_TUNING_ENV}=0 leaves malloc as
+    it is; other allocators than glibc's are left alone. Returns whether malloc
+    was tuned now."""
+    return _proc.tune_malloc(_MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES)
 
 
 class _Watchdog:

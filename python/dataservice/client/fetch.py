@@ -387,12 +387,8 @@ class TaskFetching:
                         # takes this one. After a short one the pipeline is what the read
                         # waits for, and a request sent ahead would only split what it
                         # makes into more, smaller replies.
-                        element_bytes = result.nbytes // len(result.elements)
-                        if (
-                            len(result.elements) >= asked[0]
-                            or result.nbytes + element_bytes > asked[1]
-                        ):
-                            next_request = self._plan_ahead_locked(state, element_bytes)
+                        if transfer.reply_filled(len(result.elements), result.nbytes, *asked):
+                            next_request = self._plan_ahead_locked(state, per)
                     self._cv.notify_all()
                 # The elements are the queue's now: this frame must not keep them (views
                 # of a shared-memory ring keep it mapped, its memfd open) while it waits,
@@ -403,10 +399,7 @@ class TaskFetching:
                 if next_request is not None and not client.request_ahead(
                     *next_request, _FETCH_WAIT_S, trainer_id=self.options.trainer_id
                 ):
-                    with self._cv:
-                        self._ahead_landed_locked(state)
-                        state.fetching = False
-                        self._cv.notify_all()
+                    self._fetch_over(state)
         except BaseException as err:  # e.g. WorkerError: the pipeline raised
             self._fail(err)
         finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dataservice.transfer import codec
+from dataservice.transfer import base, codec
 
 
 class AutoCompression:
@@ -79,9 +79,7 @@ class AutoCompression:
         now = time.monotonic()
         if wall_s > 0 and asked is not None and encoded:
             plain = sum(map(codec.plain_nbytes, encoded))
-            if plain >= self.MIN_MEASURED_BYTES and (
-                len(encoded) >= asked[0] or plain >= asked[1] // 2
-            ):
+            if plain >= self.MIN_MEASURED_BYTES and base.reply_filled(len(encoded), plain, *asked):
                 rate = plain / wall_s
                 last = self.delivered.get(compression)
                 fresh = now - self._delivered_at.get(compression, float("-inf")) < self.REMEASURE_S

@@ -275,6 +275,15 @@ class TransferClient(abc.ABC):
         """Frees what the client holds (channels, rings)."""
 
 
+def reply_filled(count: int, nbytes: int, max_elements: int, max_bytes: int) -> bool:
+    """Whether a reply of `count` elements and `nbytes` bytes filled the request that
+    asked for up to `max_elements` elements and `max_bytes` bytes: all the elements,
+    or bytes enough that one more element of the reply's mean size would not have fit.
+    A reply that did not fill its request waited for the pipeline (the worker had no
+    more ready)."""
+    return count > 0 and (count >= max_elements or nbytes + nbytes // count > max_bytes)
+
+
 class TransferUnavailable(Exception):
     """A protocol cannot serve this endpoint (e.g. the shared-memory handshake
     failed); in "auto" mode the client falls back to the next candidate."""

@@ -128,7 +128,6 @@ def _host_memory_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
-MALLOC_TUNING_ENV = _proc.MALLOC_TUNING_ENV
 # Blocks below this come from malloc's heap (reused, already mapped), above it from
 # their own mapping (glibc's own largest dynamic threshold); at most this much free
 # memory is kept at the top of a heap for reuse.
@@ -146,8 +145,8 @@ def tune_malloc() -> bool:
     handed back and taken again costs a page fault and the kernel's zeroing:
     measured on 9.6 MB elements, 5,600 faults an element and 1.6 s of the
     consumer's CPU per GB read, against 1,200 and 0.8 s with the memory kept.
-    (Workers tune less: `worker.server`.) ${MALLOC_TUNING_ENV}=0 leaves malloc as
-    it is; other allocators than glibc's are left alone. Returns whether malloc
+    (Workers tune less: `worker.server`.) $DATASERVICE_MALLOC_TUNING=0 leaves malloc
+    as it is; other allocators than glibc's are left alone. Returns whether malloc
     was tuned now."""
     return _proc.tune_malloc(_MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES)
 

@@ -467,7 +467,7 @@ class ShmTransferClient(base.TransferClient):
         sent, self._sent = self._sent, None
         try:
             if sent is None:
-                self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
+                self._send_request(max_elements, max_bytes, timeout_ms)
             else:
                 timeout_s = sent  # the request sent ahead's
             self._sock.settimeout(timeout_s + 10.0)
@@ -511,6 +511,10 @@ class ShmTransferClient(base.TransferClient):
         self._between_requests = True
         return base.ElementsResult(out, nbytes, end, self.worker_uid, errors_ignored)
 
+    def _send_request(self, max_elements: int, max_bytes: int, timeout_ms: int) -> None:
+        """Sends a GET request (at least one element). Raises OSError as `send`."""
+        self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
+
     def request_ahead(
         self, max_elements: int, max_bytes: int, timeout_s: float, trainer_id: str = ""
     ) -> bool:
@@ -532,9 +536,7 @@ class ShmTransferClient(base.TransferClient):
         ):
             return False
         try:
-            self._sock.send(
-                REQUEST.pack(b"G", max(1, max_elements), max_bytes, max(1, int(timeout_s * 1000)))
-            )
+            self._send_request(max_elements, max_bytes, max(1, int(timeout_s * 1000)))
         except OSError:
             return False
         self._sent = timeout_s
@@ -551,7 +553,7 @@ class ShmTransferClient(base.TransferClient):
         window = self._window
         address = self._endpoint.worker_address
         try:
-            self._sock.send(REQUEST.pack(b"G", max(1, max_elements), max_bytes, timeout_ms))
+            self._send_request(max_elements, max_bytes, timeout_ms)
             self._sock.settimeout(timeout_s + 10.0)
             data, fds, _, _ = socket.recv_fds(self._sock, _WINDOW_REPLY_BYTES, 1)
         except OSError:

@@ -142,6 +142,11 @@ class DispatcherBase:
         # Worker loss accounting (runtime only): DYNAMIC splits handed to each
         # task's current process, and per iteration the worker processes it lost.
         self._task_splits: dict[st.TaskId, int] = {}
+        # GetSplits made harmless to retry (split_handout.py): per DYNAMIC
+        # iteration, each split fetcher's (task, fetcher_id) last request number
+        # and the answer it got. Runtime only: a grant whose answer a restart
+        # cut off is a loss of DYNAMIC's at-most-once kind.
+        self._split_grants: dict[st.IterationId, dict[tuple[st.TaskId, str], tuple[int, Any]]] = {}
         self._worker_losses: dict[st.IterationId, list[Any]] = {}
         self._probing: set[str] = set()  # addresses with a liveness probe in flight
         # Silence (liveness.py `_watch_silence_locked`): when an RPC from any

@@ -261,6 +261,7 @@ class JobsMixin(DispatcherBase):
         """Drops the runtime state of a job that was collected or retired."""
         for iteration_id in job.iterations.values():
             self._split_providers.pop(iteration_id, None)
+            self._split_grants.pop(iteration_id, None)
             self._worker_losses.pop(iteration_id, None)
         self._job_last_used.pop(job.job_id, None)
 
@@ -469,6 +470,7 @@ class JobsMixin(DispatcherBase):
         if not job.job_name and not iteration.clients and not job.garbage_collected:
             self._apply_locked(st.GarbageCollectJob(job.job_id))
             self._split_providers.pop(iteration_id, None)
+            self._split_grants.pop(iteration_id, None)
 
 
 def _check_exactly_once_request(request: Any, mode: ShardingPolicy) -> None:

@@ -579,6 +579,7 @@ class LivenessMixin(DispatcherBase):
                 )
                 self._apply_locked(st.GarbageCollectIteration(iteration_id))
                 self._split_providers.pop(iteration_id, None)
+                self._split_grants.pop(iteration_id, None)
                 self._worker_losses.pop(iteration_id, None)
                 live.discard(iteration_id)
             for iteration_id in list(idle_since):

@@ -333,6 +333,7 @@ class DispatchServer(
             self._split_providers = {}
             self._dataset_objects = {}
             self._task_splits = {}
+            self._split_grants = {}
             self._worker_losses = {}
             self._worker_seen = {}
             self._client_seen_counters = {}

@@ -9,7 +9,8 @@ task's rounds to live tasks).
 
 Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_state`;
 writes `_split_providers` (iteration -> providers, built under
-`self._load_mu`) and `_task_splits` (the
+`self._load_mu`), `_split_grants` (iteration -> the last answer to each of
+its split fetchers, answered again to a retried request) and `_task_splits` (the
 splits handed to each task's current process, for worker_loss.py); `_state`
 changes only through `_apply_locked`. Uses datasets.py's `_dataset_object`
 and tasks.py's `_add_task_info_locked`; both handlers find the iteration a
@@ -83,96 +84,124 @@ class SplitHandoutMixin(DispatcherBase):
                 raise errors.NotFoundError(
                     f"GetSplits: task {request.task_id} is not a task of iteration {iteration_id}"
                 )
-            if request.exactly_once or job.exactly_once:
-                if not request.exactly_once:
-                    raise errors.FailedPreconditionError(
-                        f"GetSplits: iteration {iteration_id} belongs to exactly-once job "
-                        f"{job.job_id}: its splits are leased (GetSplitsRequest.exactly_once)"
-                    )
-                return self._eo_get_splits_locked(
-                    request, iteration, job, st.TaskId(request.task_id)
+            if (request.exactly_once or job.exactly_once) and not request.exactly_once:
+                raise errors.FailedPreconditionError(
+                    f"GetSplits: iteration {iteration_id} belongs to exactly-once job "
+                    f"{job.job_id}: its splits are leased (GetSplitsRequest.exactly_once)"
                 )
-            joint = list(request.joint_split_provider_indices)
-            indices = joint or [request.split_provider_index]
-            if len(set(indices)) != len(indices):
-                raise errors.InvalidArgumentError(
-                    f"GetSplits: joint_split_provider_indices {joint} names a source twice"
-                )
-            response = pb.GetSplitsResponse()
-            batches = [response.batches.add() for _ in indices] if joint else [response]
             task_id = st.TaskId(request.task_id)
-            task = iteration.tasks.get(task_id)
-            # (A task whose worker was declared lost still gets splits: only a
-            # live process asks, and it is revived when it heartbeats again.)
-            worker = self._workers.get(task.worker_address) if task is not None else None
-            draining = worker is not None and worker.draining
-            # A draining worker (retire.py) gets no more splits: its task ends
-            # after the elements of those it has, which its consumers read; the
-            # splits left go to the other workers' tasks.
-            open_indices = [
-                i
-                for i in indices
-                if not (
-                    draining
-                    or iteration.finished
-                    or iteration.splits_ended_by_provider.get(i, False)
+            grants = self._split_grants.setdefault(iteration_id, {})
+            fetcher = (task_id, request.fetcher_id)
+            last = grants.get(fetcher) if request.request_number else None
+            if last is not None and request.request_number <= last[0]:
+                if request.request_number == last[0]:
+                    # Another attempt of a request already granted: its answer
+                    # was lost on the way, and so would its splits (or leases) be.
+                    return last[1]
+                raise errors.FailedPreconditionError(
+                    f"GetSplits: request {request.request_number} of split fetcher "
+                    f"{request.fetcher_id!r} (task {task_id}) comes after its request "
+                    f"{last[0]}: a late copy of an attempt its worker gave up on"
                 )
-            ]
-            for index, batch in zip(indices, batches, strict=True):
-                batch.end_of_splits = index not in open_indices
-            if (
-                draining
-                and task is not None
-                and not task.drained
-                and not iteration.finished
-                and not all(iteration.splits_ended_by_provider.get(i, False) for i in indices)
-            ):
-                self._apply_locked(st.DrainTask(task_id))
-            if not open_indices:
-                return response
-            providers = self._split_providers.get(iteration_id)
-            if providers is None:  # built outside the lock, then asked again
-                raise NotLoaded(lambda: self._build_split_providers(iteration_id))
-            for index in indices:
-                if not 0 <= index < len(providers):
-                    raise errors.InvalidArgumentError(
-                        f"split provider {index} requested, the pipeline has {len(providers)}"
-                    )
-            # Fair shares: never hand one task more than half of its even share
-            # of what is left, so a small epoch (16 files) spreads over the workers.
-            # A joint grant is the same count of each source (the smallest share),
-            # so a worker's zip does not hold one input's splits while another
-            # worker holds the other input's.
-            live = max(1, len(iteration.live_tasks()))
-            for index in open_indices:
-                total = providers[index].cardinality()
-                if total > 0:
-                    remaining = max(0, total - iteration.splits_produced.get(index, 0))
-                    max_splits = max(1, min(max_splits, remaining // (2 * live)))
-            handed = 0
-            for index, batch in zip(indices, batches, strict=True):
-                if index not in open_indices:
-                    continue
-                splits = []
-                end = False
-                for _ in range(max_splits):
-                    split = providers[index].get_next()
-                    if split is None:
-                        end = True
-                        break
-                    splits.append(split)
-                self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end, index))
-                handed += len(splits)
-                if splits and isinstance(splits[0], str):
-                    batch.str_splits.extend(splits)
-                else:
-                    batch.int_splits.extend(int(s) for s in splits)
-                batch.end_of_splits = end
-            if task is not None:
-                self._task_splits[task_id] = self._task_splits.get(task_id, 0) + handed
-            if self._metrics is not None and handed:
-                self._metrics.splits_handed_out.inc(handed)
+            if request.exactly_once:
+                response = self._eo_get_splits_locked(request, iteration, job, task_id)
+            else:
+                response = self._grant_splits_locked(request, iteration, task_id, max_splits)
+            if request.request_number:
+                grants[fetcher] = (request.request_number, response)
             return response
+
+    def _grant_splits_locked(
+        self, request: Any, iteration: st.Iteration, task_id: st.TaskId, max_splits: int
+    ) -> Any:
+        """GetSplits of a DYNAMIC iteration that is not exactly-once: up to
+        `max_splits` of each source the request names, a fair share of what is
+        left (the same count of each for a joint request).
+
+        Raises:
+            InvalidArgumentError: The request names a source twice, or one the
+                pipeline does not have.
+            NotLoaded: The split providers are not built yet; nothing changed.
+        """
+        iteration_id = iteration.iteration_id
+        joint = list(request.joint_split_provider_indices)
+        indices = joint or [request.split_provider_index]
+        if len(set(indices)) != len(indices):
+            raise errors.InvalidArgumentError(
+                f"GetSplits: joint_split_provider_indices {joint} names a source twice"
+            )
+        response = pb.GetSplitsResponse()
+        batches = [response.batches.add() for _ in indices] if joint else [response]
+        task = iteration.tasks.get(task_id)
+        # (A task whose worker was declared lost still gets splits: only a
+        # live process asks, and it is revived when it heartbeats again.)
+        worker = self._workers.get(task.worker_address) if task is not None else None
+        draining = worker is not None and worker.draining
+        # A draining worker (retire.py) gets no more splits: its task ends
+        # after the elements of those it has, which its consumers read; the
+        # splits left go to the other workers' tasks.
+        open_indices = [
+            i
+            for i in indices
+            if not (
+                draining or iteration.finished or iteration.splits_ended_by_provider.get(i, False)
+            )
+        ]
+        for index, batch in zip(indices, batches, strict=True):
+            batch.end_of_splits = index not in open_indices
+        if (
+            draining
+            and task is not None
+            and not task.drained
+            and not iteration.finished
+            and not all(iteration.splits_ended_by_provider.get(i, False) for i in indices)
+        ):
+            self._apply_locked(st.DrainTask(task_id))
+        if not open_indices:
+            return response
+        providers = self._split_providers.get(iteration_id)
+        if providers is None:  # built outside the lock, then asked again
+            raise NotLoaded(lambda: self._build_split_providers(iteration_id))
+        for index in indices:
+            if not 0 <= index < len(providers):
+                raise errors.InvalidArgumentError(
+                    f"split provider {index} requested, the pipeline has {len(providers)}"
+                )
+        # Fair shares: never hand one task more than half of its even share
+        # of what is left, so a small epoch (16 files) spreads over the workers.
+        # A joint grant is the same count of each source (the smallest share),
+        # so a worker's zip does not hold one input's splits while another
+        # worker holds the other input's.
+        live = max(1, len(iteration.live_tasks()))
+        for index in open_indices:
+            total = providers[index].cardinality()
+            if total > 0:
+                remaining = max(0, total - iteration.splits_produced.get(index, 0))
+                max_splits = max(1, min(max_splits, remaining // (2 * live)))
+        handed = 0
+        for index, batch in zip(indices, batches, strict=True):
+            if index not in open_indices:
+                continue
+            splits = []
+            end = False
+            for _ in range(max_splits):
+                split = providers[index].get_next()
+                if split is None:
+                    end = True
+                    break
+                splits.append(split)
+            self._apply_locked(st.ProduceSplits(iteration_id, len(splits), end, index))
+            handed += len(splits)
+            if splits and isinstance(splits[0], str):
+                batch.str_splits.extend(splits)
+            else:
+                batch.int_splits.extend(int(s) for s in splits)
+            batch.end_of_splits = end
+        if task is not None:
+            self._task_splits[task_id] = self._task_splits.get(task_id, 0) + handed
+        if self._metrics is not None and handed:
+            self._metrics.splits_handed_out.inc(handed)
+        return response
 
     def _build_split_providers(self, iteration_id: st.IterationId) -> None:
         """Builds the split providers of DYNAMIC iteration `iteration_id`, replays

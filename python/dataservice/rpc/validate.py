@@ -401,6 +401,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("produced", repeated(_SPLIT_PRODUCED, MAX_REPEATED_IDS)),
         Field("worker_uid", text(MAX_TOKEN_CHARS)),
         Field("held", repeated(an_id, MAX_REPEATED_IDS)),
+        Field("fetcher_id", text(MAX_TOKEN_CHARS)),
+        Field("request_number", int_range(0, 2**62)),
     ),
     "dataservice.rpc.GetRoundsRequest": (
         Field("iteration_id", an_id),

@@ -23,6 +23,7 @@ from dataservice import errors
 from dataservice import exactly_once as eo
 from dataservice.data import graph
 from dataservice.rpc import service_pb2 as pb
+from dataservice.worker import splits
 
 if TYPE_CHECKING:
     from dataservice.worker.server import WorkerServer
@@ -62,8 +63,10 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
     queue: collections.deque[Any] = collections.deque()
     batch = 1
     wait_s = _POLL_S[0]
+    fetcher = splits.RequestNumbers()
     while True:
         if not queue:
+            numbers = fetcher.next()  # a retried attempt gets the same leases again
             request = pb.GetSplitsRequest(
                 iteration_id=task.iteration_id,
                 task_id=task.task_id,
@@ -71,6 +74,8 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
                 incarnation_id=worker._incarnation,
                 exactly_once=True,
                 worker_uid=worker._uid,
+                fetcher_id=numbers[0],
+                request_number=numbers[1],
             )
             for ordinal, count in produced:
                 request.produced.add(ordinal=ordinal, count=count)

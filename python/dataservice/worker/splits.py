@@ -5,12 +5,17 @@ from the dispatcher (`DispatcherService.GetSplits`) in growing batches, so the
 pipeline reads splits without one RPC per element: `SplitFetcher` for a pipeline
 with one source, `JointSplitFetch` (one RPC for all sources, equal counts of each)
 for several. The RPC itself goes through the worker's `_call_dispatcher` (its
-channel, token and retries).
+channel, token and retries). Each fetcher numbers its requests
+(`GetSplitsRequest.fetcher_id`, `request_number`), so that a retried attempt of
+one whose answer was lost (it timed out after the dispatcher granted it) gets
+the same splits again instead of the next ones.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import uuid
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +56,7 @@ class SplitFetcher:
         self._batch = _FIRST_SPLIT_BATCH
         self._end = False  # the dispatcher has no split after self._splits
         self._next: futures.Future[tuple[list[Any], bool]] | None = None
+        self._numbers = RequestNumbers()
 
     def get_next(self) -> Any:
         pos = self._pos
@@ -91,28 +97,48 @@ class SplitFetcher:
         batch = self._batch
         self._batch = min(batch * 2, _MAX_SPLIT_BATCH)
         pending: futures.Future[tuple[list[Any], bool]] = futures.Future()
+        number = self._numbers.next()
 
         def fetch() -> None:
             try:
-                pending.set_result(self._fetch(batch))
+                pending.set_result(self._fetch(batch, number))
             except BaseException as err:  # delivered to the pipeline by get_next
                 pending.set_exception(err)
 
         self._next = pending
         threading.Thread(target=fetch, name=f"ds-splits-{self._task.task_id}", daemon=True).start()
 
-    def _fetch(self, batch: int) -> tuple[list[Any], bool]:
-        """One GetSplits RPC: (splits, end_of_splits)."""
-        got = _get_splits(self._worker, self._task, batch, [self._provider_index])
+    def _fetch(self, batch: int, number: tuple[str, int]) -> tuple[list[Any], bool]:
+        """One GetSplits RPC, request `number`: (splits, end_of_splits)."""
+        got = _get_splits(self._worker, self._task, batch, [self._provider_index], number)
         if got is None:
             return [], True
         return _splits_of(got[0]), got[0].end_of_splits
 
 
+class RequestNumbers:
+    """A split fetcher's request numbers: (fetcher_id, 1), (fetcher_id, 2), ...
+    (`GetSplitsRequest.fetcher_id`, `request_number`). The id is random, so a
+    task's fetcher in a restarted worker process (or a second fetcher of one
+    task) is not taken for this one."""
+
+    def __init__(self) -> None:
+        self._id = uuid.uuid4().hex
+        self._count = itertools.count(1)
+
+    def next(self) -> tuple[str, int]:
+        return self._id, next(self._count)
+
+
 def _get_splits(
-    worker: WorkerServer, task: Any, max_splits: int, indices: list[int]
+    worker: WorkerServer,
+    task: Any,
+    max_splits: int,
+    indices: list[int],
+    number: tuple[str, int],
 ) -> list[Any] | None:
-    """One GetSplits RPC for task `task`'s sources `indices`: one batch per index,
+    """One GetSplits RPC for task `task`'s sources `indices`, as request
+    `number` of its fetcher (`RequestNumbers`): one batch per index,
     in order (a `SplitBatch`, or for one source the response itself, which has
     the same fields); None when the dispatcher no longer knows the iteration
     (nothing more to read). Several sources get a joint grant: the same count
@@ -127,6 +153,8 @@ def _get_splits(
         task_id=task.task_id,
         max_splits=max_splits,
         incarnation_id=worker._incarnation,
+        fetcher_id=number[0],
+        request_number=number[1],
     )
     if len(indices) == 1:
         request.split_provider_index = indices[0]
@@ -176,6 +204,7 @@ class JointSplitFetch:
         self._pos = [0] * num_sources
         self._end = [False] * num_sources
         self._batch = _FIRST_SPLIT_BATCH
+        self._numbers = RequestNumbers()
         self.sources = tuple(_JointSource(self, i) for i in range(num_sources))
 
     def _take(self, index: int, whole: bool) -> Any:
@@ -199,7 +228,7 @@ class JointSplitFetch:
         open_indices = [i for i, end in enumerate(self._end) if not end]
         batch = self._batch
         self._batch = min(batch * 2, _MAX_SPLIT_BATCH)
-        batches = _get_splits(self._worker, self._task, batch, open_indices)
+        batches = _get_splits(self._worker, self._task, batch, open_indices, self._numbers.next())
         if batches is None:  # the iteration is gone: nothing more to read
             for i in open_indices:
                 self._end[i] = True

@@ -352,7 +352,17 @@ _malloc_tuned = False
 _GLIBC_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 
-def tune_malloc(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
+# glibc malloc's thresholds (`tune_malloc`), for consumers and workers alike: blocks
+# under 32 MiB come from malloc's heap (reused, already mapped) and up to 64 MiB of free
+# memory stays at a heap's top, the highest values glibc's own moving thresholds reach.
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 64 << 20
+
+
+def tune_malloc(
+    mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES,
+    trim_threshold_bytes: int = TRIM_THRESHOLD_BYTES,
+) -> bool:
     """Once per process, sets glibc malloc's thresholds: blocks under
     `mmap_threshold_bytes` come from its heap (reused, already mapped) and not from
     a mapping of their own, and up to `trim_threshold_bytes` of free memory stays at

@@ -128,16 +128,9 @@ def _host_memory_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
-# Blocks below this come from malloc's heap (reused, already mapped), above it from
-# their own mapping (glibc's own largest dynamic threshold); at most this much free
-# memory is kept at the top of a heap for reuse.
-_MMAP_THRESHOLD_BYTES = 32 << 20
-_TRIM_THRESHOLD_BYTES = 64 << 20
-
-
 def tune_malloc() -> bool:
     """Once per consumer process (the first gRPC transfer client), asks glibc's
-    malloc to keep up to `_TRIM_THRESHOLD_BYTES` of freed memory for reuse
+    malloc to keep up to `_proc.TRIM_THRESHOLD_BYTES` of freed memory for reuse
     instead of handing it back to the kernel at once (`_proc.tune_malloc`). Each
     element of a few MB read over gRPC is two fresh blocks of that size (gRPC's
     message `bytes`, then the element's own buffer); by default glibc trims its
@@ -145,10 +138,10 @@ def tune_malloc() -> bool:
     handed back and taken again costs a page fault and the kernel's zeroing:
     measured on 9.6 MB elements, 5,600 faults an element and 1.6 s of the
     consumer's CPU per GB read, against 1,200 and 0.8 s with the memory kept.
-    (Workers tune less: `worker.server`.) $DATASERVICE_MALLOC_TUNING=0 leaves malloc
+    (Workers tune it the same: `worker.server`.) $DATASERVICE_MALLOC_TUNING=0 leaves malloc
     as it is; other allocators than glibc's are left alone. Returns whether malloc
     was tuned now."""
-    return _proc.tune_malloc(_MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES)
+    return _proc.tune_malloc()
 
 
 class _Watchdog:

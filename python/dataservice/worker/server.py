@@ -47,14 +47,12 @@ from dataservice.worker.splits import split_sources
 from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner
 
 DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
-# glibc malloc on a worker (`_proc.tune_malloc`): encoded elements and the ~1 MiB
-# messages they are joined into, under 2 MiB, come from malloc's heap, and up to 8 MiB
-# of free memory is kept at its top (not 32/64 MiB as a consumer: a worker holds task
-# buffers, and gives them back when a task ends, `_proc.release_free_memory`). With
-# glibc's moving thresholds, 150 KB elements over gRPC ran at ~600 MB/s in some worker
-# processes and ~1,200-1,600 in others, for their whole life.
-_MALLOC_MMAP_THRESHOLD_BYTES = 2 << 20
-_MALLOC_TRIM_THRESHOLD_BYTES = 8 << 20
+# glibc malloc on a worker (`_proc.tune_malloc`): fixed thresholds, the consumer's
+# (32 MiB mmap, 64 MiB trim; a task's buffers go back to the kernel when it ends,
+# `_proc.release_free_memory`). With glibc's moving thresholds, 150 KB elements over
+# gRPC ran at ~600 MB/s in some worker processes and ~1,200-1,600 in others, for
+# their whole life; under a lower mmap threshold each 9.6 MB element is a fresh
+# mapping (page faults and the kernel's zeroing).
 _STOP_JOIN_S = 2.0  # how long stop() waits for its tasks' producer threads, in all
 
 log = logging.getLogger(__name__)
@@ -173,7 +171,7 @@ class WorkerServer(ElementServing):
         on_first_element: Callable[[], None] | None = None,
         join_running_dynamic_only: bool = False,
     ) -> None:
-        _proc.tune_malloc(_MALLOC_MMAP_THRESHOLD_BYTES, _MALLOC_TRIM_THRESHOLD_BYTES)
+        _proc.tune_malloc()
         self._config = config
         self._lazy_tasks = lazy_tasks
         self._join_running_dynamic_only = join_running_dynamic_only

@@ -7,8 +7,8 @@ a port or a worker's shared-memory socket. Every entry point checks it through
 this module:
 
 * gRPC (dispatcher and worker): metadata `authorization: Bearer <token>`
-  (`bearer_ok`, used by `rpc.util.AuthInterceptor`); an HTTP endpoint would
-  check its `Authorization` header with the same function.
+  (`bearer_ok`, used by `rpc.util.AuthInterceptor`); the metrics endpoint
+  (metrics.py) checks its HTTP `Authorization` header with the same function.
 * The shared-memory handshake (transfer/shm.py): the worker sends a random
   challenge, the client answers HMAC-SHA256(token, challenge)
   (`challenge_response` / `challenge_ok`), so the token itself never crosses

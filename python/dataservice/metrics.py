@@ -9,6 +9,15 @@ unless told otherwise):
     /readyz    200 "ready" once it serves (a worker: once the dispatcher
                registered it), else 503 and why (a readiness probe)
 
+A server with an auth token serves /metrics only to a request that carries it
+(`Authorization: Bearer <token>`, Prometheus's `authorization` scrape setting;
+401 otherwise, refusals logged and counted as the RPCs'), and tells why it is
+not ready only to such a request: the metrics name jobs, consumer hosts and
+worker addresses. /healthz and /readyz's status codes stay open to probes
+without it (Kubernetes's httpGet probes send no token), and say nothing else.
+A server with a TLS certificate serves HTTPS from the same files, so the token
+does not cross the network in clear.
+
 Each server has its own `CollectorRegistry` (several servers share one process in
 tests and in `LocalCluster`-less deployments), never prometheus-client's global
 one. Names start with `dataservice_` and follow Prometheus's conventions
@@ -29,14 +38,18 @@ import collections
 import http.server
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from dataservice import auth
+
 log = logging.getLogger(__name__)
 
 PREFIX = "dataservice_"
+_REQUEST_TIMEOUT_S = 10.0  # an HTTPS scrape's socket: a stalled peer lets go of its thread
 
 HISTORY_S = 600.0
 """How far back a `CounterHistory` keeps samples: the longest status window."""
@@ -226,6 +239,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if path == "/metrics":
                 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+                if not self._authorized():
+                    self._refuse()
+                    return
                 self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
             elif path == "/healthz":
                 self._send(200, b"ok\n")
@@ -233,18 +249,42 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 why = self.server.not_ready()
                 if why is None:
                     self._send(200, b"ready\n")
-                else:
+                elif self._authorized():
                     self._send(503, f"not ready: {why}\n".encode())
+                else:
+                    self._send(503, b"not ready\n")
             else:
                 self._send(404, b"not found: try /metrics, /healthz or /readyz\n")
         except Exception as err:  # a failing collector must not kill the endpoint
             log.exception("metrics endpoint: %s failed", path)
             self._send(500, f"{type(err).__name__}: {err}\n".encode())
 
+    def _authorized(self) -> bool:
+        token = self.server.token
+        return token is None or auth.bearer_ok(self.headers.get("Authorization"), token)
+
+    def _refuse(self) -> None:
+        peer = self.client_address[0] if self.client_address else "unknown"
+        self.server.refusals.refused(str(peer), "/metrics without the auth token")
+        if self.server.on_refused is not None:
+            self.server.on_refused()
+        self._send(
+            401,
+            b"unauthorized: send the servers' auth token as 'Authorization: Bearer TOKEN' "
+            b"(Prometheus: authorization.credentials_file)\n",
+            headers={"WWW-Authenticate": 'Bearer realm="dataservice"'},
+        )
+
     def _send(
-        self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8"
+        self,
+        code: int,
+        body: bytes,
+        content_type: str = "text/plain; charset=utf-8",
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -258,6 +298,25 @@ class _HttpServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     registry: Any
     not_ready: Callable[[], str | None]
+    token: str | None
+    refusals: auth.RefusalLog
+    on_refused: Callable[[], None] | None
+    ssl_context: ssl.SSLContext | None
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, peer = super().get_request()
+        if self.ssl_context is not None:
+            # The handshake runs on the request's own thread (its first read), so
+            # a client that never completes it holds up nobody else.
+            conn = self.ssl_context.wrap_socket(
+                conn, server_side=True, do_handshake_on_connect=False
+            )
+            conn.settimeout(_REQUEST_TIMEOUT_S)
+        return conn, peer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A failed TLS handshake or a peer gone mid-request: not worth a traceback.
+        log.debug("metrics endpoint: request from %s failed", client_address, exc_info=True)
 
 
 class MetricsEndpoint:
@@ -270,6 +329,11 @@ class MetricsEndpoint:
         port: TCP port; 0 picks a free one (read it back from `.port`).
         kind: "dispatcher" or "worker", for errors and logs.
         not_ready: Returns why the server is not ready (None: ready), for /readyz.
+        token: The server's auth token (None: none); /metrics then requires it
+            (see the module docstring).
+        ssl_context: Serve HTTPS with it (`tls.metrics_ssl_context`); None: HTTP.
+        on_refused: Called once per request refused for its token (the
+            server's `auth_refusals` counter).
 
     Raises:
         UnavailableError: The port cannot be bound; names host and port.
@@ -282,6 +346,10 @@ class MetricsEndpoint:
         port: int,
         kind: str,
         not_ready: Callable[[], str | None] = lambda: None,
+        *,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         from dataservice import errors
 
@@ -299,6 +367,10 @@ class MetricsEndpoint:
             ) from err
         self._httpd.registry = registry
         self._httpd.not_ready = not_ready
+        self._httpd.token = token
+        self._httpd.refusals = auth.RefusalLog(f"{kind} metrics endpoint")
+        self._httpd.on_refused = on_refused
+        self._httpd.ssl_context = ssl_context
         self.port: int = self._httpd.server_address[1]
         self.host = host
         self._thread = threading.Thread(
@@ -308,7 +380,15 @@ class MetricsEndpoint:
             daemon=True,
         )
         self._thread.start()
-        log.info("%s serves metrics on http://%s:%d/metrics", kind, host, self.port)
+        scheme = "https" if ssl_context is not None else "http"
+        log.info(
+            "%s serves metrics on %s://%s:%d/metrics%s",
+            kind,
+            scheme,
+            host,
+            self.port,
+            " (auth token required)" if token is not None else "",
+        )
 
     def stop(self) -> None:
         """Stops serving and closes the socket (idempotent)."""

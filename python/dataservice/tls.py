@@ -29,7 +29,9 @@ HMAC (`auth.challenge_response`). The auth token is still sent, and checked,
 on top of TLS.
 
 Credentials are gRPC's own (`grpc.ssl_server_credentials`,
-`grpc.ssl_channel_credentials`); nothing here does cryptography.
+`grpc.ssl_channel_credentials`); a server's metrics endpoint serves HTTPS from
+the same files through Python's `ssl` (`metrics_ssl_context`); nothing here
+does cryptography.
 """
 
 from __future__ import annotations
@@ -210,6 +212,26 @@ def server_credentials(
             f"the {kind}'s TLS certificate {cert_file!r} and key {key_file!r} were refused "
             f"by gRPC: {err}"
         ) from None
+
+
+def metrics_ssl_context(
+    cert_file: str | None, key_file: str | None, client_ca_file: str | None
+) -> ssl.SSLContext | None:
+    """The HTTPS context of a server's metrics endpoint (metrics.py), from the
+    same files as its gRPC credentials, or None (no `cert_file`: plain HTTP).
+    Call after `server_credentials` accepted the files: errors are raised there.
+    With `client_ca_file`, a scraper must present a certificate it signed, as
+    gRPC's clients must.
+    """
+    if not cert_file or not key_file:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(client_ca_file)
+    return context
 
 
 def worker_tls(

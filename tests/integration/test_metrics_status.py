@@ -26,15 +26,20 @@ parser = pytest.importorskip("prometheus_client.parser")
 ELEMENT_BYTES = 4096
 
 
-def _scrape(port: int, path: str = "/metrics") -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+def _scrape(port: int, path: str = "/metrics", token: str | None = None) -> str:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=10) as r:
         return r.read().decode()
 
 
-def _samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _samples(
+    port: int, token: str | None = None
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """{(sample name, sorted labels): value} of one scrape, parsed by prometheus-client."""
     out = {}
-    for family in parser.text_string_to_metric_families(_scrape(port)):
+    for family in parser.text_string_to_metric_families(_scrape(port, token=token)):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -380,7 +385,7 @@ def test_auth_refusals_are_counted(make_cluster) -> None:
     cluster = make_cluster(0, auth_token="another-token-xyz", metrics_port=0)
     with pytest.raises(ds.errors.UnauthenticatedError):
         status_mod.fetch_status(cluster.target, 5.0, auth_token="wrong-token")
-    s = _samples(cluster.dispatcher.metrics_port)
+    s = _samples(cluster.dispatcher.metrics_port, token="another-token-xyz")
     assert _value(s, "dataservice_auth_refusals_total") == 1
 
 

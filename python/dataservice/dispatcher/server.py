@@ -242,7 +242,17 @@ class DispatchServer(
 
             try:
                 self._metrics_endpoint = metrics.MetricsEndpoint(
-                    self._metrics.registry, self._config.host, metrics_port, "dispatcher"
+                    self._metrics.registry,
+                    self._config.host,
+                    metrics_port,
+                    "dispatcher",
+                    token=token,
+                    ssl_context=tls.metrics_ssl_context(
+                        self._config.tls_cert_file,
+                        self._config.tls_key_file,
+                        self._config.tls_client_ca_file,
+                    ),
+                    on_refused=refused,
                 )
             except BaseException:
                 server.stop(grace=None)

@@ -330,6 +330,13 @@ class WorkerServer(ElementServing):
                     self._config.metrics_port,
                     "worker",
                     not_ready=self._not_ready,
+                    token=self._token,
+                    ssl_context=tls.metrics_ssl_context(
+                        self._config.tls_cert_file,
+                        self._config.tls_key_file,
+                        self._config.tls_client_ca_file,
+                    ),
+                    on_refused=self._counters.refused,
                 )
             except BaseException:
                 server.stop(grace=None)

@@ -59,8 +59,12 @@ def _check_metrics_port(port: int | None) -> None:
 
 
 def _check_positive(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or value <= 0):
-        raise ValueError(f"`{name}` must be a positive int (milliseconds), got {value!r}")
+    """Raises ValueError naming `name` and its unit (from its suffix: `_ms`,
+    `_bytes`) unless `value` is None or a positive int."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        unit = {"ms": "milliseconds", "bytes": "bytes"}.get(name.rsplit("_", 1)[-1])
+        what = f"a positive int ({unit})" if unit else "a positive int"
+        raise ValueError(f"`{name}` must be {what}, got {value!r}")
 
 
 def _check_protocol(protocol: str) -> None:

@@ -81,6 +81,22 @@ def test_config_addresses_with_port_out_of_range_are_value_errors():
     ds.WorkerConfig(dispatcher_address="grpc://localhost:5050", worker_address="h:%port%")
 
 
+@pytest.mark.parametrize(
+    "field,value,unit",
+    [
+        ("shm_ring_bytes", 0, "(bytes)"),
+        ("shm_ring_bytes", True, "(bytes)"),
+        ("cross_trainer_cache_size_bytes", -1, "(bytes)"),
+        ("heartbeat_interval_ms", 0, "(milliseconds)"),
+        ("dispatcher_timeout_ms", "5", "(milliseconds)"),
+    ],
+)
+def test_config_positive_fields_name_their_unit(field: str, value: object, unit: str) -> None:
+    with pytest.raises(ValueError) as info:
+        ds.WorkerConfig("localhost:5050", **{field: value})
+    assert str(info.value) == f"`{field}` must be a positive int {unit}, got {value!r}"
+
+
 def test_cli_worker_with_port_out_of_range_exits_2_naming_the_address():
     out = subprocess.run(
         [sys.executable, "-m", "dataservice", "worker", "--dispatcher", "127.0.0.1:99999"],

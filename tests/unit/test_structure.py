@@ -189,3 +189,23 @@ def test_normalize_element_copies_plain_nests_and_converts_the_rest():
     assert normalize_element({3: np.zeros(1), 1: np.ones(1)}).keys() == {1, 3}
     with pytest.raises(TypeError, match="sortable"):
         normalize_element({1: np.zeros(1), "a": np.zeros(1)})
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "namedtuple"])
+def test_normalize_element_too_deep_for_python_is_an_invalid_argument(kind: str) -> None:
+    """A nest deeper than the recursion limit gets the element-limit error, not a
+    bare RecursionError (3,000 levels; elements hold at most 32)."""
+    pair = collections.namedtuple("pair", "a b")
+    value: object = 1
+    for _ in range(3000):
+        value = {"a": value} if kind == "dict" else [value] if kind == "list" else pair(value, 2)
+    with pytest.raises(InvalidArgumentError, match="nested at most 32 levels deep"):
+        normalize_element(value)
+    # A nest within the limit is normalized as before (Python ints become int64).
+    shallow: object = 1
+    for _ in range(30):
+        shallow = [shallow]
+    out = normalize_element(shallow)
+    for _ in range(30):
+        out = out[0]
+    assert type(out).__name__ == "int64" and out == 1

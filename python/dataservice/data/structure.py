@@ -405,10 +405,19 @@ def normalize_element(element: Any) -> Any:
 
     Raises:
         TypeError: A dict has keys that cannot be sorted together (as `flatten`).
+        InvalidArgumentError: The element nests deeper than Python's recursion
+            limit lets it be walked (an element holds at most 32 levels).
     """
     if isinstance(element, _PASS_THROUGH):
         return element
-    return _normalized(element)
+    try:
+        return _normalized(element)
+    except RecursionError:
+        raise InvalidArgumentError(
+            f"the element is a {type(element).__name__} nested deeper than Python's "
+            "recursion limit lets it be walked: elements hold numpy arrays and scalars in "
+            "dicts, lists and tuples nested at most 32 levels deep"
+        ) from None
 
 
 def _normalized(value: Any) -> Any:

@@ -502,7 +502,9 @@ class LocalCluster(WorkerSupervisionMixin, AutoscaleMixin):
             auth.unregister_token(dispatcher.address)
             # A dataset of this cluster iterated after stop() fails at once, saying why.
             rpc_util.mark_gone(
-                dispatcher.address, "it was the dispatcher of a LocalCluster that was stopped"
+                dispatcher.address,
+                "it was the dispatcher of a LocalCluster that was stopped",
+                with_its_workers=True,
             )
         if dispatcher is not None and dispatcher.popen.returncode is not None:
             # One that died without stopping (SIGKILL) left its dataset buffer files.

@@ -379,6 +379,42 @@ def test_a_dead_dispatcher_is_reaped_named_and_new_calls_fail_at_once(caplog) ->
         list(dataset)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["dynamic", "off"])
+def test_a_read_in_progress_when_its_cluster_stops_fails_within_seconds(mode: str) -> None:
+    """Its dispatcher and workers were stopped together: the read raises within a
+    few heartbeats, saying so, not after client_timeout_ms (60 s) of waiting for
+    a dispatcher and workers that cannot come back."""
+    from dataservice import errors
+
+    outcome: dict[str, object] = {}
+    started = threading.Event()
+
+    def read(target: str) -> None:
+        n = 0
+        try:
+            for _ in ds.Dataset.range(10**9).apply(ds.distribute(mode, target)):
+                n += 1
+                started.set()
+        except BaseException as err:  # noqa: BLE001  (the test inspects it)
+            outcome["error"] = err
+        outcome["read"] = n
+
+    with ds.LocalCluster(num_workers=2) as cluster:
+        reader = threading.Thread(target=read, args=(cluster.target,), daemon=True)
+        reader.start()
+        assert started.wait(30), "no element within 30 s"
+    stopped = time.monotonic()
+    reader.join(30)
+    assert not reader.is_alive(), "the read still waits 30 s after its cluster stopped"
+    took_s = time.monotonic() - stopped
+    error = outcome.get("error")
+    assert isinstance(error, errors.UnavailableError), repr(error)
+    assert "LocalCluster that was stopped, and its workers were stopped with it" in str(error)
+    assert took_s < 10, f"raised {took_s:.1f} s after the cluster stopped"
+    assert int(outcome["read"]) > 0  # type: ignore[call-overload]
+
+
 def test_iterating_after_the_cluster_stopped_says_so_at_once() -> None:
     from dataservice import errors
 

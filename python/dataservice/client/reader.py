@@ -260,6 +260,17 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                     # once; the read goes on with its workers until the timeout, as for
                     # a dispatcher that may come back.
                     gone = rpc_util.gone_reason(self.options.dispatcher_address)
+                    if gone is not None and rpc_util.gone_with_its_workers(
+                        self.options.dispatcher_address
+                    ):
+                        # Its workers were stopped with it: nothing is left to read from.
+                        self._fail(
+                            errors.UnavailableError(
+                                f"lost the dispatcher at {self.options.dispatcher_address}: "
+                                f"{gone}, and its workers were stopped with it"
+                            )
+                        )
+                        return
                     if gone is not None and not said_gone:
                         said_gone = True
                         log.error(

@@ -418,17 +418,19 @@ class Backoff:
 
 
 # Servers this process saw end for good (a LocalCluster's dispatcher process that
-# exited): address -> why. Guarded by _REACHED_MU.
-_GONE: dict[str, str] = {}
+# exited): address -> (why, whether its workers ended with it). Guarded by _REACHED_MU.
+_GONE: dict[str, tuple[str, bool]] = {}
 
 
-def mark_gone(address: str, why: str) -> None:
+def mark_gone(address: str, why: str, *, with_its_workers: bool = False) -> None:
     """Notes that the server at `address` ended for good (`why` says how): calls
     to it fail at their next failed try with that reason instead of retrying for
     their whole timeout, until a server answers there again (`mark_reached`) or
-    `mark_back`."""
+    `mark_back`. `with_its_workers`: a dispatcher whose workers were stopped
+    with it (a stopped LocalCluster), so a read in progress has nothing left to
+    read from (`gone_with_its_workers`)."""
     with _REACHED_MU:
-        _GONE[address] = why
+        _GONE[address] = (why, with_its_workers)
 
 
 def mark_back(address: str) -> None:
@@ -440,7 +442,16 @@ def mark_back(address: str) -> None:
 def gone_reason(address: str) -> str | None:
     """Why the server at `address` ended for good, if `mark_gone` said so."""
     with _REACHED_MU:
-        return _GONE.get(address)
+        gone = _GONE.get(address)
+    return gone[0] if gone is not None else None
+
+
+def gone_with_its_workers(address: str) -> bool:
+    """Whether the dispatcher at `address` ended for good with its workers
+    (`mark_gone(..., with_its_workers=True)`)."""
+    with _REACHED_MU:
+        gone = _GONE.get(address)
+    return gone is not None and gone[1]
 
 
 def mark_reached(address: str) -> None:

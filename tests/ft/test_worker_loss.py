@@ -368,6 +368,50 @@ def test_a_sigstopped_worker_raises_after_the_worker_loss_timeout(
         dispatcher.stop()
 
 
+@pytest.mark.timeout(120)
+def test_a_worker_declared_lost_that_comes_back_takes_its_loss_back(
+    servers: Servers, caplog
+) -> None:
+    """One of two workers SIGSTOPped past the dispatcher's worker timeout (2 s)
+    is declared lost (a WARNING announces its DYNAMIC splits lost), then
+    SIGCONTed while the epoch goes on: it is the same process, gets its task
+    back and delivers what it held. The epoch is exact, `lost_workers` is empty
+    at the end, and a WARNING takes the announced loss back."""
+    caplog.set_level(logging.WARNING, logger="dataservice")
+    dispatcher = _inprocess_dispatcher(worker_timeout_ms=2000)
+    try:
+        target = dispatcher.target.replace("localhost", "127.0.0.1")
+        stopped, other = servers.workers(
+            target.removeprefix("grpc://"), 2, heartbeat_interval_ms=200
+        )
+        n = 20_000
+        it = iter(
+            ds.Dataset.range(n)
+            .map(_slow(0.0005))
+            .apply(ds.distribute("dynamic", target, worker_loss_timeout_ms=60_000))
+        )
+        reader = ThreadReader(it)
+        wait_until(lambda: reader.count >= 500, 30, "500 elements")
+        stopped.send(signal.SIGSTOP)
+        try:
+            wait_until(lambda: it.stats()["lost_workers"], 30, "the consumer to hear of the loss")
+        finally:
+            stopped.send(signal.SIGCONT)
+        assert reader.count < n, "the epoch ended before the worker came back"
+        reader.join(60)
+        assert reader.error is None, reader.error
+        assert reader.count == n and reader.seen == set(range(n))
+        assert it.stats()["lost_workers"] == []
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"lost worker {stopped.address}" in m for m in messages), messages
+        assert any(
+            f"worker {stopped.address} (pid {stopped.pid}) was only slow, not lost" in m
+            for m in messages
+        ), messages
+    finally:
+        dispatcher.stop()
+
+
 @pytest.mark.slow
 def test_a_sigstopped_worker_past_the_worker_timeout_raises(servers: Servers) -> None:
     """Stopped past the dispatcher's worker timeout: the worker is dropped,

@@ -315,6 +315,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                 self._eo_on_heartbeat_locked(response)
         self._note_lost_workers(response.lost_workers)
         now = time.monotonic()
+        revived = []
         with self._cv:
             for info in response.tasks:
                 known = self._tasks.get(info.task_id)
@@ -328,6 +329,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                 if known is not None and known.removed and not known.finished:
                     # Its worker was declared lost, then came back with the task.
                     known.removed = False
+                    revived.extend(self._loss_taken_back_locked(info.task_id, response))
                     if known.thread is None or not known.thread.is_alive():
                         to_start.append(known)
                     continue
@@ -355,6 +357,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
             elif self._no_live_task_since is None:
                 self._no_live_task_since = time.monotonic()
             self._cv.notify_all()
+        self._warn_losses_taken_back(revived)
         for state in to_start:
             state.thread = threading.Thread(
                 target=self._fetch_loop,

@@ -141,6 +141,29 @@ class WorkerLossTracking:
                 what += "; its task starts over on the restarted process"
             log.warning("iteration %d lost %s: %s%s", self.iteration_id, who, d["reason"], what)
 
+    def _loss_taken_back_locked(self, task_id: int, response: Any) -> list[Any]:
+        """Task `task_id`'s worker was declared lost, then came back with the task
+        as the same process (it was only slow: SIGSTOP then SIGCONT, a long
+        pause), so the dispatcher no longer lists its loss (`response`, a
+        ClientHeartbeatResponse, has the whole list). Drops the task's losses
+        that left that list from `stats()["lost_workers"]`; returns their
+        reports, for `_warn_losses_taken_back`."""
+        still = {(r.worker_address, r.worker_uid, r.pid, r.task_id) for r in response.lost_workers}
+        back = [k for k in self.stats.lost if k[3] == task_id and k not in still]
+        return [self.stats.lost.pop(k).report for k in back]
+
+    def _warn_losses_taken_back(self, reports: list[Any]) -> None:
+        """One WARNING per loss taken back, as the loss itself was announced."""
+        for r in reports:
+            log.warning(
+                "iteration %d: worker %s (pid %s) was only slow, not lost: it came back "
+                "as the same process and serves its task again; the loss announced for "
+                "it did not happen",
+                self.iteration_id,
+                r.worker_address,
+                r.pid or "unknown",
+            )
+
     def _describe_loss_locked(self, lost: LostWorker) -> dict[str, Any]:
         """`stats()["lost_workers"]`'s entry for one lost worker process."""
         r = lost.report

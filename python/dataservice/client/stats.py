@@ -208,8 +208,9 @@ class WorkerLossTracking:
             what = "an upper bound: another consumer of the job may have read some"
         log.warning(
             "iteration %d ended after %d elements read here; %d DYNAMIC %s (%s) lost "
-            "with %d worker %s that died: DYNAMIC sharding reads each split at "
-            "most once, as tf.data service's (stats()['lost_workers'] lists each)",
+            "with %d worker %s that died or stopped answering: DYNAMIC sharding reads "
+            "each split at most once, as tf.data service's (stats()['lost_workers'] "
+            "lists each)",
             self.iteration_id,
             read,
             splits_lost,

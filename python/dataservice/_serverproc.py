@@ -134,8 +134,9 @@ class DispatcherStub:
         Raises:
             UnavailableError: Not connected within `timeout_ms`; or at once, a
                 TLS handshake that failed (`rpc.util.tls_error`: plaintext to a
-                TLS server, an untrusted certificate...). The message names
-                `what` waited and the address.
+                TLS server, an untrusted certificate...) or a server that
+                answered in another protocol (`rpc.util.not_grpc_error`). The
+                message names `what` waited and the address.
         """
         import time
 
@@ -159,7 +160,10 @@ class DispatcherStub:
                 service_pb2.DispatcherInfoRequest(), timeout=1.0, metadata=self.metadata
             )
         except grpc.RpcError as err:
-            mismatch = rpc_util.tls_error(self.address, what, str(err.details()))
+            details = str(err.details())
+            mismatch = rpc_util.tls_error(self.address, what, details) or (
+                rpc_util.not_grpc_error(self.address, what, details)
+            )
             if mismatch is not None:
                 future.cancel()
                 raise mismatch from None

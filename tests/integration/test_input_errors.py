@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -124,3 +125,61 @@ def test_worker_address_given_as_the_dispatcher_address_says_so():
     finally:
         worker.stop()
         dispatcher.stop()
+
+
+@pytest.fixture
+def http1_server():
+    """An HTTP/1.0 server on a free loopback port (not gRPC): its address."""
+    import http.server
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_http1_server_at_the_dispatcher_address_is_named_at_once(http1_server: str) -> None:
+    """Every caller says the server there is not gRPC, at its first try, instead
+    of retrying until its unreachable timeout (8 s) and saying nothing answers."""
+    start = time.monotonic()
+    with pytest.raises(errors.UnavailableError) as info:
+        list(ds.Dataset.range(3).apply(ds.distribute("off", http1_server)))
+    assert f"the server at {http1_server} is not a dataservice server" in str(info.value)
+    assert "another protocol than gRPC's HTTP/2" in str(info.value)
+    assert time.monotonic() - start < 5.0
+
+    worker = ds.WorkerServer(ds.WorkerConfig(http1_server, heartbeat_interval_ms=100))
+    joined: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            worker.join()  # returns (raising) once the worker stopped itself
+        except BaseException as err:  # noqa: BLE001  (the test inspects it)
+            joined.append(err)
+
+    joiner = threading.Thread(target=join, daemon=True)
+    joiner.start()
+    joiner.join(10)
+    try:
+        assert not joiner.is_alive(), "the worker still waits to register after 10 s"
+        (error,) = joined
+        assert isinstance(error, errors.UnavailableError), repr(error)
+        assert "is not a dataservice server" in str(error)
+    finally:
+        worker.stop()
+    assert time.monotonic() - start < 10.0
+
+    out = subprocess.run(
+        [sys.executable, "-m", "dataservice", "worker", "--dispatcher", http1_server],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 1, out.stderr
+    assert f"the server at {http1_server} is not a dataservice server" in out.stderr
+    assert time.monotonic() - start < 30.0

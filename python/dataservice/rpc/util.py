@@ -290,6 +290,25 @@ def tls_error(address: str, what: str, details: str) -> errors.UnavailableError 
     return errors.UnavailableError(message) if message else None
 
 
+# gRPC's details when the server at the address answered in another protocol
+# (an HTTP/1.x server, a database...): its first bytes are not an HTTP/2 frame.
+_NOT_HTTP2 = ("Failed parsing HTTP/2", "Expected SETTINGS frame")
+
+
+def not_grpc_error(address: str, what: str, details: str) -> errors.UnavailableError | None:
+    """The error for a call whose server answered in another protocol than
+    gRPC's HTTP/2 (`details` say so), or None. No retry changes that answer:
+    callers raise it at the first such failure instead of retrying until their
+    unreachable timeout."""
+    if not any(mark in details for mark in _NOT_HTTP2):
+        return None
+    return errors.UnavailableError(
+        f"{what}: the server at {address} is not a dataservice server: it answered in "
+        f"another protocol than gRPC's HTTP/2 (an HTTP/1 server, or another service); "
+        f"is the address right? ({details})"
+    )
+
+
 def data_channel_options(keepalive: bool = True) -> list[tuple[str, Any]]:
     """The data channels' keepalive (`DATA_KEEPALIVE_TIME_MS`), added to
     `CHANNEL_OPTIONS`; none when `keepalive` is False."""
@@ -581,7 +600,9 @@ def call_with_retries(
             if not last[0]:
                 # A TLS mismatch fails every try alike: say so at the first, not after
                 # the unreachable timeout.
-                mismatch = tls_error(address, what, details)
+                mismatch = tls_error(address, what, details) or not_grpc_error(
+                    address, what, details
+                )
                 if mismatch is not None:
                     raise mismatch from None
             last[0] = details

@@ -532,7 +532,7 @@ class WorkerServer(ElementServing):
                         )
                     else:
                         self._registration_error = rpc_util.to_error(
-                            err, address, "worker registration"
+                            err, address, "WorkerHeartbeat (the worker's registration)"
                         )
                     log.error(
                         "worker %s: the dispatcher at %s refused it: %s",
@@ -545,8 +545,15 @@ class WorkerServer(ElementServing):
                 details = f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
                 now = time.monotonic()
                 if not registered:
+                    self._registration_error = rpc_util.not_grpc_error(
+                        address, f"worker {self._address} registering with the dispatcher", details
+                    )
                     reached = rpc_util.was_reached(address)
-                    if not reached and now - first_try > unreachable_ms / 1000:
+                    if (
+                        self._registration_error is None
+                        and not reached
+                        and now - first_try > unreachable_ms / 1000
+                    ):
                         self._registration_error = rpc_util.unreachable_error(
                             f"worker {self._address} registering with the dispatcher",
                             address,

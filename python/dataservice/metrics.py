@@ -16,7 +16,10 @@ not ready only to such a request: the metrics name jobs, consumer hosts and
 worker addresses. /healthz and /readyz's status codes stay open to probes
 without it (Kubernetes's httpGet probes send no token), and say nothing else.
 A server with a TLS certificate serves HTTPS from the same files, so the token
-does not cross the network in clear.
+does not cross the network in clear; with a client CA (mutual TLS), /metrics
+also needs a client certificate that CA signed (403 without one), while
+/healthz and /readyz answer a probe that presents none (Kubernetes's
+`scheme: HTTPS` probes do not).
 
 Each server has its own `CollectorRegistry` (several servers share one process in
 tests and in `LocalCluster`-less deployments), never prometheus-client's global
@@ -239,6 +242,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if path == "/metrics":
                 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+                if not self._has_client_certificate():
+                    self._refuse_no_certificate()
+                    return
                 if not self._authorized():
                     self._refuse()
                     return
@@ -262,6 +268,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _authorized(self) -> bool:
         token = self.server.token
         return token is None or auth.bearer_ok(self.headers.get("Authorization"), token)
+
+    def _has_client_certificate(self) -> bool:
+        context = self.server.ssl_context
+        if context is None or context.verify_mode == ssl.CERT_NONE:
+            return True
+        # The handshake verified any certificate presented against the client CA.
+        return bool(getattr(self.connection, "getpeercert", lambda: None)())
+
+    def _refuse_no_certificate(self) -> None:
+        peer = self.client_address[0] if self.client_address else "unknown"
+        self.server.refusals.refused(str(peer), "/metrics without a client certificate")
+        if self.server.on_refused is not None:
+            self.server.on_refused()
+        self._send(
+            403,
+            b"forbidden: this server uses mutual TLS; present a client certificate its "
+            b"client CA signed (Prometheus: tls_config.cert_file and key_file)\n",
+        )
 
     def _refuse(self) -> None:
         peer = self.client_address[0] if self.client_address else "unknown"

@@ -220,8 +220,11 @@ def metrics_ssl_context(
     """The HTTPS context of a server's metrics endpoint (metrics.py), from the
     same files as its gRPC credentials, or None (no `cert_file`: plain HTTP).
     Call after `server_credentials` accepted the files: errors are raised there.
-    With `client_ca_file`, a scraper must present a certificate it signed, as
-    gRPC's clients must.
+    With `client_ca_file`, a certificate a client presents must be one it
+    signed, and /metrics is served only to a client that presented one, as
+    gRPC's clients must (metrics.py checks it per request): the handshake
+    itself accepts a client without one, since Kubernetes's HTTPS probes of
+    /healthz and /readyz present none.
     """
     if not cert_file or not key_file:
         return None
@@ -229,7 +232,7 @@ def metrics_ssl_context(
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(cert_file, key_file)
     if client_ca_file:
-        context.verify_mode = ssl.CERT_REQUIRED
+        context.verify_mode = ssl.CERT_OPTIONAL
         context.load_verify_locations(client_ca_file)
     return context
 

@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -89,6 +90,11 @@ def test_manifests_wire_what_the_recipe_says():
     for container in (worker, dispatcher["spec"]["template"]["spec"]["containers"][0]):
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        # A server with a certificate serves its metrics port over HTTPS only.
+        tls = any(a.startswith("--tls-cert=") for a in container["args"])
+        for probe in ("readinessProbe", "livenessProbe"):
+            scheme = container[probe]["httpGet"].get("scheme", "HTTP")
+            assert scheme == ("HTTPS" if tls else "HTTP"), (probe, container["args"])
         assert "--metrics-port=9090" in container["args"]
         assert container["resources"]["requests"]
 
@@ -223,12 +229,15 @@ def _wait_probe_ok(pod: dict, probe: str, port_map: dict[str, str], timeout_s: f
     get = container[probe]["httpGet"]
     ports = {p["name"]: str(p["containerPort"]) for p in container["ports"]}
     port = port_map.get(ports.get(get["port"], str(get["port"])), str(get["port"]))
-    url = f"http://127.0.0.1:{port}{get['path']}"
+    scheme = get.get("scheme", "HTTP").lower()
+    url = f"{scheme}://127.0.0.1:{port}{get['path']}"
+    # The kubelet's HTTPS probes verify no certificate and present none.
+    context = ssl._create_unverified_context() if scheme == "https" else None
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=5) as answer:
+            with urllib.request.urlopen(url, timeout=5, context=context) as answer:
                 if answer.status == 200:
                     return
                 last = f"status {answer.status}"

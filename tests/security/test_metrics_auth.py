@@ -104,8 +104,15 @@ def certs(tmp_path_factory) -> Certs:
     return make_certs(str(tmp_path_factory.mktemp("metrics-tls")))
 
 
+@pytest.fixture(scope="module")
+def other_certs(tmp_path_factory) -> Certs:
+    return make_certs(str(tmp_path_factory.mktemp("metrics-tls-other")))
+
+
 @pytest.mark.parametrize("mutual", [False, True])
-def test_a_tls_server_serves_metrics_over_https_only(certs: Certs, mutual: bool) -> None:
+def test_a_tls_server_serves_metrics_over_https_only(
+    certs: Certs, other_certs: Certs, mutual: bool
+) -> None:
     d = ds.DispatchServer(
         ds.DispatcherConfig(
             auth_token=TOKEN,
@@ -120,8 +127,17 @@ def test_a_tls_server_serves_metrics_over_https_only(certs: Certs, mutual: bool)
         assert port
         context = ssl.create_default_context(cafile=certs.ca)
         if mutual:
+            # No client certificate: no metrics, token or not; probes still answer
+            # (a kubelet's HTTPS probe presents none).
+            status, body, _ = _get(port, "/metrics", TOKEN, context)
+            assert status == 403 and "client certificate" in body
+            assert _get(port, "/healthz", None, context)[:2] == (200, "ok\n")
+            assert _get(port, "/readyz", None, context)[0] == 200
+            # A certificate another CA signed fails the handshake.
+            stranger = ssl.create_default_context(cafile=certs.ca)
+            stranger.load_cert_chain(other_certs.client_cert, other_certs.client_key)
             with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
-                _get(port, "/metrics", TOKEN, context)  # no client certificate
+                _get(port, "/healthz", None, stranger)
             context.load_cert_chain(certs.client_cert, certs.client_key)
         status, body, _ = _get(port, "/metrics", TOKEN, context)
         assert status == 200 and "dataservice_workers" in body

@@ -1,6 +1,7 @@
-"""gRPC entry points: every dispatcher RPC and the worker's GetElements refuse a
-call without the token or with a wrong one (UNAUTHENTICATED), log the refused
-peer, and a refused client's error names the address and what to set."""
+"""gRPC entry points: every dispatcher and worker RPC (service.proto's services,
+unary and streamed) refuses a call without the token or with a wrong one
+(UNAUTHENTICATED); servers log the refused peer, and a refused client's error
+names the address and what to set."""
 
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ def _call(address: str, service: str, method: str, token: str | None) -> grpc.St
     response_cls = getattr(pb, desc.output_type.name)
     metadata = [("authorization", f"Bearer {token}")] if token is not None else None
     with grpc.insecure_channel(address) as channel:
-        fn = channel.unary_unary(
+        make = channel.unary_stream if desc.server_streaming else channel.unary_unary
+        fn = make(
             f"/{SERVICE[service].full_name}/{method}",
             request_serializer=request_cls.SerializeToString,
             response_deserializer=response_cls.FromString,
         )
         try:
-            fn(request_cls(), timeout=10.0, metadata=metadata)
+            answer = fn(request_cls(), timeout=10.0, metadata=metadata)
+            if desc.server_streaming:
+                list(answer)
         except grpc.RpcError as err:
             return err.code()
     return grpc.StatusCode.OK
@@ -68,10 +72,20 @@ def test_dispatcher_refuses_without_the_token(shared_secured, method, token):
     assert _call(address, "DispatcherService", method, token) == grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"])
-def test_worker_get_elements_refuses_without_the_token(shared_secured, token):
+WORKER_METHODS = [m.name for m in SERVICE["WorkerService"].methods]
+
+
+def test_every_service_is_covered():
+    # A service added to service.proto needs its refusal test here.
+    assert sorted(SERVICE) == ["DispatcherService", "WorkerService"]
+    assert {"GetElements", "GetElementsStream", "GetElementsFrames"} <= set(WORKER_METHODS)
+
+
+@pytest.mark.parametrize("method", WORKER_METHODS)
+@pytest.mark.parametrize("token", [None, "wrong", "", TOKEN + "x"])
+def test_worker_refuses_without_the_token(shared_secured, method, token):
     address = shared_secured.workers[0].address
-    code = _call(address, "WorkerService", "GetElements", token)
+    code = _call(address, "WorkerService", method, token)
     assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -79,8 +93,9 @@ def test_the_token_gets_past_auth(secured):
     address = secured.target.split("://")[1]
     # Past auth: the handler answers (OK, or its own error for an empty request).
     assert _call(address, "DispatcherService", "GetDispatcherInfo", TOKEN) == grpc.StatusCode.OK
-    code = _call(secured.workers[0].address, "WorkerService", "GetElements", TOKEN)
-    assert code != grpc.StatusCode.UNAUTHENTICATED
+    for method in WORKER_METHODS:
+        code = _call(secured.workers[0].address, "WorkerService", method, TOKEN)
+        assert code != grpc.StatusCode.UNAUTHENTICATED, method
 
 
 def test_worker_with_the_token_only_in_its_environment_requires_it(make_cluster, monkeypatch):

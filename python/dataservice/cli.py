@@ -295,8 +295,11 @@ def _run_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     if not 0 < args.window_s <= 24 * 3600:
         parser.error(f"--window-s must be in (0, 86400], got {args.window_s}")
-    if args.watch and args.interval_s <= 0:
+    if args.watch and not args.interval_s > 0:
         parser.error(f"--interval-s must be positive, got {args.interval_s}")
+    if not 0 < args.timeout_s <= 24 * 3600:
+        # 0 would fail every RPC at once, reported as an unreachable dispatcher.
+        parser.error(f"--timeout-s must be in (0, 86400], got {args.timeout_s}")
     try:
         token = auth.resolve_token(None, args.auth_token_file) if args.auth_token_file else None
     except ValueError as e:

@@ -138,7 +138,11 @@ class DispatcherConfig:
         metrics_port: Serve Prometheus metrics at http://host:PORT/metrics (and
             /healthz, /readyz) on `host`; 0 picks a free port (read it back from
             `.metrics_port`); None (the default): no metrics. Needs
-            prometheus-client. The endpoint has no auth: it tells counts, never data.
+            prometheus-client. With an auth token, /metrics needs
+            "Authorization: Bearer <token>" (401 otherwise); with a TLS
+            certificate it is HTTPS only, and with a client CA /metrics also
+            needs a client certificate (403). /healthz and /readyz answer
+            probes without either. It tells counts, never elements.
         tls_cert_file: Optional. PEM certificate (chain) to serve TLS with
             (CLI --tls-cert); needs `tls_key_file`. Clients then need the CA
             ($DATASERVICE_TLS_CA; see `dataservice.tls`).
@@ -264,7 +268,11 @@ class WorkerConfig:
         metrics_port: Serve Prometheus metrics at http://host:PORT/metrics (and
             /healthz, /readyz: ready once registered) on `host`; 0 picks a free
             port (read it back from `.metrics_port`); None (the default): no
-            metrics. Needs prometheus-client.
+            metrics. Needs prometheus-client. Guarded as the dispatcher's:
+            with an auth token, /metrics needs "Authorization: Bearer
+            <token>" (401 otherwise); with a TLS certificate it is HTTPS only,
+            and with a client CA /metrics also needs a client certificate
+            (403). /healthz and /readyz answer probes without either.
         tls_cert_file: Optional. PEM certificate to serve TLS with (--tls-cert);
             needs `tls_key_file`. The worker also presents it to a dispatcher
             that requires client certificates. Required when the worker talks

@@ -339,3 +339,129 @@ def test_a_resumed_exactly_once_read_survives_a_dispatcher_restart(
     assert thread is not None
     thread.join(60)
     assert sorted(before + after) == list(range(n))
+
+
+def _shared_eo(target: str, n: int, protocol: str | None, name: str = "shared") -> ds.Dataset:
+    return ds.Dataset.range(n).apply(
+        ds.distribute(
+            DYNAMIC,
+            target,
+            job_name=name,
+            exactly_once=True,
+            data_transfer_protocol=protocol,
+        )
+    )
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("how", ["close", "del"])
+def test_a_consumer_leaving_mid_epoch_leaves_what_it_did_not_return_to_the_others(
+    how, protocol
+) -> None:
+    """Three consumers of one named job; one leaves after 300 elements, with
+    elements fetched and not returned and receipts not yet reported: the other
+    two finish the epoch (they used to wait forever for splits whose receipts
+    only the leaver had), and the three together got each element once."""
+    n = 6000
+    with ds.LocalCluster(num_workers=2) as cluster:
+        iterators = [iter(_shared_eo(cluster.target, n, protocol)) for _ in range(3)]
+        got: list[list[int]] = [[], [], []]
+        for _ in range(300):
+            for it, out in zip(iterators, got, strict=True):
+                out.append(int(next(it)))
+        if how == "close":
+            iterators[0].close()
+        else:
+            del iterators[0]  # closed by its finalizer
+            iterators.insert(0, None)  # type: ignore[arg-type]
+        errs: list[BaseException] = []
+
+        def rest(i: int) -> None:
+            try:
+                got[i].extend(int(x) for x in iterators[i])
+            except BaseException as err:  # reported below
+                errs.append(err)
+
+        threads = [threading.Thread(target=rest, args=(i,), daemon=True) for i in (1, 2)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        took = time.monotonic() - start
+        assert not any(t.is_alive() for t in threads), (
+            f"the remaining consumers did not finish: {len(got[1])} and {len(got[2])} read"
+        )
+        assert not errs, errs
+    counts = collections.Counter(got[0] + got[1] + got[2])
+    twice = sorted(k for k, c in counts.items() if c > 1)
+    missing = sorted(set(range(n)) - set(counts))
+    assert not twice, f"delivered more than once: {twice[:20]} ({len(twice)} in all)"
+    assert not missing, f"never delivered: {missing[:20]} ({len(missing)} in all)"
+    assert len(got[0]) == 300 and got[1] and got[2]
+    report(f"exactly-once, one of 3 consumers left ({how}, {protocol or 'shm'}): rest {took:.1f} s")
+
+
+_CRASHING_CONSUMER = """
+import sys
+import dataservice as ds
+dataset = ds.Dataset.range(int(sys.argv[2])).apply(ds.distribute(
+    ds.ShardingPolicy.DYNAMIC, sys.argv[1], job_name="shared", exactly_once=True))
+for x in dataset:
+    print(int(x), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_consumer_killed_mid_epoch_does_not_stall_the_others(tmp_path) -> None:
+    """A consumer process SIGKILLed mid-epoch: once the dispatcher times it out
+    (client_timeout_ms), the splits whose elements it received and never
+    reported run again for the other consumer, which finishes; nothing it
+    printed (delivered) reaches the other one. What it received and had not
+    returned when killed is gone with it: at most its read-ahead."""
+    import subprocess
+    import sys
+
+    n = 20000
+    config = ds.DispatcherConfig(client_timeout_ms=3000)
+    with ds.LocalCluster(num_workers=2, dispatcher_config=config) as cluster:
+        script = tmp_path / "consumer.py"
+        script.write_text(_CRASHING_CONSUMER)
+        child = subprocess.Popen(
+            [sys.executable, str(script), cluster.target, str(n)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "DATASERVICE_AUTH_TOKEN": cluster.auth_token or ""},
+        )
+        assert child.stdout is not None
+        it = iter(_shared_eo(cluster.target, n, None))
+        try:
+            mine: list[int] = [int(next(it))]
+            theirs = [int(child.stdout.readline())]
+            while len(theirs) < 2000:
+                theirs.append(int(child.stdout.readline()))
+                mine.append(int(next(it)))
+            child.send_signal(signal.SIGKILL)
+            theirs.extend(int(line) for line in child.stdout.read().split())
+            child.wait(10)
+            start = time.monotonic()
+            mine.extend(int(x) for x in it)
+            took = time.monotonic() - start
+        finally:
+            it.close()
+            child.kill()
+            child.wait(10)
+    assert len(set(mine)) == len(mine) and len(set(theirs)) == len(theirs)
+    twice = set(mine) & set(theirs)
+    missing = set(range(n)) - set(mine) - set(theirs)
+    # What it delivered after its last heartbeat (about a second of its reading)
+    # was reported by nobody: those splits ran again for the other consumer.
+    assert len(twice) <= 1500, f"{len(twice)} delivered twice"
+    # What it received and reported and had not returned: its read-ahead.
+    assert len(missing) <= 1000, f"{len(missing)} never delivered"
+    assert took < 60, f"the other consumer took {took:.0f} s to finish"
+    report(
+        f"exactly-once, a consumer SIGKILLed after {len(theirs)}: the other finished in "
+        f"{took:.1f} s; {len(twice)} elements reached both, {len(missing)} went with it"
+    )

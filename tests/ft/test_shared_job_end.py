@@ -19,6 +19,7 @@ right after the reply arrived). Every element must still come out exactly once
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import threading
@@ -213,3 +214,45 @@ def test_dynamic_restarted_worker_elements_fetched_before_are_yielded() -> None:
     missing = set(range(n)) - set(got)
     assert len(missing) == lost["elements_lost"], (sorted(missing)[:20], lost)
     assert stats["elements_not_yielded"] == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["shm", "grpc"])
+def test_a_consumer_leaving_mid_epoch_says_what_the_others_will_not_get(
+    protocol: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two consumers of one named DYNAMIC job (at-most-once); one closes after
+    300 elements with elements fetched and not returned (and maybe a fetch on
+    its way): it says how many, and the other's stats() and end-of-epoch
+    WARNING count exactly the elements neither returned."""
+    n = 20000
+    with ds.LocalCluster(num_workers=2) as cluster:
+        iterators = [
+            iter(
+                ds.Dataset.range(n).apply(
+                    ds.distribute(
+                        ds.ShardingPolicy.DYNAMIC,
+                        cluster.target,
+                        job_name="shared",
+                        data_transfer_protocol=protocol,
+                    )
+                )
+            )
+            for _ in range(2)
+        ]
+        got: list[list[int]] = [[], []]
+        for _ in range(300):
+            for it, out in zip(iterators, got, strict=True):
+                out.append(int(next(it)))
+        with caplog.at_level(logging.WARNING, logger="dataservice"):
+            iterators[0].close()
+            got[1].extend(int(x) for x in iterators[1])
+        stats = iterators[1].stats()
+    seen = got[0] + got[1]
+    assert len(set(seen)) == len(seen), "an element reached both consumers"
+    missing = n - len(seen)
+    assert missing > 0, "the leaver had nothing fetched ahead: the test shows nothing"
+    assert stats["elements_left_by_departed_consumers"] == missing
+    text = caplog.text
+    assert f"leaves mid-epoch with {missing} elements it fetched and did not return" in text
+    assert f"{missing} elements were fetched by consumers that left the job mid-epoch" in text

@@ -137,3 +137,55 @@ def test_after_a_dispatcher_restart_a_split_goes_out_again_only_with_its_receipt
         assert skip[held[0]] == [0, 1], skip
     finally:
         d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_leaving_sends_the_open_splits_out_again_once_the_others_drop_the_old_run():
+    """Consumers A and B of one exactly-once iteration; A received seqs 0-2 of
+    split 0 and delivered 0-1, then leaves: split 0 (and every split open) goes
+    out again under generation 1, but only after B said it drops generation 0,
+    skipping what B received and what A delivered."""
+    d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=60_000))
+    try:
+        a, task1, _ = _start(d)
+        iteration_id = a.iteration_id
+        job_id = d._state.iterations[iteration_id].job_id
+        b = d._get_or_create_iteration(pb.GetOrCreateIterationRequest(job_id=job_id))
+        assert b.iteration_id == iteration_id
+        held = _leases(d, iteration_id, task1, "uid-1a", 2)
+        assert held[0] == 0
+        heartbeat = pb.ClientHeartbeatRequest(iteration_client_id=a.iteration_client_id)
+        heartbeat.split_receipts.add(ordinal=0, ranges=[0, 3])
+        d._client_heartbeat(heartbeat)
+        heartbeat = pb.ClientHeartbeatRequest(iteration_client_id=b.iteration_client_id)
+        heartbeat.split_receipts.add(ordinal=0, ranges=[5, 6])
+        assert not d._client_heartbeat(heartbeat).split_generations
+        release = pb.ReleaseIterationClientRequest(iteration_client_id=a.iteration_client_id)
+        release.split_receipts.add(ordinal=0, ranges=[0, 2])  # delivered 0-1, not 2
+        d._release_iteration_client(release)
+
+        def get(max_splits: int) -> list:
+            request = pb.GetSplitsRequest(
+                iteration_id=iteration_id,
+                task_id=task1,
+                max_splits=max_splits,
+                exactly_once=True,
+                worker_uid="uid-1a",
+            )
+            return list(d._get_splits(request).leases)
+
+        assert all(lease.ordinal not in held for lease in get(4))  # B has not dropped run 0
+        told = d._client_heartbeat(
+            pb.ClientHeartbeatRequest(iteration_client_id=b.iteration_client_id)
+        )
+        assert {(g.ordinal, g.generation) for g in told.split_generations} == {(o, 1) for o in held}
+        ack = pb.ClientHeartbeatRequest(iteration_client_id=b.iteration_client_id)
+        for ordinal in held:
+            ack.split_generations.add(ordinal=ordinal, generation=1)
+        d._client_heartbeat(ack)
+        again = {lease.ordinal: lease for lease in get(8) if lease.ordinal in held}
+        assert sorted(again) == sorted(held)
+        assert again[0].generation == 1
+        assert list(again[0].skip) == [0, 2, 5, 6]  # A delivered 0-1; B received 5
+    finally:
+        d.stop()

@@ -153,6 +153,7 @@ class TaskFetching:
     stats: ReadStats
     _cv: threading.Condition
     _stop: threading.Event
+    _fetched_after_close: int
     _wake_heartbeat: threading.Event
     _token: str | None
     _outstanding: _FairSemaphore | None
@@ -334,6 +335,11 @@ class TaskFetching:
                     state.fetching = False
                     self._ahead_landed_locked(state)
                     self._cv.notify_all()
+                    if self._stop.is_set():
+                        # Closed while this fetch was on its way: close() counts what
+                        # it brought among what the consumer leaves unreturned.
+                        self._fetched_after_close += len(result.elements)
+                        return
                     if self._ended:
                         # Only a lost worker's fetch may still be on its way when the
                         # iteration ends (`_Reader._over_locked`): what it brought

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 _START_WAIT_S = 0.5  # longest wait for the iteration's tasks to connect before the first element
 _MAX_ELEMENTS_PER_FETCH = 1024
+# close() of a shared read mid-epoch: how long it waits for fetches on their way
+# (a fetch waits at most fetch.py's 1 s for elements), to count what they bring.
+_CLOSE_FETCH_WAIT_S = 1.5
 _RESULT_BUFFER_ELEMENTS = 8192
 # A named job is shared first come, first served: a consumer must not take
 # far more than it reads, so fetches and the local buffer stay small.
@@ -120,6 +123,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         # Fetched elements, one entry per fetch, and the marks of ends and failure.
         self._results: collections.deque[_Fetched] = collections.deque()
         self._buffered_elements = 0  # in self._results
+        self._fetched_after_close = 0  # elements of fetches that landed after close()
         self._buffered_bytes = 0
         self._ahead_elements = 0  # what requests sent ahead may bring (fetch.py)
         self._start_time = time.monotonic()
@@ -215,16 +219,15 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         if not self.client_id:
             return
         client_id, self.client_id = self.client_id, 0
+        request = pb.ReleaseIterationClientRequest(
+            iteration_client_id=client_id, incarnation_id=self.incarnation
+        )
+        if self.options.exactly_once:
+            with self._cv:
+                self._eo_release_receipts_locked(request)
+        request.counters.CopyFrom(self.stats.to_proto(self.options.consumer_index))
         try:
-            self._stub.ReleaseIterationClient(
-                pb.ReleaseIterationClientRequest(
-                    iteration_client_id=client_id,
-                    incarnation_id=self.incarnation,
-                    counters=self.stats.to_proto(self.options.consumer_index),
-                ),
-                timeout=2.0,
-                metadata=self._metadata,
-            )
+            self._stub.ReleaseIterationClient(request, timeout=2.0, metadata=self._metadata)
         except grpc.RpcError:
             pass  # the dispatcher times the client out instead
 
@@ -306,6 +309,9 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
             return
         live = {t.task_id for t in response.tasks}
         to_start = []
+        departed = response.elements_left_by_departed_consumers
+        if departed > self.stats.left_by_departed:
+            self.stats.left_by_departed = departed
         if self.options.exactly_once:
             with self._cv:
                 # Closed before the loss is noted: what this consumer reports
@@ -460,6 +466,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
             )
             if failing:
                 what += "; fetches keep failing from " + ", ".join(failing[:4])
+            if self._dispatcher_waiting_for:
+                what += "; the dispatcher says it waits for " + self._dispatcher_waiting_for
             now = time.monotonic()
             silent = sorted(
                 {
@@ -644,13 +652,41 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
             return
         self._stop.set()
         self._wake_heartbeat.set()
-        self._chunk = []  # drop fetched elements (and their shared-memory leases)
         with self._cv:
+            unreturned = len(self._chunk) - self._chunk_pos if self._chunk else 0
+            unreturned += sum(len(fetched.elements) for fetched in self._results)
+            over = self._iteration_finished
+            self._chunk = []  # drop fetched elements (and their shared-memory leases)
             self._results.clear()
             self._cv.notify_all()
             threads = [s.thread for s in self._tasks.values() if s.thread is not None]
         if self._heartbeat_thread is not None:
             threads.append(self._heartbeat_thread)
+        shared = self.options.job_name and not self.options.num_consumers
+        if shared and not over and not self.options.exactly_once:
+            # A fetch on its way brings elements no other consumer gets: waited for
+            # (a worker with elements ready answers at once; one without, within
+            # the fetch's wait), so that they are counted.
+            deadline = time.monotonic() + _CLOSE_FETCH_WAIT_S
+            with self._cv:
+                while any(s.fetching for s in self._tasks.values()):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(min(left, 0.05))
+                unreturned += self._fetched_after_close
+        if unreturned and shared and not over and not self.options.exactly_once:
+            # The job's other consumers go on without them: said, and counted in
+            # their stats() and end-of-epoch WARNING (the dispatcher sums them).
+            self.stats.left_unreturned = unreturned
+            log.warning(
+                "consumer of %s leaves mid-epoch with %d elements it fetched and did not "
+                "return: the job's other consumers do not get them (a shared read hands "
+                "each element to one consumer, at most once, as tf.data service's; "
+                "distribute(..., exactly_once=True) hands them to the others)",
+                self._what_iteration(),
+                unreturned,
+            )
         self.release()
         self._close_round_clients()
         # Daemon threads: each ends within one fetch wait; don't hold the
@@ -818,7 +854,8 @@ class DataServiceIterator:
                                "elements_received": int,
                                "elements_lost": int | None}, ...],
              "splits_lost": int, "elements_lost": int | None,
-             "elements_not_yielded": int, "errors_ignored": int}
+             "elements_not_yielded": int,
+             "elements_left_by_departed_consumers": int, "errors_ignored": int}
 
             `lost_workers` lists each worker process the iteration lost,
             oldest first (the client also logs one WARNING for each). Under
@@ -833,8 +870,12 @@ class DataServiceIterator:
             the share of the epoch lost. `elements_not_yielded` counts elements
             a lost worker's fetch brought after the iteration had ended here
             (each batch also logs a WARNING); every other element received is
-            yielded. `errors_ignored` sums the elements the pipeline's
-            `ignore_errors` skipped in the tasks this consumer read, as each
+            yielded. `elements_left_by_departed_consumers`: of a shared
+            (named) job, the elements that consumers which left the iteration
+            fetched and never returned (each said so when it closed; a killed
+            one counts 0): no other consumer gets them (an exactly-once read
+            hands them to the others: 0). `errors_ignored` sums the
+            elements the pipeline's `ignore_errors` skipped in the tasks this consumer read, as each
             worker's last reply said (exact once the iteration ended here).
         """
         with self._reader._cv:

@@ -63,6 +63,11 @@ class ReadStats:
     lost: dict[tuple[str, str, int, int], LostWorker] = field(default_factory=dict)
     # elements a lost worker's fetch brought after the iteration ended here
     not_yielded: int = 0
+    # close(): elements this consumer fetched and never returned
+    left_unreturned: int = 0
+    # the dispatcher's sum of `left_unreturned` over the consumers that left this
+    # iteration (ClientHeartbeatResponse.elements_left_by_departed_consumers)
+    left_by_departed: int = 0
     # (task_id, worker_uid) -> elements `ignore_errors` skipped in that worker
     # process's task, as its last reply here said (a running count)
     errors_ignored: dict[tuple[int, str], int] = field(default_factory=dict)
@@ -90,6 +95,7 @@ class ReadStats:
             host=_HOST,
             pid=os.getpid(),
             consumer_index=consumer_index if consumer_index >= 0 else -1,
+            left_unreturned=self.left_unreturned,
         )
 
 
@@ -192,6 +198,17 @@ class WorkerLossTracking:
         lost worker processes took with them, if any (with a crash loop most
         of an epoch may be lost, a WARNING per process at a time; this says
         how much in all, next to what was read)."""
+        departed = self.stats.left_by_departed
+        if departed:
+            log.warning(
+                "iteration %d ended after %d elements read here; %d elements were fetched by "
+                "consumers that left the job mid-epoch and never returned them: no other "
+                "consumer got them (stats()['elements_left_by_departed_consumers']; "
+                "distribute(..., exactly_once=True) hands them to the others)",
+                self.iteration_id,
+                self.stats.elements,
+                departed,
+            )
         entries = [self._describe_loss_locked(lost) for lost in self.stats.lost.values()]
         dynamic = [d for d in entries if d["splits_handed_out"]]
         splits_lost = sum(d["splits_lost"] for d in dynamic)
@@ -248,6 +265,7 @@ class WorkerLossTracking:
                 else None
             ),
             "elements_not_yielded": s.not_yielded,
+            "elements_left_by_departed_consumers": s.left_by_departed,
             "errors_ignored": sum(s.errors_ignored.values()),
         }
 

@@ -118,6 +118,9 @@ class DispatcherBase:
         # (address -> reason), and the iterations that failed for lack of workers.
         self._failed_workers: dict[str, str] = {}
         self._iteration_errors: dict[st.IterationId, str] = {}
+        # Elements consumers fetched and never returned before leaving each iteration
+        # (their final ConsumerCounters.left_unreturned; runtime only).
+        self._left_by_departed: dict[st.IterationId, int] = {}
         self._client_seen: dict[st.IterationClientId, float] = {}
         self._job_last_used: dict[st.JobId, float] = {}
         # Since when each unfinished iteration of a named job has had no consumer
@@ -127,10 +130,16 @@ class DispatcherBase:
         # Exactly-once DYNAMIC (exactly_once.py): what consumers and workers
         # tell again after a restart, so not journaled.
         self._eo_received: dict[st.IterationId, dict[int, dict[st.IterationClientId, Any]]] = {}
+        self._eo_delivered: dict[st.IterationId, dict[int, dict[st.IterationClientId, Any]]] = {}
         self._eo_holder: dict[tuple[st.IterationId, int], str] = {}
         self._eo_orphans: dict[st.IterationId, dict[int, Any]] = {}
         self._eo_ready: dict[st.IterationId, list[int]] = {}
         self._eo_dead_uids: set[str] = set()
+        # iteration -> ordinal -> generation of the split's current run (absent: 0),
+        # and the runs replaced after a consumer left: ordinal -> consumers still to
+        # say they drop the older run's elements.
+        self._eo_generation: dict[st.IterationId, dict[int, int]] = {}
+        self._eo_fences: dict[st.IterationId, dict[int, set[st.IterationClientId]]] = {}
         # Consumers journaled before this dispatcher started that have not sent a
         # heartbeat since: what they received is unknown here.
         self._eo_unheard: set[st.IterationClientId] = set()

@@ -11,14 +11,27 @@ it) or left, then are leased again with the sequence numbers already received.
 Fields (`base.DispatcherBase`; all guarded by `self._mu`): the journaled leases
 are `Iteration.leases` (state.py: LeaseSplits, SplitsProduced, CompleteSplits).
 Not journaled, because the consumers and workers tell them again after a
-restart: `_eo_received` (iteration -> ordinal -> client -> ranges received),
+restart: `_eo_received` (iteration -> ordinal -> client -> ranges received: a
+split run again skips them), `_eo_delivered` (the same, delivered: a split
+completes once its elements were all delivered),
 `_eo_holder` ((iteration, ordinal) -> uid of the worker process holding it),
 `_eo_orphans` (iteration -> ordinal -> the lost process's (task, uid) and the
 clients still to close it), `_eo_ready` (iteration -> ordinals to lease again)
 `_eo_dead_uids` (processes declared lost: a process that comes back after
-that gets no lease, since the consumers drop what it sends) and `_eo_unheard`
+that gets no lease, since the consumers drop what it sends), `_eo_unheard`
 (consumers journaled before a restart and not heard since: a split leased
-before the restart is not run again until they reported what they received).
+before the restart is not run again until they reported what they received),
+`_eo_generation` (iteration -> ordinal -> the split's current run) and
+`_eo_fences` (iteration -> ordinal -> consumers still to drop an older run).
+
+A consumer that leaves (its iterator closed, or timed out) takes with it what it
+received and did not report, or (closed) did not deliver, which no split's
+receipts would then ever cover: every open lease of its iteration is replaced
+by a new run of the split (`_eo_replace_runs_locked`), under the next
+generation, once every remaining consumer said it drops the older run's elements
+(which may still reach them from the worker running it); the new run skips the
+sequence numbers the consumers (the leaving one's final receipts included)
+received.
 
 A split is out to one worker process at a time: a second copy running would
 reach the consumers after the split completed, when they no longer keep its
@@ -108,7 +121,11 @@ class ExactlyOnceMixin(DispatcherBase):
         # close that process (`_eo_orphans`), then goes out once, to whichever
         # task asks first (`ready`); the lost process's task, run by its next
         # process, must not take it here as well.
-        waiting = self._eo_orphans.get(iteration_id, {}).keys() | set(ready)
+        waiting = (
+            self._eo_orphans.get(iteration_id, {}).keys()
+            | self._eo_fences.get(iteration_id, {}).keys()
+            | set(ready)
+        )
         again: list[int] = []
         for lease in leases.values():
             if lease.task_id != task_id or (iteration_id, lease.ordinal) in self._eo_holder:
@@ -177,10 +194,11 @@ class ExactlyOnceMixin(DispatcherBase):
                 self._lease_locked(
                     iteration_id, task_id, tuple(old), [leases[o].split for o in old]
                 )
+        generations = self._eo_generation.get(iteration_id, {})
         for ordinal in take:
             lease = leases[ordinal]
             self._eo_holder[(iteration_id, ordinal)] = uid
-            message = response.leases.add(ordinal=ordinal)
+            message = response.leases.add(ordinal=ordinal, generation=generations.get(ordinal, 0))
             if isinstance(lease.split, str):
                 message.str_split, message.is_str = lease.split, True
             else:
@@ -214,24 +232,31 @@ class ExactlyOnceMixin(DispatcherBase):
         return eo.union(by_client.values())
 
     def _eo_complete_locked(self, iteration: st.Iteration, ordinals: list[int]) -> None:
-        """Ends the leases among `ordinals` whose elements all reached consumers."""
+        """Ends the leases among `ordinals` whose elements were all delivered (a
+        consumer's next() returned them)."""
         iteration_id = iteration.iteration_id
+        delivered = self._eo_delivered.get(iteration_id, {})
         done = []
         for ordinal in ordinals:
             lease = iteration.leases.get(ordinal)
             if lease is None or lease.count < 0:
                 continue
-            if eo.covers(self._eo_received_locked(iteration_id, ordinal), lease.count):
+            if eo.covers(eo.union(delivered.get(ordinal, {}).values()), lease.count):
                 done.append(ordinal)
         if not done:
             return
         self._apply_locked(st.CompleteSplits(iteration_id, tuple(done)))
         received = self._eo_received.get(iteration_id, {})
         orphans = self._eo_orphans.get(iteration_id, {})
+        fences = self._eo_fences.get(iteration_id, {})
+        generations = self._eo_generation.get(iteration_id, {})
         ready = self._eo_ready.get(iteration_id, [])
         for ordinal in done:
             received.pop(ordinal, None)
+            delivered.pop(ordinal, None)
             orphans.pop(ordinal, None)
+            fences.pop(ordinal, None)
+            generations.pop(ordinal, None)
             self._eo_holder.pop((iteration_id, ordinal), None)
             if ordinal in ready:
                 ready.remove(ordinal)
@@ -241,19 +266,40 @@ class ExactlyOnceMixin(DispatcherBase):
     def _eo_client_heartbeat_locked(
         self, client_id: st.IterationClientId, iteration: st.Iteration, request: Any, response: Any
     ) -> None:
-        """A consumer's receipts and closed processes (ClientHeartbeatRequest)."""
+        """A consumer's receipts, closed processes and generations taken
+        (ClientHeartbeatRequest); the splits run again it must know of."""
         self._eo_unheard.discard(client_id)
+        iteration_id = iteration.iteration_id
+        generations = self._eo_generation.setdefault(iteration_id, {})
+        if request.split_generations:
+            fences = self._eo_fences.get(iteration_id, {})
+            for g in request.split_generations:
+                if g.ordinal not in iteration.leases:
+                    continue
+                current = generations.get(g.ordinal, 0)
+                if g.generation > current:  # known before this dispatcher restarted
+                    generations[g.ordinal] = current = g.generation
+                if g.generation == current and g.ordinal in fences:
+                    fences[g.ordinal].discard(client_id)
+            self._eo_promote_locked(iteration_id)
+        for ordinal, generation in generations.items():
+            response.split_generations.add(ordinal=ordinal, generation=generation)
+        if not response.waiting_for:
+            response.waiting_for = self._eo_waiting_for_locked(iteration)
         if not request.split_receipts and not request.closed_processes:
             return
-        iteration_id = iteration.iteration_id
         received = self._eo_received.setdefault(iteration_id, {})
+        delivered = self._eo_delivered.setdefault(iteration_id, {})
         touched = []
         for receipt in request.split_receipts:
             if receipt.ordinal not in iteration.leases:
                 response.completed_splits.append(receipt.ordinal)
                 continue
             received.setdefault(receipt.ordinal, {})[client_id] = eo.unflatten(receipt.ranges)
-            touched.append(receipt.ordinal)
+        for receipt in request.split_delivered:
+            if receipt.ordinal in iteration.leases:
+                delivered.setdefault(receipt.ordinal, {})[client_id] = eo.unflatten(receipt.ranges)
+                touched.append(receipt.ordinal)
         self._eo_complete_locked(iteration, touched)
         closed = {(c.task_id, c.worker_uid) for c in request.closed_processes}
         if closed:
@@ -262,23 +308,142 @@ class ExactlyOnceMixin(DispatcherBase):
                     orphan.waiting.discard(client_id)
             self._eo_promote_locked(iteration_id)
 
+    def _eo_waiting_for_locked(self, iteration: st.Iteration) -> str:
+        """When every split of `iteration` was produced and only deliveries are
+        missing: the consumers holding elements they have not returned (the
+        epoch ends once they do, or leave), for the consumers' wait message."""
+        iteration_id = iteration.iteration_id
+        if (
+            not iteration.leases
+            or iteration.finished
+            or not iteration.splits_ended_by_provider.get(0, False)
+            or any(lease.count < 0 for lease in iteration.leases.values())
+            or self._eo_orphans.get(iteration_id)
+            or self._eo_fences.get(iteration_id)
+            or self._eo_ready.get(iteration_id)
+        ):
+            return ""
+        received = self._eo_received.get(iteration_id, {})
+        delivered = self._eo_delivered.get(iteration_id, {})
+        holders: set[st.IterationClientId] = set()
+        for ordinal in iteration.leases:
+            given = delivered.get(ordinal, {})
+            for client, ranges in received.get(ordinal, {}).items():
+                if eo.union([ranges]) != eo.union([given.get(client, [])]):
+                    holders.add(client)
+        if not holders:
+            return ""
+        names = []
+        for client in sorted(holders)[:8]:
+            seen = self._client_seen_counters.get(client)
+            where = f" (pid {seen.pid} on {seen.host})" if seen is not None and seen.pid else ""
+            names.append(f"consumer {client}{where}")
+        return (
+            f"the last {len(iteration.leases)} splits, all produced, to be returned by next() "
+            f"of {', '.join(names)}, which fetched elements of them (an exactly-once epoch "
+            "ends once every element was returned: a consumer that stops reading holds what "
+            "it fetched until it reads on or leaves; one that is gone is released after "
+            "client_timeout_ms)"
+        )
+
+    def _eo_final_receipts_locked(
+        self, client_id: st.IterationClientId, iteration: st.Iteration, request: Any
+    ) -> None:
+        """A leaving consumer's receipts (ReleaseIterationClientRequest): what it
+        delivered, also in place of what it received."""
+        received = self._eo_received.setdefault(iteration.iteration_id, {})
+        delivered = self._eo_delivered.setdefault(iteration.iteration_id, {})
+        touched = []
+        for receipt in request.split_receipts:
+            if receipt.ordinal not in iteration.leases:
+                continue
+            ranges = eo.unflatten(receipt.ranges)
+            for table in (received, delivered):
+                if ranges:
+                    table.setdefault(receipt.ordinal, {})[client_id] = ranges
+                else:
+                    table.get(receipt.ordinal, {}).pop(client_id, None)
+            touched.append(receipt.ordinal)
+        self._eo_complete_locked(iteration, touched)
+
     def _eo_client_left_locked(
         self, iteration_id: st.IterationId, client_id: st.IterationClientId
     ) -> None:
-        """A consumer left: no lost process waits for it any more. (What it
-        received stays counted: it was delivered.)"""
+        """A consumer left: no lost process or replaced run waits for it any more,
+        and the splits open now run again (`_eo_replace_runs_locked`). What it
+        reported stays counted: it was delivered (its final receipts, when it
+        closed, say what it delivered)."""
         self._eo_unheard.discard(client_id)
         for orphan in self._eo_orphans.get(iteration_id, {}).values():
             orphan.waiting.discard(client_id)
+        for waiting in self._eo_fences.get(iteration_id, {}).values():
+            waiting.discard(client_id)
+        # Gone, it delivers nothing more: what it received and did not deliver
+        # (as far as it said) is for the others, so a run of the split must not skip it.
+        delivered = self._eo_delivered.get(iteration_id, {})
+        for ordinal, by_client in self._eo_received.get(iteration_id, {}).items():
+            if client_id in by_client:
+                given = delivered.get(ordinal, {}).get(client_id)
+                if given:
+                    by_client[client_id] = given
+                else:
+                    del by_client[client_id]
+        iteration = self._state.iterations.get(iteration_id)
+        if (
+            iteration is not None
+            and not iteration.finished
+            and self._state.jobs[iteration.job_id].exactly_once
+        ):
+            self._eo_replace_runs_locked(iteration, client_id)
         self._eo_promote_locked(iteration_id)
 
+    def _eo_replace_runs_locked(self, iteration: st.Iteration, left: st.IterationClientId) -> None:
+        """Consumer `left` left `iteration`: what it received since its last
+        heartbeat, or did not deliver, is in no receipt, so a split open now
+        might never complete. Each open lease (not already waiting to go out
+        again) gets a new run under the next generation, leased once every
+        remaining consumer said it drops the older run's elements."""
+        iteration_id = iteration.iteration_id
+        orphans = self._eo_orphans.get(iteration_id, {})
+        ready = self._eo_ready.get(iteration_id, [])
+        fences = self._eo_fences.setdefault(iteration_id, {})
+        generations = self._eo_generation.setdefault(iteration_id, {})
+        replaced = 0
+        for ordinal, lease in iteration.leases.items():
+            if ordinal in orphans or ordinal in ready or ordinal in fences:
+                continue  # goes out again later, with the receipts known then
+            if lease.count >= 0 and eo.covers(
+                self._eo_received_locked(iteration_id, ordinal), lease.count
+            ):
+                continue
+            generations[ordinal] = generations.get(ordinal, 0) + 1
+            self._eo_holder.pop((iteration_id, ordinal), None)
+            fences[ordinal] = set(iteration.clients)
+            replaced += 1
+        if replaced:
+            log.info(
+                "exactly-once iteration %d: consumer %d left; the %d splits open go out "
+                "again (what it received and did not report or deliver goes to the other "
+                "consumers) once the %d remaining consumers drop the older runs' elements",
+                iteration_id,
+                left,
+                replaced,
+                len(iteration.clients),
+            )
+
     def _eo_promote_locked(self, iteration_id: st.IterationId) -> None:
-        """Orphans no consumer waits for can be leased again."""
+        """Orphans and replaced runs no consumer waits for can be leased again."""
         orphans = self._eo_orphans.get(iteration_id, {})
         ready = self._eo_ready.setdefault(iteration_id, [])
         for ordinal, orphan in list(orphans.items()):
             if not orphan.waiting:
                 del orphans[ordinal]
+                if ordinal not in ready:
+                    ready.append(ordinal)
+        fences = self._eo_fences.get(iteration_id, {})
+        for ordinal, waiting in list(fences.items()):
+            if not waiting:
+                del fences[ordinal]
                 if ordinal not in ready:
                     ready.append(ordinal)
         ready.sort()
@@ -298,7 +463,12 @@ class ExactlyOnceMixin(DispatcherBase):
         ready = set(self._eo_ready.get(iteration_id, []))
         moved = 0
         for lease in iteration.leases.values():
-            if lease.task_id != task.task_id or lease.ordinal in orphans or lease.ordinal in ready:
+            if (
+                lease.task_id != task.task_id
+                or lease.ordinal in orphans
+                or lease.ordinal in ready
+                or lease.ordinal in self._eo_fences.get(iteration_id, {})
+            ):
                 continue
             holder = self._eo_holder.get((iteration_id, lease.ordinal))
             if holder is not None and uid and holder != uid:

@@ -48,6 +48,10 @@ class JobsMixin(DispatcherBase):
             response: Any,
         ) -> None: ...
 
+        def _eo_final_receipts_locked(
+            self, client_id: st.IterationClientId, iteration: st.Iteration, request: Any
+        ) -> None: ...
+
         def _eo_client_left_locked(
             self, iteration_id: st.IterationId, client_id: st.IterationClientId
         ) -> None: ...
@@ -416,6 +420,9 @@ class JobsMixin(DispatcherBase):
             if not finished and not tasks:
                 response.waiting_for = self._why_no_task_locked(iteration)
             response.lost_workers.extend(self._worker_losses.get(iteration_id, ()))
+            response.elements_left_by_departed_consumers = self._left_by_departed.get(
+                iteration_id, 0
+            )
             if job.exactly_once:
                 self._eo_client_heartbeat_locked(client_id, iteration, request, response)
             return response
@@ -446,6 +453,15 @@ class JobsMixin(DispatcherBase):
             if iteration_id is not None:  # its final counters
                 job = self._state.job_of_iteration(iteration_id)
                 self._note_client_counters_locked(client_id, job, request, time.monotonic())
+                if request.counters.left_unreturned > 0:
+                    self._left_by_departed[iteration_id] = (
+                        self._left_by_departed.get(iteration_id, 0)
+                        + request.counters.left_unreturned
+                    )
+                if job.exactly_once and request.split_receipts:
+                    self._eo_final_receipts_locked(
+                        client_id, self._state.iterations[iteration_id], request
+                    )
             self._release_client_locked(client_id)
             return pb.ReleaseIterationClientResponse()
 

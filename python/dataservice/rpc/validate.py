@@ -308,6 +308,7 @@ _CONSUMER_COUNTERS = message_fields(
         "host": text(MAX_NAME_CHARS),
         "pid": int_range(0, MAX_PID),
         "consumer_index": index_or_unset(MAX_CONSUMERS - 1),
+        "left_unreturned": _COUNT,
     }
 )
 _DATASET_ID = Field("dataset_id", text(MAX_NAME_CHARS, required=True))
@@ -327,6 +328,7 @@ def _seq_ranges(name: str, value: Any) -> str | None:
 
 _SPLIT_RECEIPT = message_fields({"ordinal": an_id, "ranges": _seq_ranges})
 _SPLIT_PRODUCED = message_fields({"ordinal": an_id, "count": int_range(0, MAX_COUNT)})
+_SPLIT_GENERATION = message_fields({"ordinal": an_id, "generation": int_range(0, MAX_COUNT)})
 _CLOSED_PROCESS = message_fields({"task_id": an_id, "worker_uid": text(MAX_TOKEN_CHARS)})
 _HOST_ID = text(MAX_NAME_CHARS)
 
@@ -380,11 +382,14 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("counters", _CONSUMER_COUNTERS),
         Field("split_receipts", repeated(_SPLIT_RECEIPT, MAX_REPEATED_IDS)),
         Field("closed_processes", repeated(_CLOSED_PROCESS, MAX_REPEATED_IDS)),
+        Field("split_generations", repeated(_SPLIT_GENERATION, MAX_REPEATED_IDS)),
+        Field("split_delivered", repeated(_SPLIT_RECEIPT, MAX_REPEATED_IDS)),
     ),
     "dataservice.rpc.ReleaseIterationClientRequest": (
         Field("iteration_client_id", an_id),
         _INCARNATION,
         Field("counters", _CONSUMER_COUNTERS),
+        Field("split_receipts", repeated(_SPLIT_RECEIPT, MAX_REPEATED_IDS)),
     ),
     "dataservice.rpc.GetSplitsRequest": (
         Field("iteration_id", an_id),

@@ -2,10 +2,12 @@
 says how the pieces fit).
 
 `elements` leases splits from the dispatcher (GetSplits with `exactly_once`),
-runs the pipeline once per split, and yields `(ordinal, seq, split, element)`:
-the split's ordinal, the element's sequence number within the split, the split
-itself (an index or a file name: a checkpoint's key, client/checkpoint.py), and
-the element. Sequence numbers a consumer already received (a split leased again
+runs the pipeline once per split, and yields `(ordinal, seq, split, element,
+generation)`: the split's ordinal, the element's sequence number within the
+split, the split itself (an index or a file name: a checkpoint's key,
+client/checkpoint.py), the element, and the lease's generation (which run of
+the split: consumers drop the elements of a run the dispatcher replaced after a
+consumer left). Sequence numbers a consumer already received (a split leased again
 after its worker was lost: `SplitLease.skip`) are produced but not yielded, so
 the pipeline must produce a split's elements in the same order every time
 (deterministic, seeded randomness). The element counts of the splits run are
@@ -49,7 +51,7 @@ class _OneSplit:
 
 
 def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Iterator[Any]:
-    """Task `task`'s tagged elements: `(ordinal, seq, split, element)` (see the module
+    """Task `task`'s tagged elements: `(ordinal, seq, split, element, generation)` (see the module
     docstring), until the dispatcher says no split is left and no lease is open.
 
     Raises:
@@ -57,9 +59,9 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
             the pipeline raises.
     """
     produced: list[tuple[int, int]] = []
-    # ordinal -> elements, of the last `_RAN_KEPT` splits this process ran (a duplicate
-    # lease comes in the same or the next GetSplits answer)
-    ran: collections.OrderedDict[int, int] = collections.OrderedDict()
+    # (ordinal, generation) -> elements, of the last `_RAN_KEPT` splits this process ran
+    # (a duplicate lease comes in the same or the next GetSplits answer)
+    ran: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
     queue: collections.deque[Any] = collections.deque()
     batch = 1
     wait_s = _POLL_S[0]
@@ -96,10 +98,11 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
             queue.extend(response.leases)
             batch = min(batch * 2, _MAX_LEASES)
         lease = queue.popleft()
-        if lease.ordinal in ran:
+        run = (lease.ordinal, lease.generation)
+        if run in ran:
             # Leased to this process again (a dispatcher restarted between two journal
             # records): already run; its count goes back, its elements not twice.
-            produced.append((lease.ordinal, ran[lease.ordinal]))
+            produced.append((lease.ordinal, ran[run]))
             continue
         split = lease.str_split if lease.is_str else lease.int_split
         skip = eo.unflatten(lease.skip)
@@ -108,13 +111,13 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
         try:
             for element in iterator:
                 if not (skip and eo.contains(skip, seq)):
-                    yield (lease.ordinal, seq, split, element)
+                    yield (lease.ordinal, seq, split, element, lease.generation)
                 seq += 1
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
         produced.append((lease.ordinal, seq))
-        ran[lease.ordinal] = seq
+        ran[run] = seq
         if len(ran) > _RAN_KEPT:
             ran.popitem(last=False)

@@ -161,6 +161,8 @@ pub struct Encoder {
 /// Structures an encoder keeps compiled: a stream's, and a few more for an encoder shared
 /// by several streams (the gRPC path's).
 const MAX_COMPILED: usize = 4;
+/// numpy's `NPY_USERDEF`: dtypes numbered from here are registered by other modules.
+const USER_DEFINED_DTYPE_NUM: i64 = 256;
 /// Most leaves a frame holds (its header counts them in a u16); an element with more is
 /// pickled whole, as one leaf.
 pub const MAX_LEAVES: usize = u16::MAX as usize;
@@ -213,7 +215,15 @@ impl Encoder {
             return Ok(info.clone());
         }
         let py = dtype.py();
-        let str_: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+        // A user-defined dtype (ml_dtypes' bfloat16, float8_*, int4: numpy's NPY_USERDEF
+        // and up) has `str` "<V2": it goes by its name, which numpy resolves on the consumer
+        // once the defining module is imported (decode.rs imports ml_dtypes if needed).
+        let num: i64 = dtype.getattr(intern!(py, "num"))?.extract()?;
+        let str_: String = if num >= USER_DEFINED_DTYPE_NUM {
+            dtype.getattr(intern!(py, "name"))?.extract()?
+        } else {
+            dtype.getattr(intern!(py, "str"))?.extract()?
+        };
         let itemsize: u32 = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
         let hasobject: bool = dtype.getattr(intern!(py, "hasobject"))?.extract()?;
         let has_fields = !dtype.getattr(intern!(py, "fields"))?.is_none();

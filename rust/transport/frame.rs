@@ -133,7 +133,8 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum LeafKind {
-    /// numpy array of a fixed-size dtype (`dtype` = numpy `dtype.str`).
+    /// numpy array of a fixed-size dtype (`dtype` = numpy `dtype.str`, or `dtype.name` for a
+    /// user-defined dtype such as ml_dtypes' bfloat16, whose `str` is only "<V2").
     Array = 1,
     /// numpy scalar (`np.generic`) of a fixed-size dtype.
     Scalar = 2,
@@ -171,7 +172,8 @@ impl LeafKind {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LeafSpec {
     pub kind: LeafKind,
-    /// numpy `dtype.str` for Array / Scalar, else empty.
+    /// numpy `dtype.str` for Array / Scalar (`dtype.name` for a user-defined dtype: numpy's
+    /// `dtype.num` >= 256), else empty.
     pub dtype: String,
     /// ndim for Array / VarBytes, else 0.
     pub ndim: u8,

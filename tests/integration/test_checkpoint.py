@@ -75,6 +75,48 @@ def test_off_resume_reads_exactly_the_rest_of_the_sequence(protocol) -> None:
         s.stop()
 
 
+def test_a_seeded_reshuffle_resumes_in_the_order_it_was_read_in_every_epoch() -> None:
+    """shuffle(seed=..., reshuffle_each_iteration=True) through an OFF job on one
+    worker: the k-th iterator of a distributed dataset is epoch k on the worker,
+    whatever the worker ran before, so epoch 0 is the in-process first order,
+    epoch 1 another, and a state taken in epoch k resumes in epoch k's order
+    (the worker's shuffle used to count every iterator it made, so the resumed
+    job got the next epoch's order: 259 of 3,000 elements twice, as many never)."""
+    s = InProcessCluster(1)
+    try:
+        n = 600
+
+        def pipeline() -> ds.Dataset:
+            return ds.Dataset.range(n).shuffle(100, seed=7).map(_plus_one)
+
+        def make() -> ds.Dataset:
+            return pipeline().apply(ds.distribute(OFF, s.dispatcher.target))
+
+        in_process = [int(x) for x in pipeline()]
+        dataset = make()
+        epochs = [[int(x) for x in dataset] for _ in range(2)]
+        assert epochs[0] == in_process
+        assert epochs[1] != epochs[0] and sorted(epochs[1]) == sorted(epochs[0])
+        for epoch in range(2):
+            dataset = make()
+            for _ in range(epoch):
+                for _ in dataset:  # the epochs before
+                    pass
+            it = iter(dataset)
+            before = [int(next(it)) for _ in range(234)]
+            state = _roundtrip(it.state_dict())
+            it.close()
+            assert state["repetition"] == epoch
+            resumed = make()
+            resumed.load_state_dict(state)
+            after = [int(x) for x in resumed]
+            assert before + after == epochs[epoch], epoch
+            if epoch == 0:  # the read after the resumed one is the next epoch
+                assert [int(x) for x in resumed] == epochs[1]
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_exactly_once_resume_completes_the_epoch_with_another_number_of_workers(
     service: InProcessCluster, protocol

@@ -36,7 +36,7 @@ def test_a_split_leased_twice_to_one_process_runs_once_and_is_counted_again():
     second = pb.GetSplitsResponse(leases=[_lease(1, 4), _lease(2, 5)])
     worker = _Worker([first, second, pb.GetSplitsResponse(end_of_splits=True)])
     dataset = ds.Dataset.range(10)
-    task = SimpleNamespace(iteration_id=1, task_id=2)
+    task = SimpleNamespace(iteration_id=1, task_id=2, repetition=0)
     got = list(exactly_once.elements(worker, task, dataset, graph.new_iter_stats()))
     assert [(o, seq, split, int(e), g) for o, seq, split, e, g in got] == [
         (0, 0, 3, 3, 0),
@@ -57,7 +57,7 @@ def test_a_new_run_of_a_split_it_ran_runs_again_tagged_with_its_generation():
     second = pb.GetSplitsResponse(leases=[again])
     worker = _Worker([first, second, pb.GetSplitsResponse(end_of_splits=True)])
     dataset = ds.Dataset.range(10).flat_map(lambda x: ds.Dataset.range(x, x + 3))
-    task = SimpleNamespace(iteration_id=1, task_id=2)
+    task = SimpleNamespace(iteration_id=1, task_id=2, repetition=0)
     got = list(exactly_once.elements(worker, task, dataset, graph.new_iter_stats()))
     assert [(o, seq, int(e), g) for o, seq, _, e, g in got] == [
         (0, 0, 3, 0),

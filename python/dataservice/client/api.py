@@ -255,7 +255,10 @@ class DistributedDataset(Dataset):
     """A dataset read from the data service (the result of `distribute` or
     `from_dataset_id`). Iterating it joins the next repetition of its job: the
     k-th iterator of this object joins iteration k of a named job (tf.data's
-    rule), and an anonymous job is new each time.
+    rule), and an anonymous job is new each time (at repetition k). The workers
+    run repetition k as epoch k: a seeded shuffle (`reshuffle_each_iteration`)
+    takes epoch k's order on every worker, also when a checkpoint of it is
+    resumed (`IterContext.epoch`).
 
     Iterators have `.stats()` (see `DataServiceIterator.stats`).
     """
@@ -446,14 +449,14 @@ class DistributedDataset(Dataset):
             resume = None if peek else getattr(self, "_resume", None)
             job_name = self._job_name
             if resume is not None:
-                # A job of its own (checkpoint.resumed_job_name); the read after
-                # it joins the original job's next repetition.
+                # A job of its own (checkpoint.resumed_job_name), at the saved
+                # repetition: the workers run that epoch again with its shuffle
+                # orders. The read after it joins the original job's next repetition.
                 self._resume = None
                 job_name = checkpoint.resumed_job_name(self._job_name, resume)
-                repetition = 0
-                if self._job_name:
-                    self._repetition = int(resume.get("repetition", 0)) + 1
-            elif self._job_name and not peek:
+                repetition = int(resume.get("repetition", 0))
+                self._repetition = repetition + 1
+            elif not peek:
                 self._repetition += 1
         options = ReadOptions(
             dispatcher_address=self._address,
@@ -479,7 +482,7 @@ class DistributedDataset(Dataset):
             fingerprint=fingerprint,
             user_job_name=self._job_name,
             resume=resume,
-            repetition=repetition if resume is None else int(resume.get("repetition", 0)),
+            repetition=repetition,
         )
         iterator = DataServiceIterator(options, dataset_id, repetition)
         stats = getattr(ctx, "stats", None)

@@ -56,7 +56,7 @@ def make_state(
         "exactly_once": exactly_once,
         "job_name": job_name,
         "elements": int(elements),
-        "repetition": int(repetition),  # the epoch of a named job
+        "repetition": int(repetition),  # the epoch: the iterator's order among its object's
     }
     if exactly_once:
         state["splits"] = [

@@ -72,6 +72,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -105,6 +107,24 @@ UNKNOWN_CARDINALITY = -2
 Element = Any
 
 
+class RunEpochs:
+    """How many iterators of each node one run (`IterContext.epoch`) made: the
+    k in a seeded op's order (E, k). Keyed by the node object, weakly (a
+    flat_map body's datasets come and go; an id could be reused)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    def next(self, node: Any, peek: bool) -> int:
+        """The count of `node`'s iterators so far in this run; one more unless `peek`."""
+        with self._lock:
+            k = self._counts.get(node, 0)
+            if not peek:
+                self._counts[node] = k + 1
+            return k
+
+
 @dataclass(frozen=True, init=False)
 class IterContext:
     """How an iterator is being run.
@@ -116,6 +136,8 @@ class IterContext:
         split_sources: See the attribute. Give either this or `split_source`.
         stats: See the attribute.
         error_sink: See the attribute.
+        epoch: See the attribute.
+        epoch_counts: Internal: shared by the contexts derived from one run.
 
     Attributes:
         split_sources: None to enumerate sources normally. Otherwise one object per
@@ -134,6 +156,15 @@ class IterContext:
         error_sink: Set by `ignore_errors` for its input subtree (error_ops.py):
             `error_sink(op_name, error)` takes an exception an element-wise user
             function raised, and that element is skipped. None: exceptions propagate.
+        epoch: None: a seeded op that reshuffles each iteration (`shuffle`,
+            `list_files`, `sample_from_datasets`) takes its next order from the
+            count of iterators made of its node object (tf.data's rule in one
+            process). An int E: the run is epoch E of a service job (the
+            iteration's repetition): the k-th iterator of a node within this run
+            takes order (E, k), whatever the node object made before, so every
+            worker, a restarted worker and a resumed read get the same orders
+            (E = 0: those of a fresh object's first iteration).
+        epoch_counts: The per-run iterator counts behind `epoch` (None without).
 
     Raises:
         ValueError: Both `split_source` and a different `split_sources` were given.
@@ -143,6 +174,8 @@ class IterContext:
     peek: bool
     stats: IterStats | None
     error_sink: Callable[[str, BaseException], None] | None
+    epoch: int | None
+    epoch_counts: RunEpochs | None
 
     def __init__(
         self,
@@ -151,6 +184,8 @@ class IterContext:
         split_sources: tuple[SplitSource, ...] | None = None,
         stats: IterStats | None = None,
         error_sink: Callable[[str, BaseException], None] | None = None,
+        epoch: int | None = None,
+        epoch_counts: RunEpochs | None = None,
     ) -> None:
         sources = None if split_sources is None else tuple(split_sources)
         if split_source is not None:
@@ -161,6 +196,10 @@ class IterContext:
         object.__setattr__(self, "peek", bool(peek))
         object.__setattr__(self, "stats", stats)
         object.__setattr__(self, "error_sink", error_sink)
+        object.__setattr__(self, "epoch", None if epoch is None else int(epoch))
+        if epoch is not None and epoch_counts is None:
+            epoch_counts = RunEpochs()
+        object.__setattr__(self, "epoch_counts", epoch_counts)
 
     @property
     def split_source(self) -> SplitSource | None:

@@ -150,12 +150,15 @@ def make_iterator(
     dataset: Dataset,
     split_sources: tuple[SplitSource, ...] | None = None,
     stats: IterStats | None = None,
+    epoch: int | None = None,
 ) -> Iterator[Any]:
     """A fresh iterator over one epoch of `dataset`. With `split_sources` (one per
     splittable source, in split-source order, each with `get_next() -> split | None`)
     the k-th source reads the splits `split_sources[k]` hands out instead of
     enumerating itself: a worker's side of DYNAMIC sharding. `stats` (from
-    `new_iter_stats`) counts what the pipeline skipped (`ignore_errors`).
+    `new_iter_stats`) counts what the pipeline skipped (`ignore_errors`). `epoch`:
+    the service job's epoch (its iteration's repetition), which fixes the orders
+    of seeded reshuffling ops (`IterContext.epoch`); None: as in-process.
 
     The iterator has `close()`; closing or dropping it stops the threads it started.
 
@@ -163,7 +166,9 @@ def make_iterator(
         InvalidArgumentError: (when iterated) `split_sources` does not have one entry
             per splittable source.
     """
-    return dataset._make_iterator(IterContext(split_sources=split_sources, stats=stats))
+    return dataset._make_iterator(
+        IterContext(split_sources=split_sources, stats=stats, epoch=epoch)
+    )
 
 
 def static_element_spec(dataset: Dataset) -> Any:

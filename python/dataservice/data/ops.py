@@ -140,6 +140,7 @@ def node_epoch_rng(
     """The RNG for the next epoch of a shuffling node, tf.data's seeding rules.
 
     seed given: reproducible; with `reshuffle` each new iterator of this node object
+    (or, with `ctx.epoch`, of this node within the run: `IterContext.epoch`)
     gets the next epoch's order (a `ctx.peek` iterator reuses the next one without
     using it up), else every epoch has the same order. seed None: fresh randomness per
     iterator with `reshuffle`, else one random seed drawn on first use. The per-node
@@ -151,6 +152,9 @@ def node_epoch_rng(
         return epoch_rng(seed, 0)
     if seed is None:
         return epoch_rng(None, 0)
+    if ctx.epoch is not None and ctx.epoch_counts is not None:
+        # A service job's epoch: the same orders on every worker and on a resumed read.
+        return epoch_rng(seed, ctx.epoch_counts.next(node, ctx.peek), ctx.epoch)
     state = node.__dict__.get("_t_epoch")
     if state is None:
         state = node.__dict__.setdefault("_t_epoch", [threading.Lock(), 0])

@@ -82,15 +82,19 @@ class SplitProvider(Protocol):
         ...
 
 
-def epoch_rng(seed: int | None, epoch: int) -> np.random.Generator:
-    """The random generator for `epoch` of a shuffle seeded with `seed`.
+def epoch_rng(seed: int | None, epoch: int, job_epoch: int = 0) -> np.random.Generator:
+    """The random generator for `epoch` of a shuffle seeded with `seed`, in epoch
+    `job_epoch` of a service job (`IterContext.epoch`; 0 otherwise).
 
-    With a seed, the same (seed, epoch) always gives the same generator; without one,
-    fresh OS entropy.
+    With a seed, the same (seed, epoch, job_epoch) always gives the same
+    generator; without one, fresh OS entropy.
     """
     if seed is None:
         return np.random.default_rng()
-    return np.random.default_rng([int(seed) % (1 << 64), int(epoch)])
+    key = [int(seed) % (1 << 64), int(epoch)]
+    if job_epoch:
+        key.append(int(job_epoch))
+    return np.random.default_rng(key)
 
 
 class IndexSplitProvider:

@@ -106,7 +106,10 @@ def elements(worker: WorkerServer, task: Any, dataset: Any, stats: Any) -> Itera
             continue
         split = lease.str_split if lease.is_str else lease.int_split
         skip = eo.unflatten(lease.skip)
-        iterator = graph.make_iterator(dataset, split_sources=(_OneSplit(split),), stats=stats)
+        # Epoch = the repetition, so a split run again shuffles as it did the first time.
+        iterator = graph.make_iterator(
+            dataset, split_sources=(_OneSplit(split),), stats=stats, epoch=task.repetition
+        )
         seq = 0
         try:
             for element in iterator:

@@ -706,7 +706,9 @@ class WorkerServer(ElementServing):
                 return exactly_once.elements(self, task, dataset, runner.iter_stats)
             if policy == ShardingPolicy.DYNAMIC:
                 sources = split_sources(self, task, graph.num_split_sources(dataset))
-            return graph.make_iterator(dataset, split_sources=sources, stats=runner.iter_stats)
+            return graph.make_iterator(
+                dataset, split_sources=sources, stats=runner.iter_stats, epoch=task.repetition
+            )
 
         cache_bytes = (
             self._config.cross_trainer_cache_size_bytes or DEFAULT_CROSS_TRAINER_CACHE_BYTES

@@ -62,6 +62,28 @@ impl Node {
     }
 }
 
+/// Whether a spec's dtype is a user-defined dtype's name (codec.rs): `dtype.str` always
+/// starts with a byte order character.
+fn is_dtype_name(dtype: &str) -> bool {
+    !dtype.is_empty() && !dtype.starts_with(['<', '>', '|', '='])
+}
+
+/// A user-defined dtype named `name` that numpy does not know yet in this process: ml_dtypes
+/// (bfloat16, float8_*, int4, ...) is imported once, as the producer's pipeline did.
+fn user_dtype<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    let imported = py.import("ml_dtypes").is_ok();
+    if imported {
+        if let Ok(dt) = api(py)?.dtype.bind(py).call1((name,)) {
+            return Ok(dt);
+        }
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+        "an element leaf has dtype {name:?}, a user-defined numpy dtype that this process \
+         does not know{}: import the module that defines it before reading",
+        if imported { "" } else { " (ml_dtypes, which defines bfloat16, float8_* and int4, is not installed: pip install ml_dtypes)" }
+    )))
+}
+
 impl DecodeSpec {
     pub fn new(py: Python<'_>, spec: Spec, pos: u64) -> Result<Self, PyErr> {
         let api = api(py)?;
@@ -76,11 +98,11 @@ impl DecodeSpec {
                     }
                     .into()
                 };
-                let dt = api
-                    .dtype
-                    .bind(py)
-                    .call1((leaf.dtype.as_str(),))
-                    .map_err(|_| bad("not a numpy dtype"))?;
+                let dt = match api.dtype.bind(py).call1((leaf.dtype.as_str(),)) {
+                    Ok(dt) => dt,
+                    Err(_) if is_dtype_name(&leaf.dtype) => user_dtype(py, &leaf.dtype)?,
+                    Err(_) => return Err(bad("not a numpy dtype")),
+                };
                 let hasobject: bool = dt.getattr("hasobject")?.extract()?;
                 let itemsize: u32 = dt.getattr("itemsize")?.extract()?;
                 // Raw bytes must never become object pointers.

@@ -80,7 +80,11 @@ fn user_dtype<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
     Err(pyo3::exceptions::PyTypeError::new_err(format!(
         "an element leaf has dtype {name:?}, a user-defined numpy dtype that this process \
          does not know{}: import the module that defines it before reading",
-        if imported { "" } else { " (ml_dtypes, which defines bfloat16, float8_* and int4, is not installed: pip install ml_dtypes)" }
+        if imported {
+            ""
+        } else {
+            " (ml_dtypes, which defines bfloat16, float8_* and int4, is not installed: pip install ml_dtypes)"
+        }
     )))
 }
 

@@ -155,6 +155,48 @@ def test_exactly_once_resume_completes_the_epoch_with_another_number_of_workers(
         assert end["elements"] == n
 
 
+@pytest.mark.parametrize("exactly_once", [True, False])
+def test_resuming_the_same_state_again_reads_from_the_checkpoint_again(
+    service: InProcessCluster, exactly_once: bool
+) -> None:
+    """A named job's state resumed, read halfway and left (a trainer that
+    crashed again), then resumed once more: the second resume reads all that
+    follows the checkpoint, not what the first left of its job (it used to
+    join the first resume's half-read iteration, and under exactly-once got
+    only the rest)."""
+    n = 1200
+    policy = DYNAMIC if exactly_once else OFF
+
+    def make() -> ds.Dataset:
+        return (
+            ds.Dataset.range(n)
+            .map(_plus_one)
+            .apply(
+                ds.distribute(
+                    policy, service.dispatcher.target, job_name="ck", exactly_once=exactly_once
+                )
+            )
+        )
+
+    it = iter(make())
+    before = [int(next(it)) for _ in range(300)]
+    state = _roundtrip(it.state_dict())
+    it.close()
+    first = make()
+    first.load_state_dict(state)
+    it = iter(first)
+    for _ in range(400):
+        next(it)
+    it.close()
+    again = make()
+    again.load_state_dict(state)
+    after = [int(x) for x in again]
+    if exactly_once:
+        assert sorted(before + after) == list(range(1, n + 1))
+    else:  # OFF on 2 workers: each worker's copy, the first 300 elements skipped
+        assert len(before) + len(after) == 2 * n
+
+
 def test_exactly_once_shared_job_resumes_from_the_merged_state(service: InProcessCluster) -> None:
     """Two consumers of one job checkpoint at different counts; each loads the
     merged state: before + after, over both, is the epoch once."""

@@ -191,6 +191,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                 incarnation_id=self.incarnation,
                 use_cross_trainer_cache=bool(self.options.trainer_id),
                 exactly_once=self.options.exactly_once,
+                resumed=self.options.resume is not None,
             ),
         )
         iteration = self.call(

@@ -166,10 +166,30 @@ class JobsMixin(DispatcherBase):
                             f"num_consumers (existing: {job.num_consumers}, "
                             f"requested: {request.num_consumers})"
                         )
-                    if not diffs:
+                    # (An iteration is created with its first consumer attached.)
+                    abandoned = (
+                        request.resumed
+                        and bool(job.iterations)
+                        and not any(
+                            self._state.iterations[i].clients for i in job.iterations.values()
+                        )
+                    )
+                    if not diffs and not abandoned:
                         self._job_last_used[job.job_id] = time.monotonic()
                         return pb.GetOrCreateJobResponse(job_id=job.job_id)
-                    if job.dataset_id == request.dataset_id:
+                    if not diffs:
+                        # A resumed read nobody reads now: the next resume of the same
+                        # state reads from the checkpoint again, not from where the last
+                        # one (a crashed trainer's) stopped.
+                        log.info(
+                            "job %d (%s): a read resumed from its checkpoint again while no "
+                            "consumer reads it; it starts over as a new job",
+                            job.job_id,
+                            job.job_name,
+                        )
+                        self._apply_locked(st.RetireJob(job.job_id))
+                        self._forget_job_locked(job)
+                    elif job.dataset_id == request.dataset_id:
                         # As tf.data service: one job, one set of parameters.
                         raise errors.InvalidArgumentError(
                             f"Tried to create job with name {request.job_name}, but found an "
@@ -178,25 +198,25 @@ class JobsMixin(DispatcherBase):
                             "pipeline, another dataset id, replaces a job whose iterations "
                             "finished and whose consumers left): use another job_name"
                         )
-                    in_use = self._job_in_use_locked(job)
-                    if in_use:
+                    elif in_use := self._job_in_use_locked(job):
                         raise errors.InvalidArgumentError(
                             f"Tried to create job with name {request.job_name}, but found an "
                             f"existing job with different parameters: {'; '.join(diffs)} "
                             f"differ. Job {job.job_id} is still in use: {'; '.join(in_use)}. "
                             + self._how_to_replace_locked(job)
                         )
-                    # A new pipeline, every iteration of the old one finished and nobody
-                    # reads it: the name goes to the new one now, not after job GC
-                    # (tf.data service refuses any mismatch while the job exists).
-                    log.info(
-                        "job %d (%s) replaced by a new job: %s differ",
-                        job.job_id,
-                        job.job_name,
-                        "; ".join(diffs),
-                    )
-                    self._apply_locked(st.RetireJob(job.job_id))
-                    self._forget_job_locked(job)
+                    else:
+                        # A new pipeline, every iteration of the old one finished and
+                        # nobody reads it: the name goes to the new one now, not after
+                        # job GC (tf.data service refuses any mismatch while the job exists).
+                        log.info(
+                            "job %d (%s) replaced by a new job: %s differ",
+                            job.job_id,
+                            job.job_name,
+                            "; ".join(diffs),
+                        )
+                        self._apply_locked(st.RetireJob(job.job_id))
+                        self._forget_job_locked(job)
             job_id = st.JobId(self._state.next_job_id)
             self._apply_locked(
                 st.CreateJob(

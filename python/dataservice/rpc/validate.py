@@ -367,6 +367,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
         _INCARNATION,
         Field("use_cross_trainer_cache", boolean),
         Field("exactly_once", boolean),
+        Field("resumed", boolean),
     ),
     "dataservice.rpc.GetOrCreateIterationRequest": (
         Field("job_id", an_id),

@@ -62,30 +62,32 @@ impl Node {
     }
 }
 
-/// Whether a spec's dtype is a user-defined dtype's name (codec.rs): `dtype.str` always
-/// starts with a byte order character.
+/// Whether a spec's dtype can be a user-defined dtype's name (codec.rs): `dtype.str` always
+/// starts with a byte order character; a name is an identifier (a damaged frame's is not,
+/// mostly: an unknown name is refused as damage too, naming what to install).
 fn is_dtype_name(dtype: &str) -> bool {
-    !dtype.is_empty() && !dtype.starts_with(['<', '>', '|', '='])
+    dtype.starts_with(|c: char| c.is_ascii_alphabetic())
+        && dtype.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// A user-defined dtype named `name` that numpy does not know yet in this process: ml_dtypes
-/// (bfloat16, float8_*, int4, ...) is imported once, as the producer's pipeline did.
-fn user_dtype<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
-    let imported = py.import("ml_dtypes").is_ok();
-    if imported {
-        if let Ok(dt) = api(py)?.dtype.bind(py).call1((name,)) {
-            return Ok(dt);
-        }
+/// (bfloat16, float8_*, int4, ...) is imported, as the producer's pipeline did. Err: why
+/// not (ml_dtypes missing, or it does not define `name`).
+fn user_dtype<'py>(py: Python<'py>, name: &str) -> Result<Bound<'py, PyAny>, String> {
+    if py.import("ml_dtypes").is_err() {
+        return Err(
+            "a user-defined numpy dtype unknown in this process, and ml_dtypes \
+                    (bfloat16, float8_*, int4) is not installed: pip install ml_dtypes, or \
+                    import the module that defines it"
+                .to_string(),
+        );
     }
-    Err(pyo3::exceptions::PyTypeError::new_err(format!(
-        "an element leaf has dtype {name:?}, a user-defined numpy dtype that this process \
-         does not know{}: import the module that defines it before reading",
-        if imported {
-            ""
-        } else {
-            " (ml_dtypes, which defines bfloat16, float8_* and int4, is not installed: pip install ml_dtypes)"
-        }
-    )))
+    let dtype = api(py).map_err(|e| e.to_string())?.dtype.bind(py).clone();
+    dtype.call1((name,)).map_err(|_| {
+        "a user-defined numpy dtype unknown in this process (not ml_dtypes'): import the \
+         module that defines it before reading"
+            .to_string()
+    })
 }
 
 impl DecodeSpec {
@@ -104,7 +106,9 @@ impl DecodeSpec {
                 };
                 let dt = match api.dtype.bind(py).call1((leaf.dtype.as_str(),)) {
                     Ok(dt) => dt,
-                    Err(_) if is_dtype_name(&leaf.dtype) => user_dtype(py, &leaf.dtype)?,
+                    Err(_) if is_dtype_name(&leaf.dtype) => {
+                        user_dtype(py, &leaf.dtype).map_err(|why| bad(&why))?
+                    }
                     Err(_) => return Err(bad("not a numpy dtype")),
                 };
                 let hasobject: bool = dt.getattr("hasobject")?.extract()?;

@@ -197,6 +197,46 @@ def test_resuming_the_same_state_again_reads_from_the_checkpoint_again(
         assert len(before) + len(after) == 2 * n
 
 
+def test_a_pipeline_with_ops_after_distribute_checkpoints_and_resumes(
+    service: InProcessCluster,
+) -> None:
+    """`distribute(...).map(f).batch(8)` (the ops the exactly-once errors tell to
+    apply after distribute): its iterator has stats() with the read's wait and
+    state_dict(), the pipeline load_state_dict(), and the resumed batches
+    complete the epoch once; an op that reads ahead is refused, named."""
+    n = 400
+
+    def make() -> ds.Dataset:
+        read = ds.Dataset.range(n).apply(
+            ds.distribute(DYNAMIC, service.dispatcher.target, exactly_once=True)
+        )
+        return read.map(_plus_one).batch(8)
+
+    it = iter(make())
+    before = [next(it) for _ in range(7)]
+    assert "wait_ms" in it.stats() and it.stats()["elements"] == 56
+    state = _roundtrip(it.state_dict())
+    it.close()
+    assert state["elements"] == 56
+    resumed = make()
+    resumed.load_state_dict(state)
+    after = list(resumed)
+    got = sorted(int(x) for batch in before + after for x in batch)
+    assert got == list(range(1, n + 1))
+    assert all(len(b) == 8 for b in before + after)  # 56 taken: the batches stay aligned
+
+    ahead = make().prefetch(2)
+    it = iter(ahead)
+    next(it)
+    with pytest.raises(ValueError, match="`prefetch` after `distribute`"):
+        it.state_dict()
+    it.close()
+    with pytest.raises(ValueError, match="`prefetch` after `distribute`"):
+        ahead.load_state_dict(state)
+    with pytest.raises(ValueError, match="reads no data service"):
+        ds.Dataset.range(3).batch(2).load_state_dict(state)
+
+
 def test_exactly_once_shared_job_resumes_from_the_merged_state(service: InProcessCluster) -> None:
     """Two consumers of one job checkpoint at different counts; each loads the
     merged state: before + after, over both, is the epoch once."""

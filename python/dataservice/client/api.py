@@ -489,7 +489,7 @@ class DistributedDataset(Dataset):
         if stats is not None:
             # An in-process iterator above this one (`ignore_errors` after the
             # service) reports this read's stats() with its own.
-            stats.add_source(iterator.stats)
+            stats.add_source(iterator.stats, iterator.state_dict)
         return iterator
 
 

@@ -450,16 +450,77 @@ class Dataset(MoreOpsMixin):
 
     def __iter__(self) -> Iterator[Element]:
         """A fresh epoch. The iterator has `close()`; dropping it stops its threads.
-        For a pipeline with `ignore_errors` it also has `stats()`: a dict whose
-        `errors_ignored` counts the elements skipped so far (added to the service's
-        count when the pipeline reads from a data service)."""
+        For a pipeline with `ignore_errors`, or with ops after a data service read,
+        it also has `stats()`: the service read's `stats()` keys (`elements`,
+        `wait_ms`, ...), and `errors_ignored` counting the elements skipped so far
+        (here and on the workers); with ops after a data service read, also
+        `state_dict()` (see `load_state_dict`)."""
         stats = IterStats()
         it = self._make_iterator(IterContext(stats=stats))
-        if not self._counts_errors():
+        reads_service = self._op_name != "distribute" and self._reads_service()
+        if not self._counts_errors() and not reads_service:
             return it
         from dataservice.data.error_ops import StatsIterator  # see "Modules" above
 
-        return StatsIterator(it, stats)
+        error = (
+            self._checkpoint_path()[1] if reads_service else "this pipeline reads no data service"
+        )
+        return StatsIterator(it, stats, error)
+
+    # Ops after a data service read that hold no element between two next() calls and
+    # read no further ahead than what they return: the read's position is theirs.
+    _CHECKPOINT_OPS = frozenset({"map", "filter", "batch", "padded_batch", "ignore_errors", "take"})
+
+    def _reads_service(self) -> bool:
+        """Whether this graph reads a data service (cached: graphs are immutable)."""
+        cached = self.__dict__.get("_t_reads_service")
+        if cached is None:
+            cached = any(d._op_name == "distribute" for d in self._walk())
+            self.__dict__["_t_reads_service"] = cached
+        return bool(cached)
+
+    def _checkpoint_path(self) -> tuple[Any, str | None]:
+        """The data service read whose position is this pipeline's, or None and
+        why not (the op at fault)."""
+        node: Dataset = self
+        while node._op_name != "distribute":
+            name = node._op_name
+            parallel = getattr(node, "_num_parallel_calls", None)
+            if name not in self._CHECKPOINT_OPS or parallel not in (None, 1):
+                why = f"`{name}`" + (
+                    f" with num_parallel_calls={parallel} reads ahead" if parallel else ""
+                )
+                return None, (
+                    f"cannot checkpoint this pipeline: {why} after `distribute` holds or "
+                    "reads ahead elements that next() has not returned, so the service "
+                    "read's position is not the pipeline's. Ops after distribute that keep "
+                    "it: sequential map and filter, batch, padded_batch, ignore_errors, "
+                    "take; apply the others inside the distributed pipeline"
+                )
+            inputs = node._inputs()
+            if len(inputs) != 1:
+                return None, (
+                    f"cannot checkpoint this pipeline: `{name}` combines {len(inputs)} inputs"
+                )
+            node = inputs[0]
+        return node, None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """For a pipeline of ops after a data service read (see
+        `_CHECKPOINT_OPS`): the next `iter()` continues where the iterator whose
+        `state_dict()` gave `state` was, as `DistributedDataset.load_state_dict`.
+
+        Raises:
+            ValueError: The pipeline reads no data service, or an op after
+                `distribute` reads ahead or holds elements (named).
+            InvalidArgumentError: As `DistributedDataset.load_state_dict`.
+        """
+        if not self._reads_service():
+            raise ValueError("load_state_dict: this pipeline reads no data service")
+        node, error = self._checkpoint_path()
+        if error is not None:
+            raise ValueError(error)
+        node.load_state_dict(state)
 
     def _counts_errors(self) -> bool:
         """Whether this graph has an `ignore_errors` (cached: graphs are immutable)."""

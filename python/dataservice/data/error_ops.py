@@ -90,12 +90,36 @@ class IgnoreErrorsDataset(_UnaryDataset):
 
 
 class StatsIterator:
-    """`iter(ds)` for a pipeline with `ignore_errors`: the pipeline's iterator, plus
-    `stats()`. One consumer thread, as every iterator."""
+    """`iter(ds)` for a pipeline with `ignore_errors` or one that reads a data
+    service: the pipeline's iterator, plus `stats()`, and `state_dict()` for a
+    service read under ops that take exactly what they return. One consumer
+    thread, as every iterator."""
 
-    def __init__(self, iterator: Iterator[Element], stats: IterStats) -> None:
+    def __init__(
+        self, iterator: Iterator[Element], stats: IterStats, checkpoint_error: str | None = None
+    ) -> None:
         self._it = iterator
         self._stats = stats
+        self._checkpoint_error = checkpoint_error
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the data service read in this pipeline, as its
+        iterator's `state_dict()` (client/checkpoint.py): the ops after
+        `distribute` (sequential `map`/`filter`, `batch`, `padded_batch`,
+        `ignore_errors`, `take`) hold no element between two next() calls, so
+        the read's position is the pipeline's. Load it with the pipeline's
+        `load_state_dict`.
+
+        Raises:
+            ValueError: The pipeline reads no data service, or an op after
+                `distribute` reads ahead or holds elements (named).
+        """
+        if self._checkpoint_error is not None:
+            raise ValueError(self._checkpoint_error)
+        state = self._stats.latest_state()
+        if state is None:
+            raise ValueError("state_dict: the data service read has not started yet")
+        return state
 
     def __iter__(self) -> StatsIterator:
         return self

@@ -63,16 +63,30 @@ class IterStats:
         self.errors_ignored = 0  # guarded by self._mu
         # stats() of data service reads in the tree, oldest first; guarded by self._mu
         self._sources: list[Callable[[], dict[str, Any]]] = []
+        # the latest data service read's state_dict; guarded by self._mu
+        self._state: Callable[[], dict[str, Any]] | None = None
 
     def add_error_ignored(self) -> None:
         with self._mu:
             self.errors_ignored += 1
 
-    def add_source(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def add_source(
+        self,
+        stats: Callable[[], dict[str, Any]],
+        state: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         """Adds the `stats()` of an iterator in the tree that reads from elsewhere (a
-        data service read: one per epoch under a `repeat`)."""
+        data service read: one per epoch under a `repeat`), and its `state_dict()`."""
         with self._mu:
             self._sources.append(stats)
+            if state is not None:
+                self._state = state
+
+    def latest_state(self) -> dict[str, Any] | None:
+        """The latest data service read's `state_dict()`, or None before it started."""
+        with self._mu:
+            state = self._state
+        return None if state is None else state()
 
     def as_dict(self) -> dict[str, Any]:
         """`errors_ignored` here plus every source's; the other keys are the latest

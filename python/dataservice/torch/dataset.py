@@ -216,20 +216,16 @@ class ServiceDataset(torch.utils.data.IterableDataset):
         so {} (which `load_state_dict` accepts as "start afresh").
 
         Raises:
-            ValueError: `dataset` has ops after `distribute`, whose own
-                positions are not recorded: checkpoint the distributed dataset.
+            ValueError: `dataset` has an op after `distribute` that reads ahead
+                or holds elements (`prefetch`, a parallel `map`, `shuffle`, ...:
+                `Dataset.load_state_dict` lists those that keep the position).
         """
         with self._mu:
             last = self._last
         if last is None:
             return {}
-        inner = getattr(last._it, "state_dict", None)
-        if not callable(inner):
-            raise ValueError(
-                "ServiceDataset.state_dict needs the result of distribute() or "
-                f"from_dataset_id() itself; {type(self.dataset).__name__} has ops after it"
-            )
-        state: dict[str, Any] = inner()
+        # (A service read's iterator, or, with ops after the read, a StatsIterator.)
+        state: dict[str, Any] = last._it.state_dict()  # type: ignore[attr-defined]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -237,18 +233,12 @@ class ServiceDataset(torch.utils.data.IterableDataset):
         `DistributedDataset.load_state_dict`; {} does nothing.
 
         Raises:
-            ValueError: `dataset` has ops after `distribute`.
+            ValueError: As `state_dict`.
             InvalidArgumentError: As `DistributedDataset.load_state_dict`.
         """
         if not state:
             return
-        load = getattr(self.dataset, "load_state_dict", None)
-        if not callable(load):
-            raise ValueError(
-                "ServiceDataset.load_state_dict needs the result of distribute() or "
-                f"from_dataset_id() itself; {type(self.dataset).__name__} has ops after it"
-            )
-        load(state)
+        self.dataset.load_state_dict(state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -126,7 +126,8 @@ class ExactlyOnceReceipts:
         from and what next() returned since (the consumer's thread)."""
         splits = dict(self._eo_preloaded)
         for split, ranges in self._eo_yielded.items():
-            splits[split] = eo.union([splits.get(split, []), ranges])
+            before = splits.get(split)
+            splits[split] = ranges if before is None else eo.union([before, ranges])
         return splits
 
     def _eo_close_locked(self, task_id: int, worker_uid: str) -> None:

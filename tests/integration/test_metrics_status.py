@@ -501,3 +501,46 @@ def test_cli_servers_serve_metrics_on_metrics_port() -> None:
                 if p.poll() is None:
                     p.kill()
                 p.communicate()
+
+
+def _stalled(x: Any) -> Any:
+    if int(x) >= 5:
+        time.sleep(60)  # the pipeline stalls after 5 elements
+    return x
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_blocked_in_next_counts_as_waiting(observed: Any) -> None:
+    """A consumer blocked in next() (the pipeline stalled): its wait under way
+    counts in stats() and in the dispatcher's status, which calls the job
+    input-bound; it used to count only once next() returned, so a trainer
+    blocked for good looked trainer-bound with 0 % waited."""
+    d = observed.dispatcher
+    dataset = (
+        ds.Dataset.range(1000)
+        .map(_stalled)
+        .apply(ds.distribute(ds.ShardingPolicy.OFF, d.target, job_name="stalled"))
+    )
+    it = iter(dataset)
+    for _ in range(5 * len(observed.workers)):
+        next(it)  # each worker's copy gives 5
+
+    def read_on() -> None:
+        try:
+            next(it, None)
+        except ds.errors.CancelledError:
+            pass  # closed below
+
+    blocked = threading.Thread(target=read_on, daemon=True)
+    blocked.start()
+    time.sleep(3.0)
+    assert it.stats()["wait_ms"] > 2500
+
+    def input_bound() -> dict | None:
+        v = _verdict(_status_of(d.target, 2.0), "stalled")
+        return v if v["verdict"] == "input-bound" else None
+
+    verdict = _wait_until("the stalled job called input-bound", input_bound, timeout_s=20)
+    assert verdict["wait_fraction"] > 0.5
+    it.close()
+    blocked.join(10)

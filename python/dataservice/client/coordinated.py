@@ -112,6 +112,16 @@ class CoordinatedReads:
         start = time.monotonic()
         if self.stats.first_next_at is None:
             self.stats.first_next_at = start
+        with self._cv:  # status and stats() count the wait under way
+            self.stats.waiting_since = start
+        try:
+            return self._next_round(start)
+        finally:
+            with self._cv:
+                self.stats.waiting_since = None
+
+    def _next_round(self, start: float) -> Any:
+        """`next_coordinated`'s read of the next round, next() blocked since `start`."""
         round_index = self._round
         dead = 0
         backoff = rpc_util.Backoff(0.05, 0.5)
@@ -211,6 +221,7 @@ class CoordinatedReads:
                     self.stats.elements += 1
                     self.stats.bytes += result.nbytes
                     self.stats.wait_s += time.monotonic() - start
+                    self.stats.waiting_since = None
                     endpoint = self._endpoints[task_id]
                     w = self.stats.workers.setdefault(endpoint.worker_address, WorkerStats("grpc"))
                     w.elements += 1

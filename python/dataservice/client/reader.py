@@ -590,61 +590,66 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         # whole `worker_loss_timeout_ms` (~0.4 core each side).
         ask_at, ask_delay_s = start, 0.05
         with self._cv:
-            if not self._consumer_asked:
-                self._consumer_asked = True
-                self._cv.notify_all()  # the fetch threads may ask for elements now
-            while True:
-                # Once failed, what was fetched before the failure is handed out
-                # without waiting for the start barrier, then the error.
-                if self._results and (self._error is not None or self._started_locked(start)):
-                    fetched = self._results.popleft()
-                    origin = fetched.task
-                    if fetched.failed:
-                        self._results.clear()
-                        raise self._error  # type: ignore[misc]
-                    assert origin is not None  # only the failure's mark has none
-                    if fetched.end:
-                        # Consumed to the end: report it (the dispatcher then knows
-                        # whether the iteration is over).
-                        origin.finished = True
-                        self._wake_heartbeat.set()
-                        continue
-                    self._unbuffer_locked(fetched, origin)
-                    self.stats.wait_s += time.monotonic() - start
-                    if self._buffered_elements < self._read_ahead_locked():
-                        self._cv.notify_all()
-                    self._chunk, self._chunk_pos = fetched.elements, 0
-                    self._chunk_nbytes = fetched.nbytes_each
-                    self._chunk_tags = fetched.tags
-                    break
-                if self._error is not None:
-                    raise self._error
-                if self._stop.is_set():
-                    raise errors.CancelledError("the iterator was closed")
-                if self._over_locked():
-                    self._ended = True
-                    self.stats.wait_s += time.monotonic() - start
-                    self.warn_losses_at_end_locked()
-                    raise StopIteration
-                now = time.monotonic()
-                if (
-                    self._tasks
-                    and now >= ask_at
-                    and not self._iteration_finished
-                    and (
-                        # Exactly-once: the workers' tasks end once this
-                        # consumer's receipts completed the last splits.
-                        self.options.exactly_once
-                        or all(s.finished or s.removed for s in self._tasks.values())
-                    )
-                ):
-                    self._wake_heartbeat.set()  # ask the dispatcher whether it is over
-                    ask_at = now + ask_delay_s
-                    ask_delay_s = min(ask_delay_s * 2, self.heartbeat_s)
-                self._check_worker_loss_locked(start)
-                self._check_unreachable_locked()
-                self._cv.wait(0.1)
-                slow.check()
+            # next() blocks from here: status and stats() count the wait under way.
+            self.stats.waiting_since = start
+            try:
+                if not self._consumer_asked:
+                    self._consumer_asked = True
+                    self._cv.notify_all()  # the fetch threads may ask for elements now
+                while True:
+                    # Once failed, what was fetched before the failure is handed out
+                    # without waiting for the start barrier, then the error.
+                    if self._results and (self._error is not None or self._started_locked(start)):
+                        fetched = self._results.popleft()
+                        origin = fetched.task
+                        if fetched.failed:
+                            self._results.clear()
+                            raise self._error  # type: ignore[misc]
+                        assert origin is not None  # only the failure's mark has none
+                        if fetched.end:
+                            # Consumed to the end: report it (the dispatcher then knows
+                            # whether the iteration is over).
+                            origin.finished = True
+                            self._wake_heartbeat.set()
+                            continue
+                        self._unbuffer_locked(fetched, origin)
+                        self.stats.wait_s += time.monotonic() - start
+                        if self._buffered_elements < self._read_ahead_locked():
+                            self._cv.notify_all()
+                        self._chunk, self._chunk_pos = fetched.elements, 0
+                        self._chunk_nbytes = fetched.nbytes_each
+                        self._chunk_tags = fetched.tags
+                        break
+                    if self._error is not None:
+                        raise self._error
+                    if self._stop.is_set():
+                        raise errors.CancelledError("the iterator was closed")
+                    if self._over_locked():
+                        self._ended = True
+                        self.stats.wait_s += time.monotonic() - start
+                        self.warn_losses_at_end_locked()
+                        raise StopIteration
+                    now = time.monotonic()
+                    if (
+                        self._tasks
+                        and now >= ask_at
+                        and not self._iteration_finished
+                        and (
+                            # Exactly-once: the workers' tasks end once this
+                            # consumer's receipts completed the last splits.
+                            self.options.exactly_once
+                            or all(s.finished or s.removed for s in self._tasks.values())
+                        )
+                    ):
+                        self._wake_heartbeat.set()  # ask the dispatcher whether it is over
+                        ask_at = now + ask_delay_s
+                        ask_delay_s = min(ask_delay_s * 2, self.heartbeat_s)
+                    self._check_worker_loss_locked(start)
+                    self._check_unreachable_locked()
+                    self._cv.wait(0.1)
+                    slow.check()
+            finally:
+                self.stats.waiting_since = None
         slow.done(f"consumer of {self._what_iteration()}: an element arrived")
         return self.next()
 
@@ -842,7 +847,7 @@ class DataServiceIterator:
 
         Returns:
             {"elements": int, "bytes": int (encoded bytes received),
-             "wait_ms": float (time `__next__` spent blocked, ms),
+             "wait_ms": float (time `__next__` spent blocked, ms, a wait under way included),
              "wait_s": float (the same, seconds),
              "wall_s": float (seconds since the first `__next__`; 0 before it),
              "wait_fraction": float (wait_s / wall_s: the share of the time since

@@ -73,6 +73,9 @@ class ReadStats:
     errors_ignored: dict[tuple[int, str], int] = field(default_factory=dict)
     # time.monotonic() of the consumer's first next() (the consumer's thread sets it)
     first_next_at: float | None = None
+    # time.monotonic() since when next() has been blocked, if it is (guarded by the
+    # reader's _cv): the wait under way counts in `wait_s_now`
+    waiting_since: float | None = None
     ended_at: float | None = None  # when next() raised StopIteration
 
     def wall_s(self, now: float | None = None) -> float:
@@ -83,6 +86,11 @@ class ReadStats:
         end = self.ended_at if self.ended_at is not None else now
         return max(0.0, (time.monotonic() if end is None else end) - self.first_next_at)
 
+    def wait_s_now(self) -> float:
+        """`wait_s` plus the wait of a next() blocked now (seconds)."""
+        since = self.waiting_since
+        return self.wait_s + (time.monotonic() - since if since is not None else 0.0)
+
     def to_proto(self, consumer_index: int) -> Any:
         """The `ConsumerCounters` of this consumer's heartbeats (metrics.py)."""
         from dataservice.rpc import service_pb2 as pb
@@ -90,7 +98,7 @@ class ReadStats:
         return pb.ConsumerCounters(
             elements=self.elements,
             bytes=self.bytes,
-            wait_s=self.wait_s,
+            wait_s=self.wait_s_now(),
             active_s=self.wall_s(),
             host=_HOST,
             pid=os.getpid(),
@@ -242,13 +250,14 @@ class WorkerLossTracking:
         s = self.stats
         lost = [self._describe_loss_locked(entry) for entry in s.lost.values()]
         wall_s = s.wall_s()
+        wait_s = s.wait_s_now()  # with a next() blocked now, its wait so far
         return {
             "elements": s.elements,
             "bytes": s.bytes,
-            "wait_ms": s.wait_s * 1000,
-            "wait_s": s.wait_s,
+            "wait_ms": wait_s * 1000,
+            "wait_s": wait_s,
             "wall_s": wall_s,
-            "wait_fraction": min(1.0, s.wait_s / wall_s) if wall_s > 0 else 0.0,
+            "wait_fraction": min(1.0, wait_s / wall_s) if wall_s > 0 else 0.0,
             "workers": {
                 addr: {
                     "transfer_protocol": w.transfer_protocol,

@@ -490,6 +490,16 @@ class LocalCluster(WorkerSupervisionMixin, AutoscaleMixin):
                 *self._pending_workers,
                 *([self._dispatcher] if self._dispatcher else []),
             ]
+        dispatcher = self._dispatcher
+        if dispatcher is not None and dispatcher.address:
+            # Before the processes go: a read in progress that loses them fails at
+            # once, saying why, rather than warning it retries (and a dataset of this
+            # cluster iterated after stop() fails at once too).
+            rpc_util.mark_gone(
+                dispatcher.address,
+                "it was the dispatcher of a LocalCluster that was stopped",
+                with_its_workers=True,
+            )
         _proc.terminate_processes([p.popen for p in procs], grace, own_groups=True)
         for p in procs:
             p.stdout.join(1.0)
@@ -497,15 +507,8 @@ class LocalCluster(WorkerSupervisionMixin, AutoscaleMixin):
             for pump, stream in ((p.stdout, p.popen.stdout), (p.stderr, p.popen.stderr)):
                 if stream is not None and pump.done():  # else a reader blocks in it
                     stream.close()
-        dispatcher = self._dispatcher
         if dispatcher is not None and dispatcher.address:
             auth.unregister_token(dispatcher.address)
-            # A dataset of this cluster iterated after stop() fails at once, saying why.
-            rpc_util.mark_gone(
-                dispatcher.address,
-                "it was the dispatcher of a LocalCluster that was stopped",
-                with_its_workers=True,
-            )
         if dispatcher is not None and dispatcher.popen.returncode is not None:
             # One that died without stopping (SIGKILL) left its dataset buffer files.
             buffer_store.remove_private_dirs(dispatcher.popen.pid)

@@ -425,3 +425,41 @@ def test_iterating_after_the_cluster_stopped_says_so_at_once() -> None:
     with pytest.raises(errors.UnavailableError, match="a LocalCluster that was stopped"):
         list(dataset)
     assert time.monotonic() - started < 5
+
+
+def _slow_identity(x):
+    time.sleep(0.01)
+    return x
+
+
+@pytest.mark.timeout(60)
+def test_a_cluster_stopped_under_idle_iterators_logs_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Iterators still referenced, fetching ahead, when their LocalCluster stops
+    (a `with` block left mid-epoch): their fetch threads see the workers go and
+    closing them loses nothing anyone else reads, so none of it is a WARNING
+    (they said "cannot reach worker ...; retrying" and "leaves mid-epoch with N
+    elements")."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="dataservice"):
+        with ds.LocalCluster(num_workers=2) as cluster:
+            named = iter(
+                ds.Dataset.range(10**6)
+                .map(_slow_identity)
+                .apply(ds.distribute(ds.ShardingPolicy.OFF, cluster.target, job_name="j"))
+            )
+            anonymous = iter(
+                ds.Dataset.range(10**6)
+                .map(_slow_identity)
+                .apply(ds.distribute(ds.ShardingPolicy.DYNAMIC, cluster.target))
+            )
+            for _ in range(10):
+                next(named)
+                next(anonymous)
+        time.sleep(2.0)  # the fetch threads find the workers gone
+        named.close()
+        anonymous.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warnings, warnings

@@ -287,6 +287,19 @@ class TaskFetching:
                     # (told now, it checks whether the worker's port is still open).
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
                     state.fetch_error = f"{type(err).__name__}: {err}"
+                    dispatcher = self.options.dispatcher_address
+                    if rpc_util.gone_with_its_workers(dispatcher):
+                        # Its LocalCluster was stopped: no worker comes back.
+                        if self._outstanding is not None:
+                            self._outstanding.release()
+                        self._fail(
+                            errors.UnavailableError(
+                                f"lost worker {endpoint.worker_address}: "
+                                f"{rpc_util.gone_reason(dispatcher)}, and its workers were "
+                                "stopped with it"
+                            )
+                        )
+                        return
                     if isinstance(err, _LINK_ERRORS) and state.unreachable_since is None:
                         state.unreachable_since = time.monotonic()
                         log.warning(

@@ -669,6 +669,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         if self._heartbeat_thread is not None:
             threads.append(self._heartbeat_thread)
         shared = self.options.job_name and not self.options.num_consumers
+        if rpc_util.gone_with_its_workers(self.options.dispatcher_address):
+            shared = False  # the job went with its LocalCluster: nobody else reads it
         if shared and not over and not self.options.exactly_once:
             # A fetch on its way brings elements no other consumer gets: waited for
             # (a worker with elements ready answers at once; one without, within

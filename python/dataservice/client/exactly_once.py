@@ -46,19 +46,19 @@ class ExactlyOnceReceipts:
         # A resumed read (client/checkpoint.py): per split, the sequence numbers
         # delivered before the checkpoint; dropped here, but counted received.
         self._eo_preloaded: dict[Any, eo.Ranges] = {}
-        # The consumer's thread only: per split, the sequence numbers next() returned;
-        # and per split ordinal, for the splits not complete yet (the heartbeat thread
-        # prunes the others).
-        self._eo_yielded: dict[Any, eo.Ranges] = {}
-        self._eo_yielded_by_ordinal: dict[int, eo.Ranges] = {}
+        # Per split ordinal, the sequence numbers next() returned (the consumer's
+        # thread writes it; the heartbeat thread reads it), and each ordinal's split
+        # (an index or a file name: a checkpoint's key), noted when first received.
+        self._eo_yielded: dict[int, eo.Ranges] = {}
+        self._eo_split_of: dict[int, Any] = {}
 
     def _eo_accept_locked(
         self, task_id: int, worker_uid: str, elements: list[Any]
-    ) -> tuple[list[Any], list[tuple[Any, int, int]]]:
+    ) -> tuple[list[Any], list[tuple[int, int]]]:
         """The elements of one fetch from `task_id`'s process `worker_uid`,
         untagged, less those already received here, of a completed split, of a
         replaced run, sent by a closed process, or delivered before a
-        checkpoint; and the (split, seq, ordinal) of each."""
+        checkpoint; and the (ordinal, seq) of each."""
         if (task_id, worker_uid) in self._eo_closed:
             self._eo_dropped += len(elements)
             return [], []
@@ -89,24 +89,22 @@ class ExactlyOnceReceipts:
                 self._eo_dropped += 1
                 continue
             eo.add(ranges, seq)
+            if ordinal not in self._eo_split_of:
+                self._eo_split_of[ordinal] = split
             before = preloaded.get(split)
             if before and eo.contains(before, seq):
                 # delivered before the checkpoint
                 eo.add(self._eo_delivered_before.setdefault(ordinal, []), seq)
                 continue
             kept.append(element)
-            tags.append((split, seq, ordinal))
+            tags.append((ordinal, seq))
         return kept, tags
 
-    def _eo_yielded_one(self, tag: tuple[Any, int, int]) -> None:
+    def _eo_yielded_one(self, tag: tuple[int, int]) -> None:
         """next() returned the element tagged `tag` (the consumer's thread)."""
         ranges = self._eo_yielded.get(tag[0])
         if ranges is None:
             ranges = self._eo_yielded[tag[0]] = []
-        eo.add(ranges, tag[1])
-        ranges = self._eo_yielded_by_ordinal.get(tag[2])
-        if ranges is None:
-            ranges = self._eo_yielded_by_ordinal[tag[2]] = []
         eo.add(ranges, tag[1])
 
     def _eo_release_receipts_locked(self, request: Any) -> None:
@@ -114,7 +112,7 @@ class ExactlyOnceReceipts:
         complete, what this consumer delivered (final). (A split completes only
         once delivered, so what it holds unreturned is of open splits: they
         run again for the others.)"""
-        delivered = dict(self._eo_yielded_by_ordinal)  # a copy: next() may still run
+        delivered = dict(self._eo_yielded)  # a copy: next() may still run
         for ordinal in self._eo_received:
             ranges = eo.union(
                 [delivered.get(ordinal, []), self._eo_delivered_before.get(ordinal, [])]
@@ -125,7 +123,9 @@ class ExactlyOnceReceipts:
         """Per split, what was delivered before the checkpoint this read resumed
         from and what next() returned since (the consumer's thread)."""
         splits = dict(self._eo_preloaded)
-        for split, ranges in self._eo_yielded.items():
+        split_of = self._eo_split_of
+        for ordinal, ranges in list(self._eo_yielded.items()):
+            split = split_of[ordinal]
             before = splits.get(split)
             splits[split] = ranges if before is None else eo.union([before, ranges])
         return splits
@@ -137,7 +137,7 @@ class ExactlyOnceReceipts:
         self._eo_closed.add((task_id, worker_uid))
 
     def _eo_fill_heartbeat_locked(self, request: Any) -> None:
-        delivered = self._eo_yielded_by_ordinal  # (next() may add to it meanwhile)
+        delivered = self._eo_yielded  # (next() may add to it meanwhile)
         before = self._eo_delivered_before
         for ordinal, ranges in self._eo_received.items():
             request.split_receipts.add(ordinal=ordinal, ranges=eo.flatten(ranges))
@@ -162,7 +162,3 @@ class ExactlyOnceReceipts:
                 self._eo_generation.get(g.ordinal, 0)
             ):
                 self._eo_generation[g.ordinal] = g.generation
-        by_ordinal = self._eo_yielded_by_ordinal
-        for ordinal in [o for o in by_ordinal if o not in self._eo_received]:
-            # complete: its delivery no longer matters to the dispatcher
-            by_ordinal.pop(ordinal, None)

@@ -104,7 +104,8 @@ class _Fetched:
     task: _TaskState | None = None
     end: bool = False
     failed: bool = False
-    # Exactly-once reads: each element's (split, sequence number), for checkpoints.
+    # Exactly-once reads: each element's (split ordinal, sequence number): what next()
+    # returned, for receipts and checkpoints.
     tags: list[Any] | None = None
 
 
@@ -350,8 +351,14 @@ class TaskFetching:
                     self._cv.notify_all()
                     if self._stop.is_set():
                         # Closed while this fetch was on its way: close() counts what
-                        # it brought among what the consumer leaves unreturned.
+                        # it brought among what the consumer leaves unreturned;
+                        # exactly-once, they count received (not delivered), so the
+                        # consumer's final receipts send their splits out again.
                         self._fetched_after_close += len(result.elements)
+                        if result.elements and self.options.exactly_once:
+                            self._eo_accept_locked(
+                                endpoint.task_id, result.worker_uid, list(result.elements)
+                            )
                         return
                     if self._ended:
                         # Only a lost worker's fetch may still be on its way when the

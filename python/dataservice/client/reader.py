@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 _START_WAIT_S = 0.5  # longest wait for the iteration's tasks to connect before the first element
 _MAX_ELEMENTS_PER_FETCH = 1024
 # close() of a shared read mid-epoch: how long it waits for fetches on their way
-# (a fetch waits at most fetch.py's 1 s for elements), to count what they bring.
-_CLOSE_FETCH_WAIT_S = 1.5
+# (a fetch waits at most fetch.py's 1 s for elements), to count what they bring
+# (exactly-once: to report them as received and not delivered, so they run again).
+_CLOSE_FETCH_WAIT_S = 3.0
 _RESULT_BUFFER_ELEMENTS = 8192
 # A named job is shared first come, first served: a consumer must not take
 # far more than it reads, so fetches and the local buffer stay small.
@@ -671,10 +672,12 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         shared = self.options.job_name and not self.options.num_consumers
         if rpc_util.gone_with_its_workers(self.options.dispatcher_address):
             shared = False  # the job went with its LocalCluster: nobody else reads it
-        if shared and not over and not self.options.exactly_once:
+        if shared and not over:
             # A fetch on its way brings elements no other consumer gets: waited for
             # (a worker with elements ready answers at once; one without, within
-            # the fetch's wait), so that they are counted.
+            # the fetch's wait), so that they are counted, or, exactly-once, are
+            # among the receipts this consumer leaves with (their splits run again;
+            # else a split leased after the release could reach only this consumer).
             deadline = time.monotonic() + _CLOSE_FETCH_WAIT_S
             with self._cv:
                 while any(s.fetching for s in self._tasks.values()):

@@ -114,11 +114,14 @@ class RunEpochs:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # made on first use: most runs (one per exactly-once split) have no seeded shuffle
+        self._counts: weakref.WeakKeyDictionary[Any, int] | None = None
 
     def next(self, node: Any, peek: bool) -> int:
         """The count of `node`'s iterators so far in this run; one more unless `peek`."""
         with self._lock:
+            if self._counts is None:
+                self._counts = weakref.WeakKeyDictionary()
             k = self._counts.get(node, 0)
             if not peek:
                 self._counts[node] = k + 1

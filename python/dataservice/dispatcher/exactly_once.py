@@ -309,42 +309,64 @@ class ExactlyOnceMixin(DispatcherBase):
             self._eo_promote_locked(iteration_id)
 
     def _eo_waiting_for_locked(self, iteration: st.Iteration) -> str:
-        """When every split of `iteration` was produced and only deliveries are
-        missing: the consumers holding elements they have not returned (the
-        epoch ends once they do, or leave), for the consumers' wait message."""
+        """Once every split of `iteration` was handed out, what its open leases
+        wait for, for the consumers' wait message: splits being produced (by
+        which tasks), run again once consumers drop an older run, waiting for a
+        worker, or produced and held by consumers that have not returned them
+        (the epoch ends once they do, or leave). "" before, or when none is open."""
         iteration_id = iteration.iteration_id
         if (
             not iteration.leases
             or iteration.finished
             or not iteration.splits_ended_by_provider.get(0, False)
-            or any(lease.count < 0 for lease in iteration.leases.values())
-            or self._eo_orphans.get(iteration_id)
-            or self._eo_fences.get(iteration_id)
-            or self._eo_ready.get(iteration_id)
         ):
             return ""
+        fences = self._eo_fences.get(iteration_id, {})
+        waiting_out = (
+            set(self._eo_orphans.get(iteration_id, {}))
+            | set(self._eo_ready.get(iteration_id, []))
+            | set(fences)
+        )
         received = self._eo_received.get(iteration_id, {})
         delivered = self._eo_delivered.get(iteration_id, {})
+        producing: set[st.TaskId] = set()
+        held = 0
         holders: set[st.IterationClientId] = set()
-        for ordinal in iteration.leases:
+        for ordinal, lease in iteration.leases.items():
+            if ordinal in waiting_out:
+                continue
+            if lease.count < 0:
+                producing.add(lease.task_id)
+                continue
             given = delivered.get(ordinal, {})
             for client, ranges in received.get(ordinal, {}).items():
                 if eo.union([ranges]) != eo.union([given.get(client, [])]):
                     holders.add(client)
-        if not holders:
-            return ""
-        names = []
-        for client in sorted(holders)[:8]:
-            seen = self._client_seen_counters.get(client)
-            where = f" (pid {seen.pid} on {seen.host})" if seen is not None and seen.pid else ""
-            names.append(f"consumer {client}{where}")
-        return (
-            f"the last {len(iteration.leases)} splits, all produced, to be returned by next() "
-            f"of {', '.join(names)}, which fetched elements of them (an exactly-once epoch "
-            "ends once every element was returned: a consumer that stops reading holds what "
-            "it fetched until it reads on or leaves; one that is gone is released after "
-            "client_timeout_ms)"
-        )
+            held += 1
+        parts = []
+        if producing:
+            ntasks = len(producing)
+            parts.append(f"splits being produced by {ntasks} task{'s' if ntasks > 1 else ''}")
+        if waiting_out:
+            dropping = sorted(set().union(*fences.values())) if fences else []
+            parts.append(
+                f"{len(waiting_out)} splits to run again"
+                + (f" once consumers {dropping[:8]} drop an older run" if dropping else "")
+            )
+        if held:
+            names = []
+            for client in sorted(holders)[:8]:
+                seen = self._client_seen_counters.get(client)
+                where = f" (pid {seen.pid} on {seen.host})" if seen and seen.pid else ""
+                names.append(f"consumer {client}{where}")
+            parts.append(
+                f"{held} splits, all produced, to be returned by next() of "
+                + (", ".join(names) if names else "no consumer that said it holds them")
+                + " (an exactly-once epoch ends once every element was returned: a "
+                "consumer that stops reading holds what it fetched until it reads on or "
+                "leaves; one that is gone is released after client_timeout_ms)"
+            )
+        return f"the last {len(iteration.leases)} exactly-once splits: " + "; ".join(parts)
 
     def _eo_final_receipts_locked(
         self, client_id: st.IterationClientId, iteration: st.Iteration, request: Any

@@ -215,9 +215,7 @@ impl Encoder {
             return Ok(info.clone());
         }
         let py = dtype.py();
-        // A user-defined dtype (ml_dtypes' bfloat16, float8_*, int4: numpy's NPY_USERDEF
-        // and up) has `str` "<V2": it goes by its name, which numpy resolves on the consumer
-        // once the defining module is imported (decode.rs imports ml_dtypes if needed).
+        // ml_dtypes' bfloat16 & co. have `str` "<V2": sent by name instead (see decode.rs).
         let num: i64 = dtype.getattr(intern!(py, "num"))?.extract()?;
         let str_: String = if num >= USER_DEFINED_DTYPE_NUM {
             dtype.getattr(intern!(py, "name"))?.extract()?

@@ -39,6 +39,17 @@ def _plus_one(x):
     return x + 1
 
 
+def _plus_one_read(
+    service: InProcessCluster, n: int, policy: ds.ShardingPolicy, **distribute_kw
+) -> ds.Dataset:
+    """range(n).map(_plus_one) read from `service`."""
+    return (
+        ds.Dataset.range(n)
+        .map(_plus_one)
+        .apply(ds.distribute(policy, service.dispatcher.target, **distribute_kw))
+    )
+
+
 def _roundtrip(state: dict) -> dict:
     """As a checkpoint file would give it back."""
     return json.loads(json.dumps(state))
@@ -168,15 +179,7 @@ def test_resuming_the_same_state_again_reads_from_the_checkpoint_again(
     policy = DYNAMIC if exactly_once else OFF
 
     def make() -> ds.Dataset:
-        return (
-            ds.Dataset.range(n)
-            .map(_plus_one)
-            .apply(
-                ds.distribute(
-                    policy, service.dispatcher.target, job_name="ck", exactly_once=exactly_once
-                )
-            )
-        )
+        return _plus_one_read(service, n, policy, job_name="ck", exactly_once=exactly_once)
 
     it = iter(make())
     before = [int(next(it)) for _ in range(300)]
@@ -243,15 +246,7 @@ def test_exactly_once_shared_job_resumes_from_the_merged_state(service: InProces
     n = 400
 
     def make() -> ds.Dataset:
-        return (
-            ds.Dataset.range(n)
-            .map(_plus_one)
-            .apply(
-                ds.distribute(
-                    DYNAMIC, service.dispatcher.target, job_name="shared", exactly_once=True
-                )
-            )
-        )
+        return _plus_one_read(service, n, DYNAMIC, job_name="shared", exactly_once=True)
 
     its = [iter(make()), iter(make())]
     before: list[int] = []

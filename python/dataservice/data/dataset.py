@@ -460,8 +460,8 @@ class Dataset(MoreOpsMixin):
         `state_dict()` (see `load_state_dict`)."""
         stats = IterStats()
         it = self._make_iterator(IterContext(stats=stats))
-        reads_service = self._op_name != "distribute" and self._reads_service()
-        if not self._counts_errors() and not reads_service:
+        reads_service = self._op_name != "distribute" and self._has_op("distribute")
+        if not self._has_op("ignore_errors") and not reads_service:
             return it
         from dataservice.data.error_ops import StatsIterator  # see "Modules" above
 
@@ -474,13 +474,14 @@ class Dataset(MoreOpsMixin):
     # read no further ahead than what they return: the read's position is theirs.
     _CHECKPOINT_OPS = frozenset({"map", "filter", "batch", "padded_batch", "ignore_errors", "take"})
 
-    def _reads_service(self) -> bool:
-        """Whether this graph reads a data service (cached: graphs are immutable)."""
-        cached = self.__dict__.get("_t_reads_service")
-        if cached is None:
-            cached = any(d._op_name == "distribute" for d in self._walk())
-            self.__dict__["_t_reads_service"] = cached
-        return bool(cached)
+    def _has_op(self, op_name: str) -> bool:
+        """Whether this graph has an op named `op_name` ("distribute": it reads a
+        data service; "ignore_errors": it counts skipped elements), cached per
+        name: graphs are immutable."""
+        cached = self.__dict__.setdefault("_t_has_op", {})
+        if op_name not in cached:
+            cached[op_name] = any(d._op_name == op_name for d in self._walk())
+        return bool(cached[op_name])
 
     def _checkpoint_path(self) -> tuple[Any, str | None]:
         """The data service read whose position is this pipeline's, or None and
@@ -518,20 +519,12 @@ class Dataset(MoreOpsMixin):
                 `distribute` reads ahead or holds elements (named).
             InvalidArgumentError: As `DistributedDataset.load_state_dict`.
         """
-        if not self._reads_service():
+        if not self._has_op("distribute"):
             raise ValueError("load_state_dict: this pipeline reads no data service")
         node, error = self._checkpoint_path()
         if error is not None:
             raise ValueError(error)
         node.load_state_dict(state)
-
-    def _counts_errors(self) -> bool:
-        """Whether this graph has an `ignore_errors` (cached: graphs are immutable)."""
-        cached = self.__dict__.get("_t_counts_errors")
-        if cached is None:
-            cached = any(d._op_name == "ignore_errors" for d in self._walk())
-            self.__dict__["_t_counts_errors"] = cached
-        return bool(cached)
 
     def as_numpy_iterator(self) -> Iterator[Element]:
         """Same as `iter(self)` (elements are numpy values already); for tf.data users."""

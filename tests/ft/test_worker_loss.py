@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -481,6 +482,87 @@ def test_an_in_process_worker_that_stops_mid_epoch_is_found_and_reported(
         lost = reader.it.stats()["lost_workers"]
         assert [e["address"] for e in lost] == [workers[0].address], lost
         assert lost[0]["pid"] == os.getpid()
+        assert reader.count + lost[0]["elements_lost"] == n
+    finally:
+        for w in workers:
+            w.stop()
+        dispatcher.stop()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_worker_stopped_while_its_split_fetch_retries_fails_no_read(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped (SIGTERM, a scale-down) while its pipeline's GetSplits
+    is retrying: the stop cancels the retries, which is the worker's doing, not
+    the pipeline's failure, so the consumer does not get it as the task's error
+    (it got `CancelledError: GetSplits ... cancelled`); the worker is lost like
+    any other, and the epoch ends with every element read or counted lost."""
+    import grpc
+
+    from dataservice.dispatcher import server as dispatcher_server
+    from dataservice.worker import task_runner
+
+    refuse = threading.Event()
+    refused = threading.Event()
+    grant = dispatcher_server._Servicer.GetSplits
+
+    def get_splits(self, request, context):  # noqa: ANN001, ANN202
+        if refuse.is_set():
+            refused.set()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the test refuses splits for now")
+        return grant(self, request, context)
+
+    monkeypatch.setattr(dispatcher_server._Servicer, "GetSplits", get_splits)
+    # A worker's stop takes its time (in a busy process, the GIL; a CLI worker, its
+    # servers): the pipeline may fail from the stop before its task is stopped.
+    stop_task = task_runner.TaskRunner.stop
+
+    def slow_stop(self):  # noqa: ANN001, ANN202
+        time.sleep(0.5)
+        stop_task(self)
+
+    monkeypatch.setattr(task_runner.TaskRunner, "stop", slow_stop)
+    dispatcher = _inprocess_dispatcher()
+    workers = [
+        ds.WorkerServer(
+            ds.WorkerConfig(
+                dispatcher.target,
+                heartbeat_interval_ms=200,
+                worker_address="127.0.0.1:%port%",
+                data_transfer_protocol=protocol,
+            )
+        )
+        for _ in range(2)
+    ]
+    try:
+        n = 3000
+        data = (
+            ds.Dataset.range(n)
+            .map(_slow(0.001))
+            .apply(
+                ds.distribute(
+                    "distributed_epoch", dispatcher.target, data_transfer_protocol=protocol
+                )
+            )
+        )
+        reader = ThreadReader(iter(data))
+        wait_until(lambda: reader.count >= 100, 60, "100 elements")
+        refuse.set()
+        assert refused.wait(30), "no GetSplits came while refused"
+        # Both pipelines retry once the splits they hold are read: the count stops.
+        last, still_since = reader.count, time.monotonic()
+        while time.monotonic() - still_since < 0.5:
+            time.sleep(0.05)
+            if reader.count != last:
+                last, still_since = reader.count, time.monotonic()
+        workers[0].stop()
+        time.sleep(0.5)  # worker 1's retries go on failing past the stop
+        refuse.clear()
+        reader.join(60)
+        assert reader.error is None, repr(reader.error)
+        lost = reader.it.stats()["lost_workers"]
+        assert [e["address"] for e in lost] == [workers[0].address], lost
         assert reader.count + lost[0]["elements_lost"] == n
     finally:
         for w in workers:

@@ -244,7 +244,7 @@ def test_a_consumer_leaving_mid_epoch_says_what_the_others_will_not_get(
         for _ in range(300):
             for it, out in zip(iterators, got, strict=True):
                 out.append(int(next(it)))
-        with caplog.at_level(logging.WARNING, logger="dataservice"):
+        with caplog.at_level(logging.INFO, logger="dataservice"):
             iterators[0].close()
             got[1].extend(int(x) for x in iterators[1])
         stats = iterators[1].stats()

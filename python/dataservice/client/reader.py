@@ -651,7 +651,8 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                     slow.check()
             finally:
                 self.stats.waiting_since = None
-        slow.done(f"consumer of {self._what_iteration()}: an element arrived")
+        if slow.warnings:
+            slow.done(f"consumer of {self._what_iteration()}: an element arrived")
         return self.next()
 
     def close(self) -> None:
@@ -687,10 +688,12 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                     self._cv.wait(min(left, 0.05))
                 unreturned += self._fetched_after_close
         if unreturned and shared and not over and not self.options.exactly_once:
-            # The job's other consumers go on without them: said, and counted in
-            # their stats() and end-of-epoch WARNING (the dispatcher sums them).
+            # The job's other consumers go on without them: counted in their
+            # stats() and end-of-epoch WARNING (the dispatcher sums them). Here
+            # INFO: this consumer chose to stop, as with any iterator dropped early
+            # (a WARNING per close() buried the logs of a loop that closes early).
             self.stats.left_unreturned = unreturned
-            log.warning(
+            log.info(
                 "consumer of %s leaves mid-epoch with %d elements it fetched and did not "
                 "return: the job's other consumers do not get them (a shared read hands "
                 "each element to one consumer, at most once, as tf.data service's; "

@@ -403,17 +403,15 @@ class WorkerServer(ElementServing):
         seconds for the tasks' threads (a pipeline inside user code ends its thread
         at its next element; that is logged).
         """
-        # The tasks stop first: a stopped task hands out neither an end of sequence
-        # nor an error, so a pipeline that fails because the worker stops (its
-        # GetSplits retries cancelled by `_stop_event`) does not fail its
-        # consumers' reads with that CancelledError: they find the worker gone, as
-        # any lost worker. Stopping them also wakes every read waiting for elements
-        # (gRPC handlers, shared-memory connections), so that the joins below are
-        # short.
+        # First the tasks are told: a pipeline that fails from here on fails because
+        # the worker stops (its GetSplits retries cancelled by `_stop_event`), and
+        # its consumers must not get that CancelledError as the task's error: they
+        # find the worker gone, as any lost worker (`TaskRunner.halt`). (Stopping the
+        # tasks here instead would refuse the requests that still arrive before the
+        # server stops, with "task has stopped".)
         with self._mu:
-            runners = list(self._tasks.values())
-        for runner in runners:
-            runner.stop()
+            for runner in self._tasks.values():
+                runner.halt()
         self._stop_event.set()
         self._wake.set()
         server, self._server = self._server, None
@@ -422,11 +420,13 @@ class WorkerServer(ElementServing):
         for transfer_server in servers:
             transfer_server.begin_stop()
         with self._mu:
-            late = [r for r in self._tasks.values() if r not in runners]  # assigned meanwhile
+            runners = list(self._tasks.values())
             self._tasks.clear()
-        for runner in late:
+        # Stopping the runners wakes every read waiting for elements (gRPC handlers,
+        # shared-memory connections), so that the joins below are short; a stopped
+        # runner's reads never report an end of sequence.
+        for runner in runners:
             runner.stop()
-        runners += late
         if stopped_serving is not None:
             stopped_serving.wait()
         for transfer_server in servers:

@@ -211,6 +211,7 @@ class TaskRunner:
         self._end = False
         self._error: errors.RemoteErrorInfo | None = None
         self._stopped = False
+        self._halting = False  # see halt()
         self._waiting = 0  # consumers blocked on an empty buffer (or an incomplete round)
         # Elements the producer made and has not handed to `_buffer` yet (its batch, see
         # `_produce`). Only the producer appends, without the lock; whoever holds the lock
@@ -268,6 +269,7 @@ class TaskRunner:
         self._cpu_mark = time.thread_time()
         activity = self._counters.activity
         busy = False
+        cut = False  # failed after halt(): the stream neither fails nor ends
         try:
             iterator = self._make_iterator()
             activity.busy()
@@ -303,7 +305,10 @@ class TaskRunner:
                 log.debug("task %d failed:\n%s", self.task_id, traceback.format_exc())
             self._publish()  # the elements produced before the failure come first
             with self._cv:
-                self._error = errors.capture(err)
+                if self._halting:
+                    cut = True
+                else:
+                    self._error = errors.capture(err)
         finally:
             self._count_cpu()
             if busy:
@@ -311,7 +316,7 @@ class TaskRunner:
             with self._cv:
                 if self._stopped:
                     pending.clear()
-                self._end = True
+                self._end = not cut
                 self._cv.notify_all()
 
     def _count_cpu(self) -> None:
@@ -582,6 +587,15 @@ class TaskRunner:
                     self._completed_rounds = {r for r in self._completed_rounds if r > floor}
                 self._cv.notify_all()
             return TaskRead([element])
+
+    def halt(self) -> None:
+        """The worker is stopping (its `stop()` of this runner follows): a failure of
+        the pipeline from now on is the stop's doing (a dispatcher call it cancels),
+        not the pipeline's, so the stream ends neither with that error nor with an
+        end of sequence: reads get what was produced, then nothing, as from a
+        stopped task. Reads go on until `stop()`."""
+        with self._cv:
+            self._halting = True
 
     def stop(self) -> None:
         """Stops producing (the producer thread exits at its next element, see

@@ -21,7 +21,8 @@ after a failure repeats its number and gets the same reply again
 (worker/unacked_replies.py `UnackedReplies`). So a client is kept, not replaced,
 after a failed request (`retry_in_place`): gRPC reconnects its channel itself.
 
-Replies are streamed in messages of about 1 MiB (server streaming, which gRPC
+Replies are streamed in messages of about 1 MiB (a large element's pieces; small
+elements are joined into messages of up to 4 MiB) (server streaming, which gRPC
 supports natively with flow control), and the call has no overall deadline:
 instead it is cancelled when no message arrives for the no-progress timeout
 ($DATASERVICE_TRANSFER_NO_PROGRESS_MS, 30 s; `timeout_s` + up to
@@ -32,14 +33,17 @@ sized from the bytes in flight cannot work: the client does not know the reply's
 size before it arrives, and one element always fits a reply.)
 
 Slow links. A link that cannot move one message within the no-progress timeout
-(1 MiB in 30 s: below ~35 KB/s) would time out and resend the same reply forever.
-So after a timeout the client asks again with messages a quarter the size
+(1 MiB in 30 s: below ~35 KB/s; 4 MiB of joined small elements: ~140 KB/s) would
+time out and resend the same reply forever.
+So after a timeout the client asks again with messages a quarter the size (the
+first time, a quarter of 1 MiB)
 (`max_message_bytes`, down to `MIN_MESSAGE_BYTES`; an element bigger than that
 comes in pieces) and replies of at most `_REPLY_MESSAGES` of them (`max_bytes`: the
 worker cuts the stored reply, and the elements cut off come with the next
 requests, so nothing is lost or sent twice), on a new connection (the cancelled
 reply's bytes still in flight would otherwise hold the link up). Messages grow
-back, doubling, while they arrive in under a quarter of the timeout. When even
+back, doubling, while they arrive in under a quarter of the timeout, up to the
+worker's default. When even
 messages of `MIN_MESSAGE_BYTES` bring nothing new `STALLED_ATTEMPTS` times in a row
 while the worker does answer (a reply asked for in small messages starts with its
 size: the link moves less than 4 KiB per timeout), the request fails with
@@ -77,8 +81,13 @@ _NO_PROGRESS_S = _waits.env_ms(NO_PROGRESS_ENV, 30_000) / 1000
 # empty message before it starts encoding (and its size before its elements), so
 # the first message comes promptly. At most the no-progress timeout.
 _FIRST_MESSAGE_GRACE_S = 10.0
-# The messages of a reply on a fast link (the worker's default, serving.py).
+# The messages of a reply on a fast link: a large element's pieces, and where a
+# slow link's messages start shrinking from.
 _FULL_MESSAGE_BYTES = 1 << 20
+# The largest message a worker sends when not asked for smaller ones (small elements
+# joined, worker/serving.py's _JOIN_BYTES): messages grown back past it are asked for
+# no more (the worker's default).
+_DEFAULT_MESSAGE_BYTES = 4 << 20
 # The smallest messages a client asks for after no-progress timeouts (a slow link).
 MIN_MESSAGE_BYTES = 4 << 10
 # After a timeout, messages are this many times smaller.
@@ -449,7 +458,7 @@ class GrpcTransferClient(base.TransferClient):
         quarter of the no-progress timeout; the next request starts afresh."""
         if message_bytes is not None and attempt.largest_gap_s < self.no_progress_s / 4:
             grown = 2 * message_bytes
-            self.message_bytes = None if grown >= _FULL_MESSAGE_BYTES else grown
+            self.message_bytes = None if grown >= _DEFAULT_MESSAGE_BYTES else grown
         if self._slow is not None:
             self._slow.done(f"GetElements from {self._endpoint.worker_address}: the reply arrived")
             self._slow = None

@@ -445,12 +445,8 @@ def test_a_sigstopped_worker_past_the_worker_timeout_raises(servers: Servers) ->
 # ------------------------------------------------------------ in-process servers
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_an_in_process_worker_that_stops_mid_epoch_is_found_and_reported(
-    protocol: str,
-) -> None:
-    dispatcher = _inprocess_dispatcher()
-    workers = [
+def _two_inprocess_workers(dispatcher: ds.DispatchServer, protocol: str) -> list[ds.WorkerServer]:
+    return [
         ds.WorkerServer(
             ds.WorkerConfig(
                 dispatcher.target,
@@ -461,18 +457,28 @@ def test_an_in_process_worker_that_stops_mid_epoch_is_found_and_reported(
         )
         for _ in range(2)
     ]
+
+
+def _slow_dynamic_epoch(n: int, dispatcher: ds.DispatchServer, protocol: str) -> ds.Dataset:
+    """range(n), 1 ms an element, read DYNAMIC from `dispatcher` over `protocol`."""
+    return (
+        ds.Dataset.range(n)
+        .map(_slow(0.001))
+        .apply(
+            ds.distribute("distributed_epoch", dispatcher.target, data_transfer_protocol=protocol)
+        )
+    )
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_in_process_worker_that_stops_mid_epoch_is_found_and_reported(
+    protocol: str,
+) -> None:
+    dispatcher = _inprocess_dispatcher()
+    workers = _two_inprocess_workers(dispatcher, protocol)
     try:
         n = 3000
-        data = (
-            ds.Dataset.range(n)
-            .map(_slow(0.001))
-            .apply(
-                ds.distribute(
-                    "distributed_epoch", dispatcher.target, data_transfer_protocol=protocol
-                )
-            )
-        )
-        reader = ThreadReader(iter(data))
+        reader = ThreadReader(iter(_slow_dynamic_epoch(n, dispatcher, protocol)))
         wait_until(lambda: reader.count >= 300, 60, "300 elements")
         stopped_at = time.monotonic()
         workers[0].stop()  # its port closes, its heartbeats stop
@@ -524,29 +530,10 @@ def test_a_worker_stopped_while_its_split_fetch_retries_fails_no_read(
 
     monkeypatch.setattr(task_runner.TaskRunner, "stop", slow_stop)
     dispatcher = _inprocess_dispatcher()
-    workers = [
-        ds.WorkerServer(
-            ds.WorkerConfig(
-                dispatcher.target,
-                heartbeat_interval_ms=200,
-                worker_address="127.0.0.1:%port%",
-                data_transfer_protocol=protocol,
-            )
-        )
-        for _ in range(2)
-    ]
+    workers = _two_inprocess_workers(dispatcher, protocol)
     try:
         n = 3000
-        data = (
-            ds.Dataset.range(n)
-            .map(_slow(0.001))
-            .apply(
-                ds.distribute(
-                    "distributed_epoch", dispatcher.target, data_transfer_protocol=protocol
-                )
-            )
-        )
-        reader = ThreadReader(iter(data))
+        reader = ThreadReader(iter(_slow_dynamic_epoch(n, dispatcher, protocol)))
         wait_until(lambda: reader.count >= 100, 60, "100 elements")
         refuse.set()
         assert refused.wait(30), "no GetSplits came while refused"

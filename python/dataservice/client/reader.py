@@ -623,6 +623,10 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                         break
                     if self._error is not None:
                         raise self._error
+                    if self._ended:
+                        # Another thread's next() took the end (and closed the read
+                        # with it): this one ends too, as a later next() would.
+                        raise StopIteration
                     if self._stop.is_set():
                         raise errors.CancelledError("the iterator was closed")
                     if self._over_locked():

@@ -237,8 +237,9 @@ def test_rpc_retries_say_what_they_wait_for(short_waits, caplog, monkeypatch) ->
     took = time.monotonic() - t0
     assert 4.5 < took < 8, took
     warned = _warnings(caplog, f"RegisterDataset to the dispatcher: no answer from {address}")
-    # at about 0.5 s and 2.5 s, not a third before 5 s
-    assert len(warned) == 2, [r.getMessage() for r in caplog.records]
+    # at FIRST_S, then every REPEAT_S: 0.5 s, 2.5 s and, when a retry falls in the
+    # last half second, 4.5 s (checked at each retry, backing off up to 1 s apart)
+    assert 2 <= len(warned) <= 3, [r.getMessage() for r in caplog.records]
     assert "retrying for up to 5000 ms" in warned[0].getMessage()
 
 

@@ -74,10 +74,17 @@ def main() -> None:
             distribute_for_rank(ds.ShardingPolicy.DYNAMIC, args.dispatcher, job_name=args.job)
         )
     elif args.recipe == "coordinated":
-        pipeline = ds.Dataset.range(args.elements).repeat().map(tag).batch(args.batch_size)
+        # (README recipe 2: OFF, each worker shuffling in its own order.)
+        pipeline = (
+            ds.Dataset.range(args.elements)
+            .shuffle(args.elements)
+            .repeat()
+            .map(tag)
+            .batch(args.batch_size)
+        )
         dataset = pipeline.apply(
             distribute_for_rank(
-                ds.ShardingPolicy.DYNAMIC, args.dispatcher, job_name=args.job, coordinated=True
+                ds.ShardingPolicy.OFF, args.dispatcher, job_name=args.job, coordinated=True
             )
         )
     else:

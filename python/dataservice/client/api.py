@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from dataservice import auth
+from dataservice import _waits, auth
 from dataservice import exactly_once as visitation
 from dataservice.client import checkpoint
 from dataservice.client.reader import DataServiceIterator, ReadOptions
@@ -98,7 +98,9 @@ def _check_compression(compression: Any) -> None:
         )
 
 
-def _check_consumers(job_name: str, consumer_index: Any, num_consumers: Any) -> int:
+def _check_consumers(
+    job_name: str, consumer_index: Any, num_consumers: Any, policy: ShardingPolicy
+) -> int:
     if (consumer_index is None) != (num_consumers is None):
         raise ValueError(
             "Must either set both `consumer_index` and `num_consumers`, or neither. "
@@ -115,6 +117,18 @@ def _check_consumers(job_name: str, consumer_index: Any, num_consumers: Any) -> 
         )
     if not job_name:
         raise ValueError("`job_name` must be set when using `num_consumers` (coordinated reads)")
+    if policy == ShardingPolicy.DYNAMIC:
+        _waits.warn_once(
+            log,
+            ("coordinated DYNAMIC", job_name),
+            "job %r: coordinated reads under DYNAMIC sharding: each worker holds the splits "
+            "of what it buffered, and the rounds take as many elements from every worker, so "
+            "a worker that got ahead stays repetitions ahead: a window of rounds may hold some "
+            "elements twice and others not at all (each split still goes out once per "
+            "repetition). For an even mix use ShardingPolicy.OFF with an unseeded shuffle "
+            "(README: Coordinated reads)",
+            job_name,
+        )
     return num_consumers
 
 
@@ -625,7 +639,7 @@ def distribute(
     policy = to_sharding_policy(processing_mode)
     address = _service_address(service)
     name = _check_job_name(job_name)
-    consumers = _check_consumers(name, consumer_index, num_consumers)
+    consumers = _check_consumers(name, consumer_index, num_consumers, policy)
     outstanding = _check_max_outstanding(max_outstanding_requests)
     _check_compression(compression)
     target = _check_target_workers(target_workers)
@@ -737,7 +751,7 @@ def from_dataset_id(
     policy = to_sharding_policy(processing_mode)
     address = _service_address(service)
     name = _check_job_name(job_name)
-    consumers = _check_consumers(name, consumer_index, num_consumers)
+    consumers = _check_consumers(name, consumer_index, num_consumers, policy)
     _check_cache(cross_trainer_cache, name, consumers)
     _check_exactly_once(exactly_once, policy, consumers, cross_trainer_cache)
     if not isinstance(dataset_id, str) or not dataset_id:

@@ -360,9 +360,11 @@ def exit_at_once(marker_dir: str, index: int, code: int) -> Callable[[object], o
     def fn(x):
         if int(x) == index:
             marker = os.path.join(marker_dir, "exited")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                os._exit(code)
+            try:  # atomic: OFF workers reach `index` at the same time, and only one exits
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            os._exit(code)
         return x
 
     return fn

@@ -463,3 +463,30 @@ def test_a_cluster_stopped_under_idle_iterators_logs_no_warning(
         anonymous.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not warnings, warnings
+
+
+def test_a_server_on_the_port_of_a_stopped_cluster_is_not_taken_for_it() -> None:
+    """A stopped LocalCluster marks its dispatcher's address gone (so reads of it
+    fail at once); a server of this process bound later on that port serves, and
+    calls to it are not refused with the old cluster's reason (CI: an in-process
+    cluster on a reused port got "it was the dispatcher of a LocalCluster that was
+    stopped" when its first try failed)."""
+    from dataservice import errors
+    from dataservice.rpc import util as rpc_util
+
+    with ds.LocalCluster(num_workers=1) as cluster:
+        address = cluster.target.split("://")[-1]
+        assert [int(x) for x in ds.Dataset.range(3).apply(ds.distribute("OFF", cluster.target))]
+    with pytest.raises(errors.UnavailableError, match="LocalCluster that was stopped"):
+        ds.register_dataset(cluster.target, ds.Dataset.range(3))
+    port = int(address.rsplit(":", 1)[1])
+    dispatcher = ds.DispatchServer(ds.DispatcherConfig(port=port))
+    worker = ds.WorkerServer(ds.WorkerConfig(f"127.0.0.1:{port}"))
+    try:
+        assert rpc_util.gone_reason(address) is None
+        target = f"grpc://127.0.0.1:{port}"
+        got = [int(x) for x in ds.Dataset.range(5).apply(ds.distribute("OFF", target))]
+        assert got == list(range(5))
+    finally:
+        worker.stop()
+        dispatcher.stop()

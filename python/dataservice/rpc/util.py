@@ -272,10 +272,19 @@ def channel_uses_tls(address: str) -> bool:
 
 def add_port(server: grpc.Server, bind: str, credentials: grpc.ServerCredentials | None) -> int:
     """Binds `bind` ("host:port") on `server`, TLS when `credentials` are given
-    (`tls.server_credentials`); returns the port (0: not bound)."""
+    (`tls.server_credentials`); returns the port (0: not bound). A server of this
+    process marked gone on that port (`mark_gone`: an earlier LocalCluster's) is
+    not there any more: calls to the new one must not fail with its reason."""
     if credentials is None:
-        return server.add_insecure_port(bind)
-    return server.add_secure_port(bind, credentials)
+        port = server.add_insecure_port(bind)
+    else:
+        port = server.add_secure_port(bind, credentials)
+    if port:
+        suffix = f":{port}"
+        with _REACHED_MU:
+            for address in [a for a in _GONE if a.endswith(suffix)]:
+                del _GONE[address]
+    return port
 
 
 def tls_error(address: str, what: str, details: str) -> errors.UnavailableError | None:

@@ -280,10 +280,7 @@ def add_port(server: grpc.Server, bind: str, credentials: grpc.ServerCredentials
     else:
         port = server.add_secure_port(bind, credentials)
     if port:
-        suffix = f":{port}"
-        with _REACHED_MU:
-            for address in [a for a in _GONE if a.endswith(suffix)]:
-                del _GONE[address]
+        mark_back_port(port)
     return port
 
 
@@ -465,6 +462,15 @@ def mark_back(address: str) -> None:
     """A server serves at `address` again (undoes `mark_gone`)."""
     with _REACHED_MU:
         _GONE.pop(address, None)
+
+
+def mark_back_port(port: int) -> None:
+    """A server of this process serves on `port` again: `mark_back` for every
+    address on that port (the gone ones are this process's own servers)."""
+    suffix = f":{port}"
+    with _REACHED_MU:
+        for address in [a for a in _GONE if a.endswith(suffix)]:
+            del _GONE[address]
 
 
 def gone_reason(address: str) -> str | None:

@@ -49,8 +49,8 @@ _FRAME_BYTES = 64 << 20
 _PIECE_BYTES = 1 << 20
 _OWN_FRAME_BYTES = 256 << 10
 # Each message costs grpcio's Python server a wait for its send to complete: 150 KB
-# elements joined 4 MiB a message moved ~15 % more per second than 1 MiB (7 of 8
-# alternating runs); 8 and 16 MiB no more. (Pieces of a large element stay 1 MiB:
+# elements joined 4 MiB a message moved ~20 % more per second than 1 MiB (8 of 8
+# alternating runs, one by 0.5 %); 8 and 16 MiB no more. (Pieces of a large element stay 1 MiB:
 # 4 MiB ones were no faster.) transfer/grpc.py's `_DEFAULT_MESSAGE_BYTES` is this.
 _JOIN_BYTES = 4 << 20
 # GetElementsFrames sends an alive head before encoding a reply whose first element is

@@ -5,9 +5,12 @@ wait for, asserted by counting rather than timing where possible.
   an earlier iterator left with the worker (`shm.reuse_idle`, REBIND): no new
   handshake and no new ring per iterator, and the elements are still exactly the
   dataset's, epoch after epoch, with views held from an earlier epoch intact.
-- A worker learns of a new task when a consumer asks for it, not at its next
+- A worker learns of a new task when the dispatcher creates it (its WatchTasks
+  long poll is answered) or when a consumer asks for it, not at its next
   heartbeat: with a 60 s heartbeat interval the first element still comes in
   seconds.
+- A read joins its job and iteration and gets its tasks in one call to the
+  dispatcher; a dispatcher that answers with the job alone is asked the rest.
 
 `bench/first_element.py` measures the latencies themselves.
 """
@@ -247,3 +250,103 @@ def test_a_read_closed_with_a_request_sent_ahead_drops_its_reply(make_cluster, f
     finally:
         client.close()
         it.close()
+
+
+def test_a_worker_starts_a_new_iterations_task_before_any_consumer_asks(make_cluster):
+    """WatchTasks: the dispatcher answers the worker's long poll when it gives the
+    worker a task, and the worker heartbeats then, so the task starts while its
+    consumer still connects. With a 60 s heartbeat interval and no consumer
+    request, only the watch can tell it within seconds."""
+    from dataservice.rpc import service_pb2 as pb
+    from dataservice.sharding import sharding_policy_to_proto
+
+    cluster = make_cluster(0)
+    worker = cluster.add_worker(heartbeat_interval_ms=60_000)
+    assert worker.wait_registered(30)
+    for k in range(1, 4):  # the watch is held again after each answer
+        dataset_id = ds.register_dataset(cluster.target, ds.Dataset.range(k, 10**9))
+        joined = cluster.dispatcher._get_or_create_job(
+            pb.GetOrCreateJobRequest(
+                dataset_id=dataset_id,
+                processing_mode=sharding_policy_to_proto(OFF),
+                join_iteration=True,
+            )
+        )
+        assert joined.iteration.iteration_client_id > 0
+        wait_until(lambda k=k: worker.num_tasks() == k, 10, f"the worker to start task {k}")
+    start = time.monotonic()
+    worker.stop()  # its watch, held by the dispatcher, does not hold it up
+    assert time.monotonic() - start < 4
+
+
+def test_a_watch_past_the_dispatchers_limit_is_refused_and_heartbeats_still_give_tasks(
+    make_cluster, monkeypatch
+):
+    from dataservice.dispatcher import tasks
+    from dataservice.rpc import service_pb2 as pb
+
+    monkeypatch.setattr(tasks, "MAX_WATCHES", 0)
+    cluster = make_cluster(0)
+    worker = cluster.add_worker(heartbeat_interval_ms=100)
+    assert worker.wait_registered(30)
+    answer = cluster.dispatcher._watch_tasks(
+        pb.WatchTasksRequest(worker_address=worker.address, generation=0, wait_ms=10_000)
+    )
+    assert not answer.watching and answer.generation == 0
+    dataset = ds.Dataset.range(50).apply(ds.distribute(DYNAMIC, cluster.target))
+    assert sorted(to_py(x) for x in dataset) == list(range(50))
+
+
+def test_a_read_joins_its_iteration_and_gets_its_tasks_in_one_call(make_cluster):
+    """GetOrCreateJob with `join_iteration` answers with the job, the dispatcher's
+    incarnation, the iteration and its tasks (`first_heartbeat`): the fetches start
+    before the client's first heartbeat, with no GetDispatcherInfo call."""
+    cluster = make_cluster(2)
+    d = cluster.dispatcher
+    calls: dict[str, int] = {"info": 0, "heartbeat": 0}
+    info, heartbeat = d._get_info, d._client_heartbeat
+
+    def counting(name, fn):
+        def call(request):
+            calls[name] += 1
+            return fn(request)
+
+        return call
+
+    # The servicer calls the instance's attributes (what an RPC reaches).
+    d._get_info = counting("info", info)
+    d._client_heartbeat = counting("heartbeat", heartbeat)
+    dataset = ds.Dataset.range(100).apply(ds.distribute(DYNAMIC, cluster.target))
+    it = iter(dataset)
+    assert len(it._reader._tasks) == 2  # both workers' tasks, from the one answer
+    assert calls == {"info": 0, "heartbeat": 0}
+    assert sorted(to_py(x) for x in it) == list(range(100))
+
+
+def test_a_dispatcher_that_answers_without_the_iteration_is_asked_for_it(make_cluster):
+    """A dispatcher of an older version ignores `join_iteration` and answers with
+    the job alone: the read asks GetDispatcherInfo, GetOrCreateIteration and a
+    heartbeat, as before, and reads everything."""
+    from dataservice.rpc import service_pb2 as pb
+
+    cluster = make_cluster(2)
+    d = cluster.dispatcher
+    job, iteration = d._get_or_create_job, d._get_or_create_iteration
+
+    def old_job(request):
+        plain = pb.GetOrCreateJobRequest()
+        plain.CopyFrom(request)
+        plain.join_iteration = False
+        return pb.GetOrCreateJobResponse(job_id=job(plain).job_id)
+
+    def old_iteration(request):
+        response = iteration(request)
+        response.ClearField("first_heartbeat")
+        return response
+
+    d._get_or_create_job = old_job
+    d._get_or_create_iteration = old_iteration
+    for mode in (OFF, DYNAMIC):
+        dataset = ds.Dataset.range(60).apply(ds.distribute(mode, cluster.target))
+        expected = sorted(list(range(60)) * (2 if mode == OFF else 1))
+        assert sorted(to_py(x) for x in dataset) == expected

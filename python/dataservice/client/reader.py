@@ -1,13 +1,13 @@
 """One iteration of a distributed dataset, read by one consumer.
 
-`DataServiceIterator` joins (or creates) the iteration at the dispatcher,
-heartbeats to learn the iteration's tasks, runs one fetch thread per task
-(bounded by `max_outstanding_requests` concurrent requests and by a results
-buffer; each thread's loop is `fetch.py`'s, its transfer client and the
-protocol fallback `connect.py`'s), and yields elements as they arrive. The
-iteration ends when the dispatcher says it is finished, every fetch on its way
-from a live worker landed, and every element received was yielded
-(`_Reader._over_locked`).
+`DataServiceIterator` joins (or creates) the iteration at the dispatcher
+(`join.py`: one call that also lists the iteration's tasks), heartbeats to
+learn of tasks added and lost, runs one fetch thread per task (bounded by
+`max_outstanding_requests` concurrent requests and by a results buffer; each
+thread's loop is `fetch.py`'s, its transfer client and the protocol fallback
+`connect.py`'s), and yields elements as they arrive. The iteration ends when
+the dispatcher says it is finished, every fetch on its way from a live worker
+landed, and every element received was yielded (`_Reader._over_locked`).
 
 Threads hold only `_Reader` (not the iterator), so an abandoned iterator is
 garbage collected, which releases its iteration client and stops its threads.
@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from dataservice import _waits, auth, errors
-from dataservice.client import checkpoint
+from dataservice.client import checkpoint, join
 from dataservice.client.coordinated import CoordinatedReads
 from dataservice.client.exactly_once import ExactlyOnceReceipts
 from dataservice.client.fetch import TaskFetching, _FairSemaphore, _Fetched, _TaskState
@@ -176,12 +176,10 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         )
 
     def start(self, dataset_id: str, repetition: int) -> bool:
-        """Joins the iteration; returns False if it was already read to its end."""
-        info = self.call("GetDispatcherInfo", pb.DispatcherInfoRequest())
-        self.incarnation = info.incarnation_id
-        self.heartbeat_s = max(0.05, min(0.5, info.client_timeout_ms / 5000))
-        job = self.call(
-            "GetOrCreateJob",
+        """Joins the iteration (`join.join`, which lists its tasks: the fetches start
+        before the first heartbeat); False if it was already read to its end."""
+        joined = join.join(
+            self.call,
             pb.GetOrCreateJobRequest(
                 dataset_id=dataset_id,
                 job_name=self.options.job_name,
@@ -189,30 +187,29 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                 num_consumers=self.options.num_consumers,
                 target_workers=self.options.target_workers,
                 client_host_id=host_id(),
-                incarnation_id=self.incarnation,
                 use_cross_trainer_cache=bool(self.options.trainer_id),
                 exactly_once=self.options.exactly_once,
                 resumed=self.options.resume is not None,
             ),
+            repetition,
         )
-        iteration = self.call(
-            "GetOrCreateIteration",
-            pb.GetOrCreateIterationRequest(
-                job_id=job.job_id,
-                repetition=repetition,
-                incarnation_id=self.incarnation,
-                client_host_id=host_id(),
-            ),
-        )
+        self.incarnation = joined.incarnation
+        self.heartbeat_s = max(0.05, min(0.5, joined.client_timeout_ms / 5000))
+        self.coordination_timeout_s = joined.client_timeout_ms / 1000
+        iteration = joined.iteration
         self.client_id = iteration.iteration_client_id
         self.iteration_id = iteration.iteration_id
-        self.job_id = job.job_id
-        self.coordination_timeout_s = info.client_timeout_ms / 1000
+        self.job_id = joined.job_id
         if iteration.already_finished:
             self.release()
             return False
+        if iteration.HasField("first_heartbeat"):
+            self._on_heartbeat(iteration.first_heartbeat)
         self._heartbeat_thread = threading.Thread(
-            target=self._heartbeat_loop, name="ds-client-heartbeat", daemon=True
+            target=self._heartbeat_loop,
+            args=(iteration.HasField("first_heartbeat"),),
+            name="ds-client-heartbeat",
+            daemon=True,
         )
         self._heartbeat_thread.start()
         return True
@@ -234,9 +231,12 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
             pass  # the dispatcher times the client out instead
 
     # ------------------------------------------------------------ heartbeats
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, answered: bool) -> None:
+        """Heartbeats every `heartbeat_s`, first after one if `answered` (`start`)."""
         last_ok = time.monotonic()
         said_gone = False
+        if answered and self._wake_heartbeat.wait(self.heartbeat_s):
+            self._wake_heartbeat.clear()
         while not self._stop.is_set():
             with self._cv:
                 finished = [t for t, s in self._tasks.items() if s.finished]

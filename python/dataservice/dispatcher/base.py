@@ -113,6 +113,12 @@ class DispatcherBase:
         self._datasets: dict[str, Any] = {}
         self._buffers = BufferStore(None)
         self._workers: dict[str, _Worker] = {}
+        # Per worker address, how many tasks were given to it (tasks.py
+        # WatchTasks: a worker's long poll returns when it changes), notified
+        # on `_tasks_cv`; and how many watches are held now.
+        self._task_generation: dict[str, int] = {}
+        self._tasks_cv = threading.Condition(self._mu)
+        self._watches = 0
         self._lost_uids: dict[str, str] = {}  # address -> uid of a worker declared lost
         # Runtime only, like the workers: given up by whoever restarts them
         # (address -> reason), and the iterations that failed for lack of workers.
@@ -192,11 +198,16 @@ class DispatcherBase:
         finished_before = self._finished_before_locked(update)
         self._state.apply(update)
         self._log_update_locked(update, finished_before)
+        if isinstance(update, (st.CreateTask, st.ReviveTask)):
+            self._task_given_locked(update.task_id)
         if (
             self._journal is not None
             and self._journal.records_since_snapshot >= journal_module.SNAPSHOT_EVERY_RECORDS
         ):
             self._journal.snapshot(self._state)
+
+    def _task_given_locked(self, task_id: st.TaskId) -> None:
+        pass  # tasks.py
 
     def _finished_before_locked(self, update: st.Update) -> bool | None:
         return None  # observe.py

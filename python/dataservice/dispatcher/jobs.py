@@ -77,6 +77,31 @@ class JobsMixin(DispatcherBase):
         ) -> None: ...
 
     def _get_or_create_job(self, request: Any) -> Any:
+        """GetOrCreateJob: the job's id with the dispatcher's incarnation and
+        client timeout, and with `join_iteration` the iteration joined (as
+        GetOrCreateIteration): a read's first element waits for one round trip
+        to the dispatcher, not three."""
+        job_id = self._find_or_create_job(request)
+        with self._mu:
+            incarnation = self._state.incarnation_id
+        response = pb.GetOrCreateJobResponse(
+            job_id=job_id,
+            incarnation_id=incarnation,
+            client_timeout_ms=self._config.client_timeout_ms_or_default,
+        )
+        if request.join_iteration:
+            joined = self._get_or_create_iteration(
+                pb.GetOrCreateIterationRequest(
+                    job_id=job_id,
+                    repetition=request.iteration_repetition,
+                    incarnation_id=incarnation,
+                    client_host_id=request.client_host_id,
+                )
+            )
+            response.iteration.CopyFrom(joined)
+        return response
+
+    def _find_or_create_job(self, request: Any) -> st.JobId:
         # Validated at the edge (rpc/validate.py), so this names a policy.
         mode = sharding_policy_from_proto(request.processing_mode)
         if mode == ShardingPolicy.DYNAMIC:
@@ -176,7 +201,7 @@ class JobsMixin(DispatcherBase):
                     )
                     if not diffs and not abandoned:
                         self._job_last_used[job.job_id] = time.monotonic()
-                        return pb.GetOrCreateJobResponse(job_id=job.job_id)
+                        return job.job_id
                     if not diffs:
                         # A resumed read nobody reads now: the next resume of the same
                         # state reads from the checkpoint again, not from where the last
@@ -233,7 +258,7 @@ class JobsMixin(DispatcherBase):
                 )
             )
             self._job_last_used[job_id] = time.monotonic()
-            return pb.GetOrCreateJobResponse(job_id=job_id)
+            return job_id
 
     def _job_in_use_locked(self, job: st.Job) -> list[str]:
         """Why `job` cannot give its name to another job now (empty: it can):
@@ -388,11 +413,14 @@ class JobsMixin(DispatcherBase):
             now = time.monotonic()
             self._client_seen[client_id] = now
             self._job_last_used[job.job_id] = now
-            return pb.GetOrCreateIterationResponse(
+            response = pb.GetOrCreateIterationResponse(
                 iteration_client_id=client_id,
                 iteration_id=iteration_id,
                 already_finished=already_finished,
             )
+            if not job.exactly_once and not already_finished:
+                self._fill_client_view_locked(response.first_heartbeat, client_id, job, iteration)
+            return response
 
     def _client_heartbeat(self, request: Any) -> Any:
         with self._mu:
@@ -420,32 +448,41 @@ class JobsMixin(DispatcherBase):
                 if task is not None:
                     self._finish_task_locked(task)
             job = self._state.jobs[iteration.job_id]
-            if job.reads_local_workers_only:
-                # This consumer reads its own host's workers, and is done with them.
-                host = self._state.client_hosts.get(client_id) or job.client_host_id
-                finished = self._host_part_finished_locked(iteration, host)
-                tasks = [t for t in iteration.live_tasks() if t.host_id == host]
-                shards_of: str | None = host
-            else:
-                finished = iteration.finished
-                tasks = iteration.live_tasks()
-                shards_of = None
-            response = pb.ClientHeartbeatResponse(iteration_finished=finished)
-            for task in tasks:
-                self._add_task_info_locked(response.tasks, task)
-            if not finished:
-                # Static sharding: the shards of listed workers that are not
-                # registered (the consumer waits for them, then gives up).
-                response.missing_shards.extend(self._missing_shards_locked(iteration, shards_of))
-            if not finished and not tasks:
-                response.waiting_for = self._why_no_task_locked(iteration)
-            response.lost_workers.extend(self._worker_losses.get(iteration_id, ()))
-            response.elements_left_by_departed_consumers = self._left_by_departed.get(
-                iteration_id, 0
-            )
+            response = pb.ClientHeartbeatResponse()
+            self._fill_client_view_locked(response, client_id, job, iteration)
             if job.exactly_once:
                 self._eo_client_heartbeat_locked(client_id, iteration, request, response)
             return response
+
+    def _fill_client_view_locked(
+        self, response: Any, client_id: st.IterationClientId, job: st.Job, iteration: st.Iteration
+    ) -> None:
+        """Fills ClientHeartbeatResponse `response` with what consumer `client_id`
+        of `iteration` is told of it: the tasks to read (of its own host where
+        the job reads local workers only), whether it finished, the shards and
+        workers missing or lost, and what departed consumers left unread."""
+        if job.reads_local_workers_only:
+            # This consumer reads its own host's workers, and is done with them.
+            host = self._state.client_hosts.get(client_id) or job.client_host_id
+            finished = self._host_part_finished_locked(iteration, host)
+            tasks = [t for t in iteration.live_tasks() if t.host_id == host]
+            shards_of: str | None = host
+        else:
+            finished = iteration.finished
+            tasks = iteration.live_tasks()
+            shards_of = None
+        response.iteration_finished = finished
+        for task in tasks:
+            self._add_task_info_locked(response.tasks, task)
+        if not finished:
+            # Static sharding: the shards of listed workers that are not
+            # registered (the consumer waits for them, then gives up).
+            response.missing_shards.extend(self._missing_shards_locked(iteration, shards_of))
+        if not finished and not tasks:
+            response.waiting_for = self._why_no_task_locked(iteration)
+        iteration_id = iteration.iteration_id
+        response.lost_workers.extend(self._worker_losses.get(iteration_id, ()))
+        response.elements_left_by_departed_consumers = self._left_by_departed.get(iteration_id, 0)
 
     def _why_no_task_locked(self, iteration: st.Iteration) -> str:
         """Why unfinished `iteration` has no live task, where the workers'

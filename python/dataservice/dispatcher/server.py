@@ -8,7 +8,7 @@ The handlers are mixins over the one state of `base.DispatcherBase`, each in
 the module of its concern:
 
     datasets.py       RegisterDataset, GetDatasetDef, GetElementSpec; dataset objects
-    tasks.py          WorkerHeartbeat; which worker gets a task in which iteration
+    tasks.py          WorkerHeartbeat, WatchTasks; which worker gets a task in which iteration
     jobs.py           GetOrCreateJob, GetOrCreateIteration, ClientHeartbeat,
                       ReleaseIterationClient; job replacement
     split_handout.py  GetSplits (DYNAMIC), GetRounds (coordinated reads)
@@ -127,6 +127,9 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
 
     def RetireWorker(self, request: Any, context: Any) -> Any:
         return self._call("RetireWorker", self._d._retire_worker, request, context)
+
+    def WatchTasks(self, request: Any, context: Any) -> Any:
+        return self._call("WatchTasks", self._d._watch_tasks, request, context)
 
 
 def _parse_journaled(journal: Journal, dataset: st.Dataset) -> Any:
@@ -283,6 +286,8 @@ class DispatchServer(
     def stop(self) -> None:
         """Stops serving, after in-flight RPCs finish (grace 1 s). Idempotent."""
         self._stop_event.set()
+        with self._mu:
+            self._tasks_cv.notify_all()  # held watches answer now
         server, self._server = self._server, None
         if server is not None:
             server.stop(grace=1.0).wait()

@@ -104,6 +104,11 @@ class DispatcherServiceStub:
                 request_serializer=dataservice_dot_rpc_dot_service__pb2.RetireWorkerRequest.SerializeToString,
                 response_deserializer=dataservice_dot_rpc_dot_service__pb2.RetireWorkerResponse.FromString,
                 _registered_method=True)
+        self.WatchTasks = channel.unary_unary(
+                '/dataservice.rpc.DispatcherService/WatchTasks',
+                request_serializer=dataservice_dot_rpc_dot_service__pb2.WatchTasksRequest.SerializeToString,
+                response_deserializer=dataservice_dot_rpc_dot_service__pb2.WatchTasksResponse.FromString,
+                _registered_method=True)
 
 
 class DispatcherServiceServicer:
@@ -193,6 +198,12 @@ class DispatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DispatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +276,11 @@ def add_DispatcherServiceServicer_to_server(servicer, server):
                     servicer.RetireWorker,
                     request_deserializer=dataservice_dot_rpc_dot_service__pb2.RetireWorkerRequest.FromString,
                     response_serializer=dataservice_dot_rpc_dot_service__pb2.RetireWorkerResponse.SerializeToString,
+            ),
+            'WatchTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.WatchTasks,
+                    request_deserializer=dataservice_dot_rpc_dot_service__pb2.WatchTasksRequest.FromString,
+                    response_serializer=dataservice_dot_rpc_dot_service__pb2.WatchTasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -645,6 +661,33 @@ class DispatcherService:
             '/dataservice.rpc.DispatcherService/RetireWorker',
             dataservice_dot_rpc_dot_service__pb2.RetireWorkerRequest.SerializeToString,
             dataservice_dot_rpc_dot_service__pb2.RetireWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataservice.rpc.DispatcherService/WatchTasks',
+            dataservice_dot_rpc_dot_service__pb2.WatchTasksRequest.SerializeToString,
+            dataservice_dot_rpc_dot_service__pb2.WatchTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -347,6 +347,12 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("counters", _WORKER_COUNTERS),
         Field("join_running_dynamic_only", boolean),
     ),
+    "dataservice.rpc.WatchTasksRequest": (
+        Field("worker_address", host_port(required=True)),
+        Field("generation", int_range(-1, MAX_COUNT)),
+        Field("wait_ms", int_range(0, 2**31 - 1)),
+        Field("worker_uid", text(MAX_TOKEN_CHARS)),
+    ),
     "dataservice.rpc.RegisterDatasetRequest": (
         Field("dataset", nonempty_bytes),
         Field("element_spec", max_bytes(MAX_ELEMENT_SPEC_BYTES)),
@@ -368,6 +374,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("use_cross_trainer_cache", boolean),
         Field("exactly_once", boolean),
         Field("resumed", boolean),
+        Field("join_iteration", boolean),
+        Field("iteration_repetition", int_range(0, MAX_REPETITION)),
     ),
     "dataservice.rpc.GetOrCreateIterationRequest": (
         Field("job_id", an_id),

@@ -11,8 +11,10 @@ reading is `serving.py`'s, and a DYNAMIC task's splits come from the dispatcher
 through `splits.py`. A heartbeat thread reports the worker's tasks every
 `heartbeat_interval_ms` and receives new tasks and tasks to delete; a worker
 holding a task the dispatcher no longer knows drops it (reconciles) on the next
-heartbeat. If the dispatcher goes away, the worker keeps serving the tasks it
-has and retries heartbeats until it comes back.
+heartbeat. A watch thread holds a long poll (WatchTasks) that the dispatcher
+answers, with the worker's tasks, when it gives this worker a task. If the
+dispatcher goes away, the worker keeps serving the tasks it has and retries
+heartbeats until it comes back.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
 # gRPC ran at ~600 MB/s in some worker processes and ~1,200-1,600 in others, for
 # their whole life; under a lower mmap threshold each 9.6 MB element is a fresh
 # mapping (page faults and the kernel's zeroing).
+# How long a WatchTasks call may be held by the dispatcher (`_watch_loop`).
+_WATCH_MS = 30_000
 _STOP_JOIN_S = 2.0  # how long stop() waits for its tasks' producer threads, in all
 
 log = logging.getLogger(__name__)
@@ -197,6 +201,9 @@ class WorkerServer(ElementServing):
         self._channel: grpc.Channel | None = None
         self._stub: service_pb2_grpc.DispatcherServiceStub | None = None
         self._heartbeat_thread: threading.Thread | None = None
+        self._watch_thread: threading.Thread | None = None
+        self._start_mu = threading.Lock()  # `_start_task`
+        self._watch_call: Any = None  # the WatchTasks call in flight (a grpc future)
         self._address = ""
         self._uid = ""
         self._incarnation = ""
@@ -363,6 +370,10 @@ class WorkerServer(ElementServing):
             target=self._heartbeat_loop, name="ds-worker-heartbeat", daemon=True
         )
         self._heartbeat_thread.start()
+        self._watch_thread = threading.Thread(
+            target=self._watch_loop, name="ds-worker-watch", daemon=True
+        )
+        self._watch_thread.start()
 
     def _advertised_address(self, port: int) -> str:
         """The "host:port" this worker gives the dispatcher and its clients.
@@ -414,6 +425,9 @@ class WorkerServer(ElementServing):
                 runner.halt()
         self._stop_event.set()
         self._wake.set()
+        watch = self._watch_call
+        if watch is not None:
+            watch.cancel()
         server, self._server = self._server, None
         stopped_serving = server.stop(grace=0.5) if server is not None else None
         servers, self._transfer_servers = self._transfer_servers, []
@@ -447,6 +461,9 @@ class WorkerServer(ElementServing):
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
             self._heartbeat_thread = None
+        if self._watch_thread is not None:
+            self._watch_thread.join(timeout=5)
+            self._watch_thread = None
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -601,6 +618,69 @@ class WorkerServer(ElementServing):
                 log.exception("worker heartbeat failed")
                 self._stop_event.wait(interval_s)
 
+    def _watch_loop(self) -> None:
+        """Holds a WatchTasks call to the dispatcher (a long poll, dispatcher/tasks.py)
+        and starts the tasks of its answer when it says this worker was given a
+        task: a new iteration's tasks start while its consumers connect. Without an
+        answer (the dispatcher unreachable, or holding as many watches as it
+        allows), the heartbeats every `heartbeat_interval_ms` give the tasks, as
+        they would anyway; a dispatcher without WatchTasks (an older version)
+        ends the loop."""
+        interval_s = self._config.heartbeat_interval_ms_or_default / 1000
+        known = -1
+        while not self._stop_event.is_set():
+            stub = self._stub
+            if stub is None or not self._registered.is_set():
+                self._stop_event.wait(min(interval_s, 0.1))
+                continue
+            request = pb.WatchTasksRequest(
+                worker_address=self._address,
+                generation=known,
+                wait_ms=_WATCH_MS,
+                worker_uid=self._uid,
+            )
+            try:
+                call = stub.WatchTasks.future(
+                    request, timeout=_WATCH_MS / 1000 + 10, metadata=self._metadata
+                )
+                self._watch_call = call
+                if self._stop_event.is_set():
+                    call.cancel()
+                response = call.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as err:
+                code = err.code() if isinstance(err, grpc.RpcError) else None  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info(
+                        "worker %s: the dispatcher at %s has no WatchTasks (an older "
+                        "version); new tasks come with heartbeats",
+                        self._address,
+                        self._dispatcher_address,
+                    )
+                    return
+                self._stop_event.wait(interval_s)
+                continue
+            finally:
+                self._watch_call = None
+            if response.generation != known:
+                known = response.generation
+                self._start_watched_tasks(response)
+            if not response.watching:
+                self._stop_event.wait(max(interval_s, _WATCH_MS / 1000))
+
+    def _start_watched_tasks(self, response: Any) -> None:
+        """Starts the tasks of a WatchTasks answer that this worker neither runs
+        nor was told to delete, if the answer is of the dispatcher incarnation its
+        heartbeats know (else the next heartbeat sorts the tasks out, and is asked
+        for now)."""
+        if not response.incarnation_id or response.incarnation_id != self._incarnation:
+            self._wake.set()
+            return
+        for task in response.tasks:
+            with self._mu:
+                if task.task_id in self._tasks or task.task_id in self._deleted:
+                    continue
+            self._start_task(task)
+
     def _heartbeat(self, timeout_s: float = 10.0) -> None:
         with self._mu:
             current = list(self._tasks)
@@ -701,6 +781,17 @@ class WorkerServer(ElementServing):
         return load(response.dataset)
 
     def _start_task(self, task: Any) -> None:
+        """Starts a runner for `task` unless one runs it. The heartbeat and watch
+        threads both start tasks: one at a time, so a task never gets two runners
+        (the second's pipeline would take DYNAMIC splits from the dispatcher and
+        drop them when stopped)."""
+        with self._start_mu:
+            with self._mu:
+                if task.task_id in self._tasks:
+                    return
+            self._start_runner(task)
+
+    def _start_runner(self, task: Any) -> None:
         def make_iterator(runner: TaskRunner) -> Any:
             dataset = self._dataset(task.dataset_id)
             runner.allow_pickled_elements = graph.allows_pickled_elements(dataset)

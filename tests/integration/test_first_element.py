@@ -350,3 +350,24 @@ def test_a_dispatcher_that_answers_without_the_iteration_is_asked_for_it(make_cl
         dataset = ds.Dataset.range(60).apply(ds.distribute(mode, cluster.target))
         expected = sorted(list(range(60)) * (2 if mode == OFF else 1))
         assert sorted(to_py(x) for x in dataset) == expected
+
+
+def test_a_watch_whose_caller_went_away_gives_its_slot_back(make_cluster):
+    """A held WatchTasks call cancelled by its caller (a worker that died or
+    stopped) ends within a check at the dispatcher, not after its 30 s wait:
+    dead workers' watches do not fill the dispatcher's `MAX_WATCHES`."""
+    import grpc
+
+    from dataservice.rpc import service_pb2 as pb
+    from dataservice.rpc import service_pb2_grpc
+
+    cluster = make_cluster(0)
+    d = cluster.dispatcher
+    with grpc.insecure_channel(cluster.target.split("://")[1]) as channel:
+        stub = service_pb2_grpc.DispatcherServiceStub(channel)
+        call = stub.WatchTasks.future(
+            pb.WatchTasksRequest(worker_address="127.0.0.1:1", generation=0, wait_ms=30_000)
+        )
+        wait_until(lambda: d._watches == 1, 10, "the dispatcher to hold the watch")
+        call.cancel()
+        wait_until(lambda: d._watches == 0, 3, "the cancelled watch to give its slot back")

@@ -129,7 +129,12 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
         return self._call("RetireWorker", self._d._retire_worker, request, context)
 
     def WatchTasks(self, request: Any, context: Any) -> Any:
-        return self._call("WatchTasks", self._d._watch_tasks, request, context)
+        # A watch whose worker went away (died, cancelled) gives its slot back
+        # within a check, not after its whole wait.
+        def watch(request: Any) -> Any:
+            return self._d._watch_tasks(request, context.is_active)
+
+        return self._call("WatchTasks", watch, request, context)
 
 
 def _parse_journaled(journal: Journal, dataset: st.Dataset) -> Any:

@@ -18,6 +18,7 @@ Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_config`,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dataservice import errors
@@ -303,7 +304,7 @@ class WorkerTasksMixin(DispatcherBase):
         self._task_generation[address] = self._task_generation.get(address, 0) + 1
         self._tasks_cv.notify_all()
 
-    def _watch_tasks(self, request: Any) -> Any:
+    def _watch_tasks(self, request: Any, active: Callable[[], bool] = lambda: True) -> Any:
         """WatchTasks: answers when worker `request.worker_address` was given a
         task since `request.generation` (its count of tasks given, -1 when it
         knows none), or after `request.wait_ms` (at most `MAX_WATCH_S`), or when
@@ -313,7 +314,8 @@ class WorkerTasksMixin(DispatcherBase):
         heartbeat (measured: the worker's heartbeat and its first GetSplits,
         ~2 ms each on this 2-core machine, came after that request). At most
         `MAX_WATCHES` are held at once; past that the answer says `watching`
-        False at once.
+        False at once. `active()` False (the caller went away) ends the wait at
+        the next check (`_WATCH_CHECK_S`).
 
         The answer lists the worker's live tasks (`_watch_answer_locked`), which it
         starts at once if it does not run them: the heartbeat its first request
@@ -328,7 +330,9 @@ class WorkerTasksMixin(DispatcherBase):
                 return pb.WatchTasksResponse(generation=generation, watching=False)
             self._watches += 1
             try:
-                while generation == request.generation and not self._stop_event.is_set():
+                while (
+                    generation == request.generation and not self._stop_event.is_set() and active()
+                ):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break

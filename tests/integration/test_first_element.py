@@ -371,3 +371,57 @@ def test_a_watch_whose_caller_went_away_gives_its_slot_back(make_cluster):
         wait_until(lambda: d._watches == 1, 10, "the dispatcher to hold the watch")
         call.cancel()
         wait_until(lambda: d._watches == 0, 3, "the cancelled watch to give its slot back")
+
+
+def test_a_watched_task_of_a_restarted_dispatcher_never_outlives_the_restart():
+    """A WatchTasks answer from a dispatcher that then restarted without its state
+    must not start its task after the worker dropped the old incarnation's tasks:
+    the new dispatcher reuses task and dataset ids (C-03, C-04), and a stale
+    runner under a reused id would serve the new task. Here the watched start is
+    held between its incarnation check and the runner's start while the restart
+    happens; then a read on the new dispatcher gets task 4000 again."""
+    from dataservice.rpc import service_pb2 as pb
+    from dataservice.worker import server as worker_server
+
+    first = ds.DispatchServer(ds.DispatcherConfig(port=0))
+    port = int(first.target.rsplit(":", 1)[1])
+    worker = ds.WorkerServer(
+        ds.WorkerConfig(dispatcher_address=f"127.0.0.1:{port}", heartbeat_interval_ms=100)
+    )
+    second = None
+    try:
+        assert worker.wait_registered(30)
+        old_incarnation = worker._incarnation
+        # What the old dispatcher's first task would be (ids start over in each).
+        stale = pb.WatchTasksResponse(generation=1, watching=True, incarnation_id=old_incarnation)
+        stale.tasks.add(task_id=4000, dataset_id="1000")
+        release, held = threading.Event(), threading.Event()
+        start_runner = worker_server.WorkerServer._start_runner
+
+        def held_start(self, task):
+            if not release.is_set():
+                held.set()
+                release.wait(30)
+            return start_runner(self, task)
+
+        worker._start_runner = held_start.__get__(worker)
+        first.stop()
+        watched = threading.Thread(target=worker._start_watched_tasks, args=(stale,))
+        watched.start()
+        assert held.wait(10)
+        second = ds.DispatchServer(ds.DispatcherConfig(port=port))
+        time.sleep(1.0)  # heartbeats reach the new dispatcher (and find it restarted)
+        release.set()
+        watched.join(10)
+        wait_until(
+            lambda: worker._incarnation not in ("", old_incarnation),
+            10,
+            "the worker to know the new incarnation",
+        )
+        dataset = ds.Dataset.range(10).apply(ds.distribute(OFF, second.target))
+        assert [to_py(x) for x in dataset] == list(range(10))
+    finally:
+        worker.stop()
+        first.stop()
+        if second is not None:
+            second.stop()

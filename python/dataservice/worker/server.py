@@ -57,6 +57,8 @@ DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
 # mapping (page faults and the kernel's zeroing).
 # How long a WatchTasks call may be held by the dispatcher (`_watch_loop`).
 _WATCH_MS = 30_000
+# After a refused watch, the worker asks again this late (or a heartbeat interval).
+_WATCH_REFUSED_S = 5.0
 _STOP_JOIN_S = 2.0  # how long stop() waits for its tasks' producer threads, in all
 
 log = logging.getLogger(__name__)
@@ -664,8 +666,8 @@ class WorkerServer(ElementServing):
             if response.generation != known:
                 known = response.generation
                 self._start_watched_tasks(response)
-            if not response.watching:
-                self._stop_event.wait(max(interval_s, _WATCH_MS / 1000))
+            if not response.watching:  # the dispatcher is at its limit, or stopping
+                self._stop_event.wait(max(interval_s, _WATCH_REFUSED_S))
 
     def _start_watched_tasks(self, response: Any) -> None:
         """Starts the tasks of a WatchTasks answer that this worker neither runs
@@ -676,10 +678,7 @@ class WorkerServer(ElementServing):
             self._wake.set()
             return
         for task in response.tasks:
-            with self._mu:
-                if task.task_id in self._tasks or task.task_id in self._deleted:
-                    continue
-            self._start_task(task)
+            self._start_task(task, incarnation=response.incarnation_id)
 
     def _heartbeat(self, timeout_s: float = 10.0) -> None:
         with self._mu:
@@ -706,14 +705,17 @@ class WorkerServer(ElementServing):
         if self._incarnation and response.incarnation_id != self._incarnation:
             # The dispatcher restarted without its state: ids it hands out now
             # (datasets, tasks) may reuse old ones. Drop everything of the old
-            # incarnation and report again with no tasks (C-03, C-04).
-            with self._mu:
-                runners = list(self._tasks.values())
-                for task_id in self._tasks:
-                    self._deleted[task_id] = None
-                self._tasks.clear()
-                self._datasets.clear()
-                self._tasks_changed.notify_all()
+            # incarnation and report again with no tasks (C-03, C-04). Under
+            # `_start_mu`: no task of a watch answered by the old one starts after.
+            with self._start_mu:
+                with self._mu:
+                    runners = list(self._tasks.values())
+                    for task_id in self._tasks:
+                        self._deleted[task_id] = None
+                    self._tasks.clear()
+                    self._datasets.clear()
+                    self._tasks_changed.notify_all()
+                self._incarnation = response.incarnation_id
             for runner in runners:
                 runner.stop()
             log.warning(
@@ -723,7 +725,6 @@ class WorkerServer(ElementServing):
                 self._dispatcher_address,
                 len(runners),
             )
-            self._incarnation = response.incarnation_id
             self._wake.set()  # heartbeat again at once, holding no task
             return
         self._incarnation = response.incarnation_id
@@ -780,14 +781,25 @@ class WorkerServer(ElementServing):
         )
         return load(response.dataset)
 
-    def _start_task(self, task: Any) -> None:
+    def _start_task(self, task: Any, incarnation: str | None = None) -> None:
         """Starts a runner for `task` unless one runs it. The heartbeat and watch
         threads both start tasks: one at a time, so a task never gets two runners
         (the second's pipeline would take DYNAMIC splits from the dispatcher and
-        drop them when stopped)."""
+        drop them when stopped).
+
+        `incarnation`: the dispatcher incarnation of the WatchTasks answer that
+        lists the task; it starts only if the worker's heartbeats still know that
+        incarnation and did not delete the task. A heartbeat that finds the
+        dispatcher restarted drops the old tasks holding `_start_mu` too, so a
+        task of the old incarnation never starts after that drop (its id may be
+        one the new incarnation gives another task: C-03, C-04)."""
         with self._start_mu:
             with self._mu:
                 if task.task_id in self._tasks:
+                    return
+                if incarnation is not None and (
+                    incarnation != self._incarnation or task.task_id in self._deleted
+                ):
                     return
             self._start_runner(task)
 

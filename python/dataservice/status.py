@@ -68,8 +68,8 @@ def fetch_status(
         raise ValueError(f"the window must be in (0, 86400] seconds, got {window_s!r}")
     address = rpc_util.parse_address(dispatcher_address)
     token = auth.client_token(address, auth_token)
-    auth.warn_if_sent_in_clear(address, token)
     channel = rpc_util.make_channel(address)
+    auth.warn_if_sent_in_clear(address, token, rpc_util.channel_uses_tls(address))
     try:
         stub = service_pb2_grpc.DispatcherServiceStub(channel)
         try:

@@ -153,6 +153,20 @@ def test_register_and_from_dataset_id(cluster):
     )
 
 
+def test_a_requested_id_registered_again_with_another_pipeline_warns(cluster, caplog):
+    """As tf.data service, a dataset id registered again with the same structure
+    keeps its first pipeline; the second registration is not silent about it."""
+    caplog.set_level("WARNING", logger="dataservice.client.api")
+    assert ds.register_dataset(cluster.target, ds.Dataset.range(3), dataset_id="mine") == "mine"
+    assert ds.register_dataset(cluster.target, ds.Dataset.range(3), dataset_id="mine") == "mine"
+    assert "registered already" not in caplog.text  # the same pipeline: nothing to say
+    other = ds.Dataset.range(100, 105)
+    assert ds.register_dataset(cluster.target, other, dataset_id="mine") == "mine"
+    warnings = [r.getMessage() for r in caplog.records if "registered already" in r.getMessage()]
+    assert len(warnings) == 1 and "'mine'" in warnings[0], warnings
+    assert values(ds.from_dataset_id(OFF, cluster.target, "mine")) == [0, 1, 2]
+
+
 # ---------------------------------------------------------------- bad input
 def test_unknown_processing_mode():
     with pytest.raises(ValueError, match="parallel_epochs.*distributed_epoch.*'bogus'"):

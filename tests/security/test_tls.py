@@ -319,3 +319,24 @@ def test_client_settings_refuse_half_a_pair_and_never_show_the_key(certs):
     client = tls.client_tls(certs.ca, certs.client_cert, certs.client_key, environ={})
     assert client is not None and client.cert_file == certs.client_cert
     assert "PRIVATE KEY" not in repr(client) and "BEGIN" not in repr(client)
+
+
+def test_status_over_tls_does_not_warn_that_the_token_goes_in_clear(
+    service, certs, env, caplog, monkeypatch
+):
+    """`dataservice status` with a CA set speaks TLS: no clear-text token warning
+    (it warned before it made its channel, so it never knew the channel's TLS)."""
+    from dataservice import status
+
+    env.setenv(tls.TLS_CA_ENV, certs.ca)
+    # The dispatcher listens on loopback, where no warning is due anyway: take
+    # its address for a remote one.
+    monkeypatch.setattr(auth, "is_loopback_host", lambda host: False)
+    caplog.set_level(logging.WARNING, logger="dataservice.auth")
+    got = status.fetch_status(service.dispatcher.target, auth_token=TOKEN)
+    assert len(got["workers"]) == 2
+    assert not [r for r in caplog.records if "without TLS" in r.getMessage()]
+    env.delenv(tls.TLS_CA_ENV)
+    with pytest.raises(errors.DataServiceError):  # and plaintext does warn
+        status.fetch_status(service.dispatcher.target, auth_token=TOKEN, timeout_s=2)
+    assert [r for r in caplog.records if "without TLS" in r.getMessage()]

@@ -538,7 +538,16 @@ def _register(
         compression=compression or "",
         cardinality=dataset.cardinality(),
     )
-    return _dispatcher_call(address, "RegisterDataset", request, timeout_ms).dataset_id
+    response = _dispatcher_call(address, "RegisterDataset", request, timeout_ms)
+    if response.other_definition:
+        log.warning(
+            "dataset id %r is registered already with another pipeline (another "
+            "definition, the same element_spec): reads of it get the one registered "
+            "first, not this one (as tf.data service); register this pipeline under "
+            "a new dataset_id to read it",
+            response.dataset_id,
+        )
+    return response.dataset_id
 
 
 # ---------------------------------------------------------------- public API

@@ -18,7 +18,7 @@ from typing import Any
 
 from dataservice import errors
 from dataservice.dispatcher import state as st
-from dataservice.dispatcher.base import DispatcherBase, NotLoaded
+from dataservice.dispatcher.base import DispatcherBase, NotLoaded, log
 from dataservice.dispatcher.buffer_store import check_inline
 from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
@@ -103,6 +103,21 @@ class DatasetsMixin(DispatcherBase):
             )
         return str(requested)
 
+    def _found_locked(self, request: Any, found: str) -> Any:
+        """The answer to RegisterDataset `request` whose dataset is registered as
+        `found`; says so when a requested id holds another definition."""
+        existing = self._state.datasets[found]
+        other = bool(request.dataset_id) and existing.fingerprint != request.fingerprint
+        if other:
+            log.warning(
+                "dataset id %r was registered again with another definition (fingerprint "
+                "%s..., registered %s...): reads of it get the first one",
+                found,
+                request.fingerprint[:12],
+                existing.fingerprint[:12],
+            )
+        return pb.RegisterDatasetResponse(dataset_id=found, other_definition=other)
+
     def _register_dataset(self, request: Any) -> Any:
         from dataservice.data.serialize import parse
 
@@ -111,7 +126,7 @@ class DatasetsMixin(DispatcherBase):
         with self._mu:
             found = self._registered_locked(request)
             if found is not None:
-                return pb.RegisterDatasetResponse(dataset_id=found)
+                return self._found_locked(request, found)
             buffers = self._buffers
         # Writing big buffers to their files can take seconds: not under the lock.
         stored = buffers.put(definition)
@@ -120,7 +135,7 @@ class DatasetsMixin(DispatcherBase):
                 raise errors.UnavailableError("the dispatcher restarted; register again")
             found = self._registered_locked(request)  # by another client meanwhile
             if found is not None:
-                return pb.RegisterDatasetResponse(dataset_id=found)
+                return self._found_locked(request, found)
             dataset_id = request.dataset_id
             auto = not dataset_id
             if auto:

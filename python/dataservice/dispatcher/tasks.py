@@ -243,7 +243,7 @@ class WorkerTasksMixin(DispatcherBase):
                     )
                 else:
                     log.info("worker %s restarted (pid %s)", address, request.pid or "unknown")
-                    self._eo_restarted_locked(worker)
+                    self._restarted_locked(worker, request.pid)
                 self._failed_workers.pop(address, None)  # back after all
                 worker = _Worker(
                     address,
@@ -358,18 +358,22 @@ class WorkerTasksMixin(DispatcherBase):
                 self._add_task_def_locked(response.tasks, task)
         return response
 
-    def _eo_restarted_locked(self, worker: _Worker) -> None:
+    def _restarted_locked(self, worker: _Worker, new_pid: int) -> None:
         """Worker `worker`'s address registered a new process before (or without)
-        its supervisor's report of the old one's exit: under exactly-once the
-        old process's leases must still go back, and its consumers close it on
-        its loss report, so the report is made here."""
-        tasks = self._state.tasks_of_worker(worker.address)
-        if not any(self._state.job_of_iteration(t.iteration_id).exactly_once for t in tasks):
-            return
+        a report of the old one's exit (a supervisor other than LocalCluster's:
+        systemd, Kubernetes, a script restarting it within the probe's reach).
+        What the old process held is lost as when a report says so: the DYNAMIC
+        splits handed to it (at most once, as tf.data service, and reported to
+        the consumers: `lost_workers`, `splits_lost`), and under exactly-once
+        its leases, which go back once its consumers close it. Recorded once per
+        process (a report that came first recorded it already)."""
         known = any(
             r.worker_uid == worker.uid for losses in self._worker_losses.values() for r in losses
         )
-        if not known:
-            self._record_losses_locked(
-                worker.address, worker.uid, worker.pid, "restarted", restarting=True
-            )
+        if known or not self._state.tasks_of_worker(worker.address):
+            return
+        reason = (
+            f"worker {worker.address} (pid {worker.pid or 'unknown'}) was replaced by a new "
+            f"process (pid {new_pid or 'unknown'}) on its address"
+        )
+        self._record_losses_locked(worker.address, worker.uid, worker.pid, reason, restarting=True)

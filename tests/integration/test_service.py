@@ -337,6 +337,46 @@ def test_compression_round_trip(cluster, compression):
     # AUTO decides by measuring the link and the data: test_grpc_frames.py.
 
 
+@pytest.mark.parametrize("fault_tolerant", [False, True])
+def test_from_dataset_id_reads_with_the_registered_compression(make_cluster, fault_tolerant):
+    """As tf.data service, `register_dataset(compression=...)` decides how the
+    dataset's elements travel when read by id (was: always AUTO, so "zstd" never
+    compressed); a fault-tolerant dispatcher keeps it across a restart."""
+    cluster = make_cluster(1, fault_tolerant=fault_tolerant)
+    raw = 50 * 64 * 64 * 4
+
+    def read(dataset_id):
+        it = iter(
+            ds.from_dataset_id(OFF, cluster.target, dataset_id, data_transfer_protocol="grpc")
+        )
+        got = [int(a[0, 0]) for a in it]
+        assert got == list(range(50))
+        return it.stats()["bytes"]
+
+    zstd = ds.register_dataset(
+        cluster.target,
+        ds.Dataset.range(50).map(lambda x: np.full((64, 64), x, np.int32)),
+        compression="zstd",
+    )
+    plain = ds.register_dataset(
+        cluster.target,
+        ds.Dataset.range(50).map(lambda x: np.full((64, 64), x + 0, np.int32)),
+        compression=None,
+    )
+    assert zstd != plain
+    assert read(zstd) < raw / 20  # constant arrays compress well
+    assert read(plain) > raw
+    if fault_tolerant:  # the same port and work_dir: the journal has it
+        import dataclasses
+
+        port = int(cluster.target.rsplit(":", 1)[1])
+        cluster.dispatcher.stop()
+        cluster.dispatcher = ds.DispatchServer(
+            dataclasses.replace(cluster.dispatcher_config, port=port)
+        )
+        assert read(zstd) < raw / 20
+
+
 def test_auto_compression_is_not_decided_by_host(make_cluster, monkeypatch):
     """AUTO compresses by measurement (transfer/auto_compression.py), not because
     the worker is on another host: replies too small to measure the link (here

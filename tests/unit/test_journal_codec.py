@@ -80,7 +80,7 @@ def _non_default_updates() -> list[st.Update]:
     """One of each kind, every field away from its default."""
     return [
         st.SetIncarnation("inc-\u00e9"),
-        st.RegisterDataset("ds/1", "f" * 64, b"\x00spec\xff", -2, True, "d" * 64),
+        st.RegisterDataset("ds/1", "f" * 64, b"\x00spec\xff", -2, True, "d" * 64, "ZSTD"),
         st.CreateJob(
             st.JobId(1001), "ds/1", "job", ShardingPolicy.HINT, 3, "ANY", "host", True, 4, True
         ),

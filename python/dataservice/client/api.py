@@ -18,7 +18,7 @@ from typing import Any
 
 from dataservice import _waits, auth
 from dataservice import exactly_once as visitation
-from dataservice.client import checkpoint
+from dataservice.client import checkpoint, join
 from dataservice.client.reader import DataServiceIterator, ReadOptions
 from dataservice.data import graph
 from dataservice.data.dataset import (
@@ -701,8 +701,12 @@ def register_dataset(
 ) -> str:
     """Registers `dataset` with the dispatcher, as tf.data service's `register_dataset`.
 
-    Registering an equal pipeline again returns the same id. Registering under
-    an existing `dataset_id` a dataset of another structure is an error.
+    Registering an equal pipeline again returns the same id (and keeps the
+    first registration's `compression`). Registering under an existing
+    `dataset_id` a dataset of another structure is an error; another pipeline
+    of the same structure keeps the first one and logs a WARNING.
+    `compression` ("AUTO", None, "ZSTD", as `distribute`'s) is what
+    `from_dataset_id` reads it with, as tf.data service.
     `allow_pickled_elements` as `distribute`'s (it makes another dataset id).
 
     Returns:
@@ -749,7 +753,8 @@ def from_dataset_id(
 
     The job name is scoped by the dataset id ("dataset_id=<id>/<job_name>"),
     as tf.data does, so one name over two datasets makes two jobs. Arguments
-    as `distribute`'s.
+    as `distribute`'s; the elements come with the `compression` the dataset
+    was registered with (`register_dataset`), as tf.data service.
 
     Raises:
         ValueError: A bad argument.
@@ -778,7 +783,7 @@ def from_dataset_id(
         target_workers=_check_target_workers(target_workers),
         client_timeout_ms=_client_timeout_ms(client_timeout_ms),
         cross_trainer_cache=cross_trainer_cache,
-        compression="AUTO",
+        compression=join.REGISTERED,  # register_dataset's, as tf.data service
         zero_copy=zero_copy,
         worker_loss_timeout_ms=_worker_loss_timeout_ms(worker_loss_timeout_ms),
         dataset_id=dataset_id,

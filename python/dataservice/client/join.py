@@ -19,6 +19,9 @@ from typing import Any
 
 from dataservice.rpc import service_pb2 as pb
 
+# The `compression` of a read by id (from_dataset_id): the dataset's registered one.
+REGISTERED = "REGISTERED"
+
 
 @dataclass
 class Joined:
@@ -28,6 +31,8 @@ class Joined:
         job_id: The job's id.
         incarnation: The dispatcher's incarnation id (its state's identity).
         client_timeout_ms: How long (ms) the dispatcher keeps a silent client.
+        dataset_compression: The dataset's register_dataset `compression` ("AUTO",
+            "NONE", "ZSTD"; "" from a dispatcher that does not say).
         iteration: The GetOrCreateIterationResponse (its `first_heartbeat`
             set when the dispatcher listed the tasks).
     """
@@ -36,6 +41,7 @@ class Joined:
     incarnation: str
     client_timeout_ms: int
     iteration: Any
+    dataset_compression: str = ""
 
 
 def join(call: Callable[[str, Any], Any], request: Any, repetition: int) -> Joined:
@@ -66,4 +72,13 @@ def join(call: Callable[[str, Any], Any], request: Any, repetition: int) -> Join
                 client_host_id=request.client_host_id,
             ),
         )
-    return Joined(job.job_id, incarnation, client_timeout_ms, iteration)
+    return Joined(job.job_id, incarnation, client_timeout_ms, iteration, job.dataset_compression)
+
+
+def read_compression(requested: str | None, joined: Joined) -> str | None:
+    """The compression a read asks its workers for: `requested` (distribute's
+    "AUTO", None or "ZSTD"), or for `REGISTERED` the dataset's register_dataset
+    `compression` (AUTO from a dispatcher that does not say)."""
+    if requested != REGISTERED:
+        return requested
+    return joined.dataset_compression or "AUTO"

@@ -70,7 +70,7 @@ class ReadOptions:
     client_timeout_ms: int
     auth_token: str | None = None
     trainer_id: str = ""  # set: read through the job's cross-trainer cache
-    compression: str | None = "AUTO"  # "AUTO", None or "ZSTD" (distribute's argument)
+    compression: str | None = "AUTO"  # distribute's argument, or join.REGISTERED
     zero_copy: bool = True  # shared memory: large arrays may be views of the ring
     # After the iteration lost its workers, or (static sharding) while a listed
     # worker's shard is read by nobody: how long next() waits for one to come
@@ -194,11 +194,11 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
             repetition,
         )
         self.incarnation = joined.incarnation
+        self.options.compression = join.read_compression(self.options.compression, joined)
         self.heartbeat_s = max(0.05, min(0.5, joined.client_timeout_ms / 5000))
         self.coordination_timeout_s = joined.client_timeout_ms / 1000
         iteration = joined.iteration
-        self.client_id = iteration.iteration_client_id
-        self.iteration_id = iteration.iteration_id
+        self.client_id, self.iteration_id = iteration.iteration_client_id, iteration.iteration_id
         self.job_id = joined.job_id
         if iteration.already_finished:
             self.release()

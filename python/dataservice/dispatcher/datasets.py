@@ -24,6 +24,13 @@ from dataservice.locality import host_id
 from dataservice.rpc import service_pb2 as pb
 
 
+def registered_compression(request: Any) -> str:
+    """The compression a RegisterDatasetRequest asks its readers by id to use:
+    "AUTO", "NONE" or "ZSTD" (its `compression`, validated at the edge; empty
+    means none, as `register_dataset(compression=None)` sends it)."""
+    return request.compression.upper() or "NONE"
+
+
 class DatasetsMixin(DispatcherBase):
     """The dataset RPCs of `DispatchServer` (see the module docstring)."""
 
@@ -154,6 +161,7 @@ class DatasetsMixin(DispatcherBase):
                     request.cardinality,
                     auto,
                     definition_sha256,
+                    registered_compression(request),
                 )
             )
             return pb.RegisterDatasetResponse(dataset_id=dataset_id)

@@ -84,10 +84,13 @@ class JobsMixin(DispatcherBase):
         job_id = self._find_or_create_job(request)
         with self._mu:
             incarnation = self._state.incarnation_id
+            dataset = self._state.datasets.get(request.dataset_id)
+            compression = dataset.compression if dataset is not None else ""
         response = pb.GetOrCreateJobResponse(
             job_id=job_id,
             incarnation_id=incarnation,
             client_timeout_ms=self._config.client_timeout_ms_or_default,
+            dataset_compression=compression,
         )
         if request.join_iteration:
             joined = self._get_or_create_iteration(

@@ -175,6 +175,7 @@ def state_to_proto(state: st.DispatcherState) -> pb.Snapshot:
             cardinality=d.cardinality,
             auto_id=d.auto_id,
             definition_sha256=d.definition_sha256,
+            compression=d.compression,
         )
     for fingerprint, dataset_id in state.datasets_by_fingerprint.items():
         snapshot.datasets_by_fingerprint.add(fingerprint=fingerprint, dataset_id=dataset_id)
@@ -260,6 +261,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
             d.cardinality,
             d.auto_id,
             d.definition_sha256,
+            d.compression,
         )
     for e in snapshot.datasets_by_fingerprint:
         state.datasets_by_fingerprint[e.fingerprint] = e.dataset_id

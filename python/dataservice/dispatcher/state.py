@@ -50,6 +50,9 @@ class RegisterDataset:
     # Hex SHA-256 of the definition file that the dispatcher wrote (journal.py);
     # "" without a journal, and in journals written before it.
     definition_sha256: str = ""
+    # register_dataset's `compression` (upper case; "": none), read by
+    # from_dataset_id; "" in journals written before it.
+    compression: str = ""
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,7 @@ class Dataset:
     cardinality: int
     auto_id: bool
     definition_sha256: str = ""  # RegisterDataset.definition_sha256
+    compression: str = ""  # RegisterDataset.compression
 
 
 @dataclass
@@ -368,6 +372,7 @@ class DispatcherState:
             u.cardinality,
             u.auto_id,
             u.definition_sha256,
+            u.compression,
         )
         if u.auto_id:
             self.datasets_by_fingerprint[u.fingerprint] = u.dataset_id

@@ -364,3 +364,12 @@ def test_files_are_0600_and_folders_0700_with_umask_0(tmp_path):
     assert set(files.values()) == {"0o600"}, files
     assert len(folders) == 5, folders  # work_dir, journal, datasets, buffers, private
     assert set(folders.values()) == {"0o700"}, folders
+
+
+def test_a_work_dir_that_is_a_file_is_named_at_start(tmp_path):
+    """A file where the work_dir should be: start-up fails naming it and saying
+    it is a file (was a bare NotADirectoryError for 'wd/datasets')."""
+    work_dir = tmp_path / "wd"
+    work_dir.write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match=rf"{work_dir} is a file, not a directory"):
+        ds.DispatchServer(ds.DispatcherConfig(work_dir=str(work_dir), fault_tolerant_mode=True))

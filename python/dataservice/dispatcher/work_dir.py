@@ -177,6 +177,17 @@ def private_dir(path: str, what: str, strict: bool = True) -> str:
         os.makedirs(path, mode=DIR_MODE)
     except FileExistsError:
         pass
+    except NotADirectoryError as err:  # a folder above it is a file (work_dir itself?)
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        mode = os.lstat(parent).st_mode
+        kind = "a file" if stat.S_ISREG(mode) else _kind(mode)
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"{what} {path} cannot be made: {parent} is {kind}, not a directory "
+            "(is work_dir / --work-dir a file?)",
+        ) from err
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         message = (

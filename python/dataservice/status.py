@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dataservice import auth, errors
+from dataservice import auth, errors, tls
 
 INPUT_BOUND_WAIT_FRACTION = 0.2
 """A job whose consumers waited at least this share of their time is input-bound."""
@@ -87,6 +87,12 @@ def fetch_status(
                     + ("" if token else " (no token was sent)")
                 ) from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # A plaintext client at a TLS dispatcher waits (wait_for_ready) for a
+                # channel that never comes up: say that, not only "no answer".
+                if tls.client_tls() is None:
+                    mismatch = tls.handshake_error(address, "Socket closed", None, "status")
+                    if mismatch is not None:
+                        raise errors.UnavailableError(mismatch) from None
                 raise errors.UnavailableError(
                     f"status: no answer from the dispatcher at {address} within {timeout_s:g} s "
                     "(is it running, and is the address right?)"

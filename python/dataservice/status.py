@@ -69,7 +69,8 @@ def fetch_status(
     address = rpc_util.parse_address(dispatcher_address)
     token = auth.client_token(address, auth_token)
     channel = rpc_util.make_channel(address)
-    auth.warn_if_sent_in_clear(address, token, rpc_util.channel_uses_tls(address))
+    uses_tls = rpc_util.channel_uses_tls(address)
+    auth.warn_if_sent_in_clear(address, token, uses_tls)
     try:
         stub = service_pb2_grpc.DispatcherServiceStub(channel)
         try:
@@ -89,7 +90,7 @@ def fetch_status(
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # A plaintext client at a TLS dispatcher waits (wait_for_ready) for a
                 # channel that never comes up: say that, not only "no answer".
-                if tls.client_tls() is None:
+                if not uses_tls:
                     mismatch = tls.handshake_error(address, "Socket closed", None, "status")
                     if mismatch is not None:
                         raise errors.UnavailableError(mismatch) from None

@@ -198,16 +198,11 @@ class DispatcherBase:
         finished_before = self._finished_before_locked(update)
         self._state.apply(update)
         self._log_update_locked(update, finished_before)
-        if isinstance(update, (st.CreateTask, st.ReviveTask)):
-            self._task_given_locked(update.task_id)
         if (
             self._journal is not None
             and self._journal.records_since_snapshot >= journal_module.SNAPSHOT_EVERY_RECORDS
         ):
             self._journal.snapshot(self._state)
-
-    def _task_given_locked(self, task_id: st.TaskId) -> None:
-        pass  # tasks.py
 
     def _finished_before_locked(self, update: st.Update) -> bool | None:
         return None  # observe.py

@@ -98,6 +98,7 @@ class WorkerTasksMixin(DispatcherBase):
                 task_id, iteration.iteration_id, worker.address, worker.index, worker.host_id
             )
         )
+        self._task_given_locked(worker.address)
 
     def _has_task_locked(self, iteration: st.Iteration, worker: _Worker) -> bool:
         """Whether `worker` runs or ran a task in `iteration` (one cut short by
@@ -231,6 +232,7 @@ class WorkerTasksMixin(DispatcherBase):
                         and not self._host_part_over_locked(task)
                     ):
                         self._apply_locked(st.ReviveTask(task.task_id))
+                        self._task_given_locked(address)
                 self._forget_losses_of_locked(request.worker_uid)
                 log.info("worker %s is back (it was only slow)", address)
             if worker is None or worker.uid != request.worker_uid:
@@ -295,12 +297,9 @@ class WorkerTasksMixin(DispatcherBase):
             exactly_once=job.exactly_once,
         )
 
-    def _task_given_locked(self, task_id: st.TaskId) -> None:
-        """A task was created or revived: wakes its worker's watch (`_watch_tasks`)."""
-        task = self._state.tasks.get(task_id)
-        if task is None:
-            return
-        address = task.worker_address
+    def _task_given_locked(self, address: str) -> None:
+        """A task was created or revived on worker `address`: wakes its watch
+        (`_watch_tasks`)."""
         self._task_generation[address] = self._task_generation.get(address, 0) + 1
         self._tasks_cv.notify_all()
 
@@ -308,18 +307,14 @@ class WorkerTasksMixin(DispatcherBase):
         """WatchTasks: answers when worker `request.worker_address` was given a
         task since `request.generation` (its count of tasks given, -1 when it
         knows none), or after `request.wait_ms` (at most `MAX_WATCH_S`), or when
-        the dispatcher stops. On an answer with a new count the worker starts
-        the tasks it lacks, so a new iteration's tasks start while its consumers connect
-        instead of when their first request reaches the worker and makes it
-        heartbeat (measured: the worker's heartbeat and its first GetSplits,
-        ~2 ms each on this 2-core machine, came after that request). At most
-        `MAX_WATCHES` are held at once; past that the answer says `watching`
-        False at once. `active()` False (the caller went away) ends the wait at
-        the next check (`_WATCH_CHECK_S`).
-
-        The answer lists the worker's live tasks (`_watch_answer_locked`), which it
-        starts at once if it does not run them: the heartbeat its first request
-        made it send took ~2 ms to reach the dispatcher from an idle channel here."""
+        the dispatcher stops, with the worker's live tasks (`_watch_answer_locked`).
+        The worker starts those it lacks, so a new iteration's tasks start while
+        its consumers connect instead of when their first request reaches the
+        worker and makes it heartbeat (measured: that heartbeat and the task's
+        first GetSplits, ~2 ms each from an idle channel on this 2-core machine,
+        came after the request). At most `MAX_WATCHES` are held at once; past
+        that the answer says `watching` False at once. `active()` False (the
+        caller went away) ends the wait at the next check (`_WATCH_CHECK_S`)."""
         deadline = time.monotonic() + min(request.wait_ms / 1000, MAX_WATCH_S)
         address = request.worker_address
         with self._mu:
@@ -370,7 +365,7 @@ class WorkerTasksMixin(DispatcherBase):
         known = any(
             r.worker_uid == worker.uid for losses in self._worker_losses.values() for r in losses
         )
-        if known or not self._state.tasks_of_worker(worker.address):
+        if known:
             return
         reason = (
             f"worker {worker.address} (pid {worker.pid or 'unknown'}) was replaced by a new "

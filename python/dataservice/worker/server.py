@@ -55,11 +55,11 @@ DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
 # gRPC ran at ~600 MB/s in some worker processes and ~1,200-1,600 in others, for
 # their whole life; under a lower mmap threshold each 9.6 MB element is a fresh
 # mapping (page faults and the kernel's zeroing).
+_STOP_JOIN_S = 2.0  # how long stop() waits for its tasks' producer threads, in all
 # How long a WatchTasks call may be held by the dispatcher (`_watch_loop`).
 _WATCH_MS = 30_000
 # After a refused watch, the worker asks again this late (or a heartbeat interval).
 _WATCH_REFUSED_S = 5.0
-_STOP_JOIN_S = 2.0  # how long stop() waits for its tasks' producer threads, in all
 
 log = logging.getLogger(__name__)
 

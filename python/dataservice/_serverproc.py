@@ -130,49 +130,78 @@ class DispatcherStub:
     def wait_connected(self, timeout_ms: int, what: str) -> None:
         """Blocks until a TCP/HTTP2 connection to the dispatcher is up (no RPC
         is made, so no token is checked), for at most `timeout_ms` milliseconds.
+        A wait past `_waits.FIRST_WARNING_S` logs a WARNING naming `what`, the
+        address and gRPC's last reason (refused, DNS resolution failed...).
 
         Raises:
-            UnavailableError: Not connected within `timeout_ms`; or at once, a
-                TLS handshake that failed (`rpc.util.tls_error`: plaintext to a
-                TLS server, an untrusted certificate...) or a server that
-                answered in another protocol (`rpc.util.not_grpc_error`). The
-                message names `what` waited and the address.
+            UnavailableError: Not connected within `timeout_ms`, with gRPC's
+                last reason; or at once, a TLS handshake that failed
+                (`rpc.util.tls_error`: plaintext to a TLS server, an untrusted
+                certificate...) or a server that answered in another protocol
+                (`rpc.util.not_grpc_error`). The message names `what` waited
+                and the address.
         """
+        import logging
         import time
 
         import grpc  # type: ignore[import-untyped,unused-ignore]
 
-        from dataservice.rpc import service_pb2
+        from dataservice import _waits
         from dataservice.rpc import util as rpc_util
 
+        start = time.monotonic()
         future = grpc.channel_ready_future(self._channel)
-        deadline = time.monotonic() + timeout_ms / 1000
+        deadline = start + timeout_ms / 1000
         try:
             # A connection not up within a moment may be a TLS mismatch, which no wait
-            # cures: one RPC's failure details tell (it fails before reaching the
-            # servicer, so no token is checked).
+            # cures: one RPC's failure details tell.
             future.result(timeout=min(0.5, timeout_ms / 1000))
             return
         except grpc.FutureTimeoutError:
             pass
+        reason = self._why_not_connected()
+        mismatch = rpc_util.tls_error(self.address, what, reason) or (
+            rpc_util.not_grpc_error(self.address, what, reason)
+        )
+        if mismatch is not None:
+            future.cancel()
+            raise mismatch from None
+
+        def describe() -> str:
+            return f"{what}: no connection to {self.address} yet ({self._why_not_connected()})"
+
+        slow = _waits.SlowWait(logging.getLogger(__name__), describe, start=start)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                future.cancel()
+                raise rpc_util.unreachable_error(
+                    what, self.address, timeout_ms, self._why_not_connected()
+                ) from None
+            try:
+                future.result(timeout=min(left, 1.0))
+            except grpc.FutureTimeoutError:
+                slow.check()
+                continue
+            slow.done(f"{what}: connected to {self.address}")
+            return
+
+    def _why_not_connected(self) -> str:
+        """gRPC's reason the channel is not up ("UNAVAILABLE: DNS resolution
+        failed for ...", "... Connection refused"): the details of one
+        GetDispatcherInfo that fails before reaching the servicer (so no token
+        is checked), or "no connection" when it gives none."""
+        import grpc  # type: ignore[import-untyped,unused-ignore]
+
+        from dataservice.rpc import service_pb2
+
         try:
             self.stub.GetDispatcherInfo(
                 service_pb2.DispatcherInfoRequest(), timeout=1.0, metadata=self.metadata
             )
         except grpc.RpcError as err:
-            details = str(err.details())
-            mismatch = rpc_util.tls_error(self.address, what, details) or (
-                rpc_util.not_grpc_error(self.address, what, details)
-            )
-            if mismatch is not None:
-                future.cancel()
-                raise mismatch from None
-        try:
-            future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except grpc.FutureTimeoutError:
-            raise rpc_util.unreachable_error(
-                what, self.address, timeout_ms, "no connection"
-            ) from None
+            return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+        return "no connection"
 
     def close(self) -> None:
         self._channel.close()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dataservice import auth, errors, tls
+from dataservice import auth, errors
 
 INPUT_BOUND_WAIT_FRACTION = 0.2
 """A job whose consumers waited at least this share of their time is input-bound."""
@@ -55,11 +55,12 @@ def fetch_status(
     Raises:
         UnauthenticatedError: The dispatcher refused the token (or its absence);
             the message says what to set.
-        UnavailableError: The dispatcher cannot be reached within `timeout_s`.
+        UnavailableError: The dispatcher cannot be reached within `timeout_s`
+            (tries are repeated until then: one still starting answers); at
+            the first try, a TLS mismatch (a plaintext client at a TLS
+            dispatcher, an untrusted certificate) or a server of another protocol.
         ValueError: A bad address or window.
     """
-    import grpc
-
     from dataservice.rpc import service_pb2 as pb
     from dataservice.rpc import service_pb2_grpc
     from dataservice.rpc import util as rpc_util
@@ -71,34 +72,31 @@ def fetch_status(
     channel = rpc_util.make_channel(address)
     uses_tls = rpc_util.channel_uses_tls(address)
     auth.warn_if_sent_in_clear(address, token, uses_tls)
+    request = pb.GetClusterStatusRequest(window_ms=max(1, round(window_s * 1000)))
+    timeout_ms = max(1, round(timeout_s * 1000))
     try:
         stub = service_pb2_grpc.DispatcherServiceStub(channel)
-        try:
-            response = stub.GetClusterStatus(
-                pb.GetClusterStatusRequest(window_ms=max(1, round(window_s * 1000))),
-                timeout=timeout_s,
-                metadata=rpc_util.call_metadata(token),
-                wait_for_ready=True,
+
+        def ask(attempt_s: float) -> Any:
+            return stub.GetClusterStatus(
+                request, timeout=attempt_s, metadata=rpc_util.call_metadata(token)
             )
-        except grpc.RpcError as err:
-            code = err.code()  # type: ignore[attr-defined]
-            if code == grpc.StatusCode.UNAUTHENTICATED:
-                raise errors.UnauthenticatedError(
-                    auth.refused_message(address, "status")
-                    + ("" if token else " (no token was sent)")
-                ) from None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                # A plaintext client at a TLS dispatcher waits (wait_for_ready) for a
-                # channel that never comes up: say that, not only "no answer".
-                if not uses_tls:
-                    mismatch = tls.handshake_error(address, "Socket closed", None, "status")
-                    if mismatch is not None:
-                        raise errors.UnavailableError(mismatch) from None
-                raise errors.UnavailableError(
-                    f"status: no answer from the dispatcher at {address} within {timeout_s:g} s "
-                    "(is it running, and is the address right?)"
-                ) from None
-            raise rpc_util.to_error(err, address, "GetClusterStatus") from None
+
+        # Retried (a dispatcher still starting answers within the bound), and a
+        # TLS mismatch or a server of another protocol is named at the first try.
+        try:
+            response = rpc_util.call_with_retries(
+                ask,
+                address=address,
+                what="status",
+                timeout_ms=timeout_ms,
+                attempt_timeout_s=timeout_s,
+                unreachable_ms=timeout_ms,
+            )
+        except errors.UnauthenticatedError:
+            raise errors.UnauthenticatedError(
+                auth.refused_message(address, "status") + ("" if token else " (no token was sent)")
+            ) from None
     finally:
         channel.close()
     status = to_dict(response)

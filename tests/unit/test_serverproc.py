@@ -4,6 +4,7 @@ for a connection, naming the address."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 
@@ -46,3 +47,39 @@ def test_waiting_for_an_absent_dispatcher_is_bounded_and_names_it():
         with pytest.raises(errors.UnavailableError, match=rf"waiting here.*127\.0\.0\.1:{port}"):
             dispatcher.wait_connected(500, "waiting here")
         assert 0.4 < time.monotonic() - start < 5.0
+
+
+@pytest.mark.timeout(30)
+def test_a_long_wait_for_the_dispatcher_says_why_it_is_not_connected(monkeypatch, caplog):
+    """A wait past the first-warning mark logs what is waited for and gRPC's
+    reason (here: connection refused), and the final error carries the reason
+    instead of a bare "no connection"."""
+    import logging
+
+    from dataservice import _waits
+
+    monkeypatch.setattr(_waits, "FIRST_WARNING_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="dataservice._serverproc")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with _serverproc.DispatcherStub(f"127.0.0.1:{port}") as dispatcher:
+        with pytest.raises(errors.UnavailableError) as raised:
+            dispatcher.wait_connected(2500, "worker: connecting")
+    assert "no connection)" not in str(raised.value)
+    assert "UNAVAILABLE" in str(raised.value) and "refused" in str(raised.value).lower()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings, "no warning during a 2.5 s wait"
+    assert f"worker: connecting: no connection to 127.0.0.1:{port} yet" in warnings[0]
+    assert "refused" in warnings[0].lower() and "waiting" in warnings[0]
+
+
+@pytest.mark.timeout(30)
+def test_an_unresolvable_dispatcher_name_is_named_as_such():
+    with _serverproc.DispatcherStub("no-such-host.invalid:5050") as dispatcher:
+        with pytest.raises(errors.UnavailableError) as raised:
+            dispatcher.wait_connected(1500, "worker: connecting")
+    assert "no-such-host.invalid:5050" in str(raised.value)
+    # gRPC's resolver's own words: "DNS resolution failed" (c-ares), "errors
+    # resolving ... address lookup failed ... Domain name not found" (native).
+    assert re.search(r"(?i)resol|lookup", str(raised.value)), str(raised.value)

@@ -1,10 +1,11 @@
-"""The dispatcher loads dataset objects and builds split providers outside its
-lock (STYLE.md: no I/O under the dispatcher lock but the journal write), and
-callers that race for them still share one object, one set of providers and one
-iteration (dispatcher/base.py `NotLoaded`, datasets.py `_dataset_object`,
-split_handout.py `_build_split_providers`).
+"""The dispatcher loads dataset objects and builds split providers, and writes a
+registration's definition file, outside its lock (STYLE.md: no I/O under the
+dispatcher lock but the journal write), and callers that race for them still
+share one object, one set of providers and one iteration (dispatcher/base.py
+`NotLoaded`, datasets.py `_dataset_object`, split_handout.py
+`_build_split_providers`).
 
-Each test restarts a fault-tolerant dispatcher on its work_dir, so that the
+Most tests restart a fault-tolerant dispatcher on its work_dir, so that the
 dataset object and the split providers are gone and must be made again; the
 handlers are called in-process, from threads of the test.
 """
@@ -196,3 +197,66 @@ def test_racing_get_or_create_iteration_loads_once_and_creates_one(restarted, mo
         a.iteration_client_id,
         b.iteration_client_id,
     }
+
+
+@pytest.mark.timeout(60)
+def test_register_dataset_writes_its_definition_outside_the_lock(tmp_path, monkeypatch):
+    """A registration's journal copy of the definition (hundreds of MB for a
+    pipeline capturing big arrays, fsynced: seconds) is written with the lock
+    free, so heartbeats and the liveness checks go on meanwhile (they waited,
+    and the dispatcher then took the wait for a stall of its own)."""
+    from dataservice.dispatcher import journal
+
+    d = ds.DispatchServer(_config(tmp_path))
+    try:
+        free: list[bool] = []
+        writes = _counting(
+            monkeypatch,
+            journal.Journal,
+            "write_dataset",
+            lambda: free.append(_lock_is_free(d._mu)),
+        )
+        dataset_id = register_range(d, N)
+        assert len(writes) == 1 and free == [True]
+        assert d._state.datasets[dataset_id].definition_sha256
+    finally:
+        d.stop()
+    # The journal holds it: a restart reads the definition back.
+    d = ds.DispatchServer(_config(tmp_path))
+    try:
+        assert dataset_id in d._state.datasets
+        assert d._datasets[dataset_id].pickle
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_racing_registrations_of_one_definition_write_one_whole_file(tmp_path, monkeypatch):
+    """Two clients registering the same pipeline at once both write its
+    definition file (outside the lock): each through a file of its own, so
+    neither renames the other's half-written one over the definition."""
+    from dataservice.dispatcher import journal
+
+    d = ds.DispatchServer(_config(tmp_path))
+    arrived, go = threading.Semaphore(0), threading.Event()
+    real = journal.Journal.write_dataset
+
+    def write(self: Any, data: bytes) -> str:
+        arrived.release()
+        go.wait(20)
+        return real(self, data)
+
+    monkeypatch.setattr(journal.Journal, "write_dataset", write)
+    try:
+        a, b = _run_together([lambda: register_range(d, N)] * 2, arrived, go)
+        assert a == b  # one dataset: the second found the first's
+        digest = d._state.datasets[a].definition_sha256
+        path = Path(d._journal.dataset_path(digest))
+        assert [p.name for p in path.parent.iterdir()] == [path.name]  # no .tmp left
+    finally:
+        d.stop()
+    d = ds.DispatchServer(_config(tmp_path))
+    try:
+        assert d._datasets[a].pickle
+    finally:
+        d.stop()

@@ -412,20 +412,24 @@ def fingerprint(dataset: Dataset) -> str:
     return definition_fingerprint(serialize(dataset))
 
 
-def definition_fingerprint(data: bytes) -> str:
+def definition_fingerprint(data: bytes, definition: Any = None) -> str:
     """The hex SHA-256 (64 characters) of the serialised `DatasetDef` `data` less its
     `code_paths`: what a dispatcher dedups registrations by (`RegisterDatasetRequest.
     fingerprint`). For a definition without code paths, and for bytes that are no
     `DatasetDef` (refused when registered), it is the SHA-256 of `data`.
+    `definition`, if given, is `parse(data)` (not changed), saving a parse.
     """
-    try:
-        definition = parse(data)
-    except InvalidArgumentError:
-        definition = None
+    if definition is None:
+        try:
+            definition = parse(data)
+        except InvalidArgumentError:
+            definition = None
     if definition is None or not definition.code_paths:
         return hashlib.sha256(data).hexdigest()
-    definition.ClearField("code_paths")
-    return hashlib.sha256(definition.SerializeToString(deterministic=True)).hexdigest()
+    without_paths = dataset_pb2.DatasetDef()
+    without_paths.CopyFrom(definition)
+    without_paths.ClearField("code_paths")
+    return hashlib.sha256(without_paths.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _op(node: Dataset) -> str:

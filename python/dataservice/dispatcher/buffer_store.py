@@ -95,7 +95,7 @@ class BufferStore:
                 files.private_dir(self._dir, "the dataset buffers folder", strict=False)
             return self._dir
 
-    def put(self, definition: Any, repair: bool = True) -> Any:
+    def put(self, definition: Any, repair: bool = True, field: str = "DatasetDef") -> Any:
         """`definition` (a `DatasetDef`) with each inline buffer written to its
         file and replaced by the file's path and digest. A buffer whose file
         cannot be written (disk full, read-only directory) stays inline:
@@ -105,6 +105,7 @@ class BufferStore:
             definition: A `DatasetDef` whose buffers are all inline.
             repair: A file already there that does not hold the buffer is
                 replaced (logged); else it is a `DataLossError` (start-up).
+            field: What holds `definition`, for messages (see `check_inline`).
 
         Raises:
             InvalidArgumentError: A buffer names a file (`path` or `sha256`
@@ -112,10 +113,11 @@ class BufferStore:
                 names the field (see `check_inline`).
             DataLossError: With `repair=False`, a file of this name is damaged.
         """
-        check_inline(definition, "DatasetDef")
+        check_inline(definition, field, sizes=False)
         stored = dataset_pb2.DatasetDef(pickle=definition.pickle, code_paths=definition.code_paths)
-        for buffer in definition.buffers:
-            data = buffer.data
+        for i, buffer in enumerate(definition.buffers):
+            data = buffer.data  # a copy of its bytes on each read: read once
+            _check_size(buffer.size_bytes, len(data), f"{field}.buffers[{i}]")
             digest = hashlib.sha256(data).hexdigest()
             try:
                 path = self._write(data, digest, repair)
@@ -214,7 +216,7 @@ class BufferStore:
             cleanup()
 
 
-def check_inline(definition: Any, field: str) -> None:
+def check_inline(definition: Any, field: str, sizes: bool = True) -> None:
     """Checks that every buffer of the `DatasetDef` `definition` is inline:
     the dispatcher opens no file that a client names.
 
@@ -222,6 +224,9 @@ def check_inline(definition: Any, field: str) -> None:
         definition: The `DatasetDef` a client sent.
         field: The request field that holds it, for messages
             ("RegisterDatasetRequest.dataset").
+        sizes: Also check each `size_bytes` against its data, which reads
+            (copies) every buffer's bytes; `BufferStore.put` checks them as it
+            reads them anyway.
 
     Raises:
         InvalidArgumentError: A buffer sets `path` or `sha256`, or its
@@ -239,8 +244,12 @@ def check_inline(definition: Any, field: str) -> None:
                 f"{name}.sha256 is set: it is the dispatcher's name for its own file, "
                 "never sent by a client; send the buffer's bytes in `data`"
             )
-        if buffer.size_bytes != len(buffer.data):
-            raise errors.InvalidArgumentError(
-                f"{name}.size_bytes is {buffer.size_bytes}, not the {len(buffer.data)} bytes "
-                "of its data"
-            )
+        if sizes:
+            _check_size(buffer.size_bytes, len(buffer.data), name)
+
+
+def _check_size(size_bytes: int, length: int, name: str) -> None:
+    if size_bytes != length:
+        raise errors.InvalidArgumentError(
+            f"{name}.size_bytes is {size_bytes}, not the {length} bytes of its data"
+        )

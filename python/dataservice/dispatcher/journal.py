@@ -425,9 +425,11 @@ class Journal:
 
     def write_dataset(self, data: bytes) -> str:
         """Keeps the definition `data` (fsynced) and returns its hex SHA-256,
-        for `RegisterDataset.definition_sha256`: write it before that record."""
+        for `RegisterDataset.definition_sha256`: write it before that record.
+        Thread-safe, also for one definition written by two threads at once (a
+        registration writes it outside the dispatcher's lock)."""
         digest = hashlib.sha256(data).hexdigest()
-        files.write_atomic(self.dataset_path(digest), data)
+        files.write_atomic(self.dataset_path(digest), data, concurrent=True)
         return digest
 
     def read_dataset(self, dataset: state.Dataset) -> bytes:

@@ -39,7 +39,7 @@ from dataservice import _netaddr, auth, errors, tls
 from dataservice.config import DispatcherConfig
 from dataservice.dispatcher import state as st
 from dataservice.dispatcher.buffer_store import BufferStore, check_inline
-from dataservice.dispatcher.datasets import DatasetsMixin
+from dataservice.dispatcher.datasets import DatasetsMixin, RegisterRequest
 from dataservice.dispatcher.exactly_once import ExactlyOnceMixin
 from dataservice.dispatcher.jobs import JobsMixin
 from dataservice.dispatcher.journal import Journal
@@ -89,6 +89,8 @@ class _Servicer(service_pb2_grpc.DispatcherServiceServicer):
         return self._call("WorkerHeartbeat", self._d._worker_heartbeat, request, context)
 
     def RegisterDataset(self, request: Any, context: Any) -> Any:
+        if not isinstance(request, validate.Malformed):
+            request = RegisterRequest(request)
         return self._call("RegisterDataset", self._d._register_dataset, request, context)
 
     def GetDatasetDef(self, request: Any, context: Any) -> Any:

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import stat
+import tempfile
 from collections.abc import Callable
 
 from dataservice import errors
@@ -224,15 +225,29 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
+def write_atomic(path: str, data: bytes, durable: bool = True, concurrent: bool = False) -> None:
     """Writes `data` to `path` (mode 0600): to `path.tmp` first, fsynced when
-    `durable`, then renamed over `path`, so `path` is whole or absent."""
-    tmp = path + ".tmp"
-    try:
-        os.unlink(tmp)  # a torn one from a crash
-    except FileNotFoundError:
-        pass
-    fd = create_private(tmp)
+    `durable`, then renamed over `path`, so `path` is whole or absent. With
+    `concurrent`, other threads may write the same `path` at once (with the
+    same bytes: a file named by its digest): each writes its own
+    `path.XXXXXXXX.tmp` (a torn one is the caller's to delete)."""
+    if concurrent:
+        fd, tmp = tempfile.mkstemp(
+            dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".", suffix=".tmp"
+        )
+        try:
+            os.fchmod(fd, FILE_MODE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+    else:
+        tmp = path + ".tmp"
+        try:
+            os.unlink(tmp)  # a torn one from a crash
+        except FileNotFoundError:
+            pass
+        fd = create_private(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -251,7 +251,9 @@ def _fingerprint_matches(request: Any) -> str | None:
     would map another client's dataset to this one."""
     from dataservice.data.serialize import definition_fingerprint
 
-    expected = definition_fingerprint(request.dataset)
+    # A dispatcher's RegisterRequest carries the parsed definition: one parse
+    # of hundreds of MB, not two.
+    expected = definition_fingerprint(request.dataset, getattr(request, "definition", None))
     if request.fingerprint != expected:
         return (
             f"fingerprint={_show(request.fingerprint)} is not the fingerprint of the "

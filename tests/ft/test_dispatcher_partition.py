@@ -652,3 +652,35 @@ def test_without_workers_a_silent_client_is_released_as_before() -> None:
         assert d._silent_since is None
     finally:
         d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_no_silence_is_declared_right_after_the_dispatcher_itself_could_not_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A maintenance tick that came late (its GIL held by one long call, such
+    as the parse of a registration of hundreds of MB) means RPCs could not be
+    taken in either: nobody heard since then says nothing of the network, so no
+    "cut off" WARNING within the silence bound of it; past that bound, the
+    same silence is declared as before."""
+    from dataservice.dispatcher import liveness
+
+    # The maintenance thread itself never marks a late tick here: the test does.
+    monkeypatch.setattr(liveness, "_DEAF_S", 1e9)
+    monkeypatch.setattr(liveness, "_STALL_S", 1e9)
+    d = ds.DispatchServer(ds.DispatcherConfig(worker_timeout_ms=60_000, client_timeout_ms=60_000))
+    try:
+        worker_heartbeat(d, "w:1", "uid-w:1")
+        with caplog.at_level(logging.WARNING, logger="dataservice.dispatcher.server"):
+            with d._mu:
+                d._deaf_at = time.monotonic()  # a tick just came late
+                _silence(d, 5.0)
+                assert not d._watch_silence_locked(time.monotonic())
+                assert d._silent_since is None
+                d._deaf_at = time.monotonic() - 10.0  # long before the silence bound
+                assert d._watch_silence_locked(time.monotonic())
+                assert d._silent_since is not None
+        warnings = [r.getMessage() for r in caplog.records if "has heard from no" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+    finally:
+        d.stop()

@@ -172,6 +172,11 @@ class DispatcherBase:
         self._last_heard = time.monotonic()
         self._silent_since: float | None = None
         self._silence_warned_at = 0.0
+        # When a maintenance tick last came late (the dispatcher did not run:
+        # frozen, or its GIL held by one long call such as the parse of a
+        # registration of hundreds of MB): no silence is declared within
+        # `_silence_s()` of it (RPCs could not be heard meanwhile).
+        self._deaf_at = float("-inf")
         # Status and metrics (observe.py; runtime only): each registered worker's and
         # iteration client's heartbeated counters with their recent history, and the
         # consumers' totals per (job, consumer process) for dataservice_consumer_*.

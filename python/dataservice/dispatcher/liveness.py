@@ -143,6 +143,7 @@ class LivenessMixin(DispatcherBase):
             last_tick = now
             try:
                 if late_s > deaf_s:
+                    self._deaf_at = now  # a float store; read under the lock
                     with self._mu:
                         if late_s > stall_s:
                             self._grant_stall_grace_locked(late_s, now)
@@ -164,8 +165,9 @@ class LivenessMixin(DispatcherBase):
         say nothing about its workers and clients. Give them what a restart
         gives (`_grant_restart_grace_locked`)."""
         log.warning(
-            "dispatcher at %s was stalled for %.1f s (frozen or starved of CPU): its %d workers "
-            "and %d iteration clients get their full timeouts again, as after a restart",
+            "dispatcher at %s was stalled for %.1f s (frozen, starved of CPU, or one long call "
+            "held its Python threads, such as reading a registration of hundreds of MB): its %d "
+            "workers and %d iteration clients get their full timeouts again, as after a restart",
             self.target,
             stalled_s,
             len(self._workers),
@@ -258,7 +260,14 @@ class LivenessMixin(DispatcherBase):
             return True
         if not any(not w.restarting for w in self._workers.values()):
             return False
-        if now - heard <= self._silence_s():
+        silence_s = self._silence_s()
+        if now - heard <= silence_s:
+            return False
+        if now - self._deaf_at <= silence_s:
+            # The dispatcher itself could not run a moment ago (a late tick):
+            # its Python threads, which take RPCs in, could not either (one long
+            # call held the GIL, or the process was frozen). Silence since then
+            # says nothing of its network yet.
             return False
         self._silent_since = heard
         self._silence_warned_at = now

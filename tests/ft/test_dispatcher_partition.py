@@ -153,7 +153,7 @@ RESTORE_GAP_S = 1.5
 @pytest.mark.parametrize(
     "order,protocol",
     [
-        ("together", "auto"),
+        pytest.param("together", "auto", marks=pytest.mark.slow),  # 12 s
         ("consumers-first", "grpc"),
         pytest.param("workers-first", "auto", marks=pytest.mark.slow),
     ],

@@ -140,7 +140,7 @@ def _check_round(
     ("policy", "consumers"),
     [
         (ds.ShardingPolicy.DYNAMIC, 2),
-        (ds.ShardingPolicy.DYNAMIC, 3),
+        pytest.param(ds.ShardingPolicy.DYNAMIC, 3, marks=pytest.mark.slow),  # 12 s
         (ds.ShardingPolicy.OFF, 3),
     ],
     ids=["dynamic-2", "dynamic-3", "off-3"],

@@ -198,7 +198,10 @@ def test_messages_shrink_on_a_slow_link_and_grow_back_when_it_is_fast(slow_worke
         it.close()
 
 
-@pytest.mark.parametrize("reads", ["coordinated", "cross_trainer"])
+@pytest.mark.parametrize(
+    "reads",
+    ["coordinated", pytest.param("cross_trainer", marks=pytest.mark.slow)],  # 17 s
+)
 def test_other_reads_over_a_slow_link_arrive_once_in_order(slow_worker, reads):
     # 64 KiB elements over 40 KB/s (1.6 s an element) with a 1 s timeout.
     cluster, link = slow_worker(40_000)

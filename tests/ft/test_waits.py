@@ -154,7 +154,7 @@ def test_the_falling_back_line_is_logged_once_per_worker(caplog) -> None:
     )
     addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     try:
-        for _ in range(5):
+        for _ in range(3):  # each try waits out a refused connect (~2.6 s)
             for i, address in enumerate(addresses):
                 endpoint = transfer.TaskEndpoint(4000 + i, address, address, host_id())
                 try:
@@ -170,7 +170,7 @@ def test_the_falling_back_line_is_logged_once_per_worker(caplog) -> None:
             if f"shm transfer to {address} unavailable" in r.getMessage()
             and "falling back" in r.getMessage()
         ]
-        assert [r.levelno for r in lines] == [logging.WARNING] + [logging.DEBUG] * 4, [
+        assert [r.levelno for r in lines] == [logging.WARNING] + [logging.DEBUG] * 2, [
             (r.levelname, r.getMessage()) for r in lines
         ]
 

@@ -1,13 +1,12 @@
 """One iteration of a distributed dataset, read by one consumer.
 
-`DataServiceIterator` joins (or creates) the iteration at the dispatcher
-(`join.py`: one call that also lists the iteration's tasks), heartbeats to
-learn of tasks added and lost, runs one fetch thread per task (bounded by
-`max_outstanding_requests` concurrent requests and by a results buffer; each
-thread's loop is `fetch.py`'s, its transfer client and the protocol fallback
-`connect.py`'s), and yields elements as they arrive. The iteration ends when
-the dispatcher says it is finished, every fetch on its way from a live worker
-landed, and every element received was yielded (`_Reader._over_locked`).
+`DataServiceIterator` joins (or creates) the iteration at the dispatcher (`join.py`:
+one call that also lists its tasks), heartbeats to learn of tasks added and lost,
+runs one fetch thread per task (bounded by `max_outstanding_requests` and a results
+buffer; the loop is `fetch.py`'s, the transfer client and protocol fallback
+`connect.py`'s) and yields elements as they arrive. The iteration ends when the
+dispatcher says it is finished, every fetch on its way from a live worker landed
+and every element received was yielded (`_Reader._over_locked`).
 
 Threads hold only `_Reader` (not the iterator), so an abandoned iterator is
 garbage collected, which releases its iteration client and stops its threads.
@@ -190,6 +189,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
                 use_cross_trainer_cache=bool(self.options.trainer_id),
                 exactly_once=self.options.exactly_once,
                 resumed=self.options.resume is not None,
+                counters=self.stats.to_proto(self.options.consumer_index),
             ),
             repetition,
         )
@@ -200,6 +200,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         iteration = joined.iteration
         self.client_id, self.iteration_id = iteration.iteration_client_id, iteration.iteration_id
         self.job_id = joined.job_id
+        join.warn_if_late(joined, self.options.job_name, repetition, self.options.resume)
         if iteration.already_finished:
             self.release()
             return False
@@ -570,8 +571,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         return True
 
     def _worker_lost_locked(self, state: _TaskState) -> bool:
-        """Whether the dispatcher reported the worker process `state`'s fetches
-        go to as lost."""
+        """Whether the dispatcher reported the worker `state` fetches from as lost."""
         task_id = state.endpoint.task_id
         return any(
             key[3] == task_id and (not key[1] or not state.worker_uid or key[1] == state.worker_uid)

@@ -99,6 +99,7 @@ class JobsMixin(DispatcherBase):
                     repetition=request.iteration_repetition,
                     incarnation_id=incarnation,
                     client_host_id=request.client_host_id,
+                    counters=request.counters if request.HasField("counters") else None,
                 )
             )
             response.iteration.CopyFrom(joined)
@@ -403,6 +404,7 @@ class JobsMixin(DispatcherBase):
             error = self._iteration_errors.get(iteration_id)
             if error is not None:
                 raise errors.WorkerCrashedError(error)
+            earlier = self._earlier_consumers_locked(iteration, time.monotonic())
             client_id = st.IterationClientId(self._state.next_client_id)
             self._apply_locked(st.AcquireIterationClient(client_id, iteration_id, host))
             if local and not already_finished:
@@ -416,14 +418,37 @@ class JobsMixin(DispatcherBase):
             now = time.monotonic()
             self._client_seen[client_id] = now
             self._job_last_used[job.job_id] = now
+            self._note_client_counters_locked(client_id, job, request, now)  # who it is
             response = pb.GetOrCreateIterationResponse(
                 iteration_client_id=client_id,
                 iteration_id=iteration_id,
                 already_finished=already_finished,
+                **earlier,
             )
             if not job.exactly_once and not already_finished:
                 self._fill_client_view_locked(response.first_heartbeat, client_id, job, iteration)
             return response
+
+    def _earlier_consumers_locked(self, iteration: st.Iteration, now: float) -> dict[str, Any]:
+        """The GetOrCreateIterationResponse fields that say who read `iteration`
+        before the client joining it now: its attached consumers (host and pid
+        from their heartbeats, and how long each has been silent), whether
+        consumers joined and all left, and the DYNAMIC splits handed out."""
+        earlier = []
+        for client_id in sorted(iteration.clients):
+            seen = self._client_seen_counters.get(client_id)
+            earlier.append(
+                pb.EarlierConsumer(
+                    host=seen.host if seen else "",
+                    pid=seen.pid if seen else 0,
+                    silent_ms=round(1000 * (now - self._client_seen.get(client_id, now))),
+                )
+            )
+        return {
+            "earlier_consumers": earlier,
+            "earlier_consumers_left": iteration.ever_had_client and not iteration.clients,
+            "splits_handed_out": sum(iteration.splits_produced.values()),
+        }
 
     def _client_heartbeat(self, request: Any) -> Any:
         with self._mu:

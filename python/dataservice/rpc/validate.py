@@ -378,12 +378,14 @@ RULES: dict[str, tuple[Rule, ...]] = {
         Field("resumed", boolean),
         Field("join_iteration", boolean),
         Field("iteration_repetition", int_range(0, MAX_REPETITION)),
+        Field("counters", _CONSUMER_COUNTERS),
     ),
     "dataservice.rpc.GetOrCreateIterationRequest": (
         Field("job_id", an_id),
         Field("repetition", int_range(0, MAX_REPETITION)),
         _INCARNATION,
         Field("client_host_id", _HOST_ID),
+        Field("counters", _CONSUMER_COUNTERS),
     ),
     "dataservice.rpc.ClientHeartbeatRequest": (
         Field("iteration_client_id", an_id),

@@ -350,6 +350,38 @@ def test_batch_nested_and_leaf_kinds():
     assert [t.tolist() for t in tuples[0]] == [[0, 1, 2], [0, 1, 2]]
 
 
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda i: np.zeros(3, np.float32) if i % 2 else np.zeros(3, np.int64),
+            "different dtypes in component 0. First element had dtype int64 and element 1 "
+            "had dtype float32",
+        ),
+        (lambda i: 2.5 if i % 2 else 1, "element 1 was float"),
+        (lambda i: np.int32(i) if i % 2 else np.int64(i), "element 1 was int32"),
+    ],
+    ids=["arrays", "int-float", "int32-int64"],
+)
+def test_batch_refuses_mixed_dtypes_instead_of_casting(make, message):
+    """tf.data's batch refuses a component whose elements have different
+    dtypes; np.stack / np.array would cast them all to one, silently."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        list(Dataset.range(4).map(make).batch(4))
+    # One dtype throughout still batches.
+    assert list(Dataset.range(4).map(lambda i: np.int32(i)).batch(4))[0].dtype == np.int32
+
+
+def test_batch_names_the_elements_whose_structures_differ():
+    ds = Dataset.range(3).map(lambda i: [i] if i == 2 else [])
+    with pytest.raises(InvalidArgumentError) as raised:
+        list(ds.batch(3))
+    assert str(raised.value).startswith(
+        "Cannot batch elements of different structures: element 0 of the batch is the "
+        "first structure below, element 2 the second."
+    )
+
+
 def test_batch_shape_mismatch():
     ds = Dataset.range(1, 4).map(lambda x: np.zeros(int(x)))
     with pytest.raises(InvalidArgumentError, match="different shapes in component 0"):

@@ -22,13 +22,19 @@ def _stack_leaves(values: list[Any], component: int) -> Any:
     """Stacks one leaf of each element of a batch along a new axis 0."""
     first = values[0]
     if isinstance(first, np.ndarray):
-        shape = first.shape
+        shape, dtype = first.shape, first.dtype
         for k, v in enumerate(values):
             vshape = getattr(v, "shape", None)
             if vshape != shape:
                 raise InvalidArgumentError(
                     f"Cannot batch tensors with different shapes in component {component}. "
                     f"First element had shape {shape} and element {k} had shape {vshape}."
+                )
+            if v.dtype != dtype:  # np.stack would cast them all to one type, silently
+                raise InvalidArgumentError(
+                    f"Cannot batch tensors with different dtypes in component {component}. "
+                    f"First element had dtype {dtype} and element {k} had dtype {v.dtype} "
+                    "(cast them to one dtype in the map that makes them)."
                 )
         return np.stack(values)
     if isinstance(first, str | np.str_) and all(isinstance(v, str) for v in values):
@@ -39,10 +45,33 @@ def _stack_leaves(values: list[Any], component: int) -> Any:
             raise InvalidArgumentError(
                 f"Cannot batch component {component}: its elements are not all scalars"
             )
+        kind = type(first)
+        if any(type(v) is not kind for v in values):
+            _same_scalar_dtype(values, component)
         return arr
     arr = np.empty(len(values), dtype=object)  # bytes and other objects, kept as they are
     arr[:] = values
     return arr
+
+
+def _same_scalar_dtype(values: list[Any], component: int) -> None:
+    """Raises if the scalars `values` (one leaf of a batch) have different
+    numpy dtypes: int and float, int32 and int64... (np.array would cast them
+    all to one, silently).
+
+    Raises:
+        InvalidArgumentError: Names the component and the first that differs.
+    """
+    first = values[0]
+    kind = np.asarray(first).dtype
+    for k, other in enumerate(values):
+        if np.asarray(other).dtype != kind:
+            raise InvalidArgumentError(
+                f"Cannot batch scalars of different types in component {component}. "
+                f"First element was {type(first).__name__} ({kind}) and element {k} was "
+                f"{type(other).__name__} ({np.asarray(other).dtype}) (make them one type "
+                "in the map that makes them)."
+            )
 
 
 def stack(elements: list[Any]) -> Any:
@@ -63,9 +92,9 @@ def _stack_nested(elements: list[Any], component: list[int]) -> Any:
     kind = type(first)
     if isinstance(first, dict):
         keys = first.keys()
-        for e in elements:
+        for k, e in enumerate(elements):
             if type(e) is not kind or e.keys() != keys:
-                structure.assert_same_structure(first, e)
+                _same_structure(first, e, k)
         by_key = {
             k: _stack_nested([e[k] for e in elements], component)
             for k in structure._sorted_keys(first)
@@ -74,11 +103,26 @@ def _stack_nested(elements: list[Any], component: list[int]) -> Any:
             return {k: by_key[k] for k in first}
         return structure._sequence_like(first, [by_key[k] for k in sorted(by_key)])
     n = len(first)
-    for e in elements:
+    for k, e in enumerate(elements):
         if type(e) is not kind or len(e) != n:
-            structure.assert_same_structure(first, e)
+            _same_structure(first, e, k)
     children = [_stack_nested([e[i] for e in elements], component) for i in range(n)]
     return structure._sequence_like(first, children)
+
+
+def _same_structure(first: Any, element: Any, k: int) -> None:
+    """Raises if `element`, the batch's k-th, has another structure than its first.
+
+    Raises:
+        InvalidArgumentError: Names batch, both elements and what differs.
+    """
+    try:
+        structure.assert_same_structure(first, element)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(
+            f"Cannot batch elements of different structures: element 0 of the batch is the "
+            f"first structure below, element {k} the second. {err}"
+        ) from None
 
 
 def batched_spec(spec: Any, batch_dim: int | None) -> Any:

@@ -785,7 +785,8 @@ class Dataset(MoreOpsMixin):
 
         Raises:
             InvalidArgumentError: `batch_size` <= 0; while iterating, elements whose
-                structures or leaf shapes differ.
+                structures, leaf shapes or leaf dtypes differ (as tf.data's batch: an
+                int64 and a float32 leaf are refused, not cast to float64).
         """
         from dataservice.data.ops import BatchDataset  # see "Modules" above
 

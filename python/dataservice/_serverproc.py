@@ -120,11 +120,8 @@ class DispatcherStub:
         self.address = strip_scheme(address)
         self.metadata = rpc_util.call_metadata(auth_token)
         # client_tls: a `tls.ClientTls` (None: the environment's, $DATASERVICE_TLS_CA).
-        self._channel = (
-            rpc_util.make_channel(self.address)
-            if client_tls is None
-            else rpc_util.make_channel(self.address, client_tls)
-        )
+        self._client_tls = client_tls
+        self._channel = self._new_channel()
         self.stub: Any = service_pb2_grpc.DispatcherServiceStub(self._channel)
 
     def wait_connected(self, timeout_ms: int, what: str) -> None:
@@ -159,48 +156,66 @@ class DispatcherStub:
             return
         except grpc.FutureTimeoutError:
             pass
-        reason = self._why_not_connected()
-        mismatch = rpc_util.tls_error(self.address, what, reason) or (
-            rpc_util.not_grpc_error(self.address, what, reason)
-        )
-        if mismatch is not None:
-            future.cancel()
-            raise mismatch from None
+        reason = [self._why_not_connected()]
 
         def describe() -> str:
-            return f"{what}: no connection to {self.address} yet ({self._why_not_connected()})"
+            return f"{what}: no connection to {self.address} yet ({reason[0]})"
 
         slow = _waits.SlowWait(logging.getLogger(__name__), describe, start=start)
         while True:
+            # Every try, not only the first: a name with several addresses
+            # (localhost: ::1 refused, 127.0.0.1 an HTTP server) reports whichever
+            # failed last, and only some tries show the mismatch.
+            mismatch = rpc_util.tls_error(self.address, what, reason[0]) or (
+                rpc_util.not_grpc_error(self.address, what, reason[0])
+            )
+            if mismatch is not None:
+                future.cancel()
+                raise mismatch from None
             left = deadline - time.monotonic()
             if left <= 0:
                 future.cancel()
                 raise rpc_util.unreachable_error(
-                    what, self.address, timeout_ms, self._why_not_connected()
+                    what, self.address, timeout_ms, reason[0]
                 ) from None
             try:
-                future.result(timeout=min(left, 1.0))
+                future.result(timeout=min(left, 0.5))
             except grpc.FutureTimeoutError:
                 slow.check()
+                reason[0] = self._why_not_connected()
                 continue
             slow.done(f"{what}: connected to {self.address}")
             return
 
+    def _new_channel(self, options: list[tuple[str, Any]] | None = None) -> Any:
+        from dataservice.rpc import util as rpc_util
+
+        if self._client_tls is None:
+            return rpc_util.make_channel(self.address, options=options)
+        return rpc_util.make_channel(self.address, self._client_tls, options=options)
+
     def _why_not_connected(self) -> str:
-        """gRPC's reason the channel is not up ("UNAVAILABLE: DNS resolution
-        failed for ...", "... Connection refused"): the details of one
-        GetDispatcherInfo that fails before reaching the servicer (so no token
-        is checked), or "no connection" when it gives none."""
+        """gRPC's reason the dispatcher cannot be reached ("UNAVAILABLE: DNS
+        resolution failed for ...", "... Connection refused", "Failed parsing
+        HTTP/2"): the details of one GetDispatcherInfo that fails before reaching
+        the servicer (so no token is checked), or "no connection" when it gives
+        none. Made on a channel of its own, with its own connections: the
+        waiting channel's connections back off after a failure, and a name of
+        several addresses (localhost: ::1 refused, 127.0.0.1 an HTTP server)
+        would then report only the address tried last."""
         import grpc  # type: ignore[import-untyped,unused-ignore]
 
-        from dataservice.rpc import service_pb2
+        from dataservice.rpc import service_pb2, service_pb2_grpc
 
+        channel = self._new_channel([("grpc.use_local_subchannel_pool", 1)])
         try:
-            self.stub.GetDispatcherInfo(
+            service_pb2_grpc.DispatcherServiceStub(channel).GetDispatcherInfo(
                 service_pb2.DispatcherInfoRequest(), timeout=1.0, metadata=self.metadata
             )
         except grpc.RpcError as err:
             return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+        finally:
+            channel.close()
         return "no connection"
 
     def close(self) -> None:

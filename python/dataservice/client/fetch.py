@@ -295,9 +295,9 @@ class TaskFetching:
                             self._outstanding.release()
                         self._fail(
                             errors.UnavailableError(
-                                f"lost worker {endpoint.worker_address}: "
-                                f"{rpc_util.gone_reason(dispatcher)}, and its workers were "
-                                "stopped with it"
+                                f"lost worker {endpoint.worker_address}: the dispatcher at "
+                                f"{dispatcher} is gone ({rpc_util.gone_reason(dispatcher)}), "
+                                "and its workers were stopped with it"
                             )
                         )
                         return

@@ -73,14 +73,13 @@ def fetch_status(
     uses_tls = rpc_util.channel_uses_tls(address)
     auth.warn_if_sent_in_clear(address, token, uses_tls)
     request = pb.GetClusterStatusRequest(window_ms=max(1, round(window_s * 1000)))
+    metadata = rpc_util.call_metadata(token)
     timeout_ms = max(1, round(timeout_s * 1000))
     try:
         stub = service_pb2_grpc.DispatcherServiceStub(channel)
 
         def ask(attempt_s: float) -> Any:
-            return stub.GetClusterStatus(
-                request, timeout=attempt_s, metadata=rpc_util.call_metadata(token)
-            )
+            return stub.GetClusterStatus(request, timeout=attempt_s, metadata=metadata)
 
         # Retried (a dispatcher still starting answers within the bound), and a
         # TLS mismatch or a server of another protocol is named at the first try.

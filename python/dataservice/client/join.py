@@ -82,6 +82,12 @@ def join(call: Callable[[str, Any], Any], request: Any, repetition: int) -> Join
     return Joined(job.job_id, incarnation, client_timeout_ms, iteration, job.dataset_compression)
 
 
+def heartbeat_s(client_timeout_ms: int) -> float:
+    """How often (s) a consumer heartbeats to a dispatcher whose client timeout
+    is `client_timeout_ms`: a fifth of it, 0.05-0.5 s."""
+    return max(0.05, min(0.5, client_timeout_ms / 5000))
+
+
 def read_compression(requested: str | None, joined: Joined) -> str | None:
     """The compression a read asks its workers for: `requested` (distribute's
     "AUTO", None or "ZSTD"), or for `REGISTERED` the dataset's register_dataset
@@ -143,10 +149,8 @@ def warn_if_late(joined: Joined, job_name: str, repetition: int, resumed: Any) -
 def _gone(consumer: Any, client_timeout_ms: int) -> bool:
     """Whether an earlier consumer (an `EarlierConsumer`) no longer reads: its
     process on this host has exited, or the dispatcher has not heard from it for
-    3 of its heartbeat intervals (client_timeout_ms / 5000, 0.05-0.5 s:
-    reader.py's heartbeat_s)."""
-    interval_ms = max(50.0, min(500.0, client_timeout_ms / 5))
-    if consumer.silent_ms > 3 * interval_ms:
+    3 of its heartbeat intervals (`heartbeat_s`)."""
+    if consumer.silent_ms > 3000 * heartbeat_s(client_timeout_ms):
         return True
     if consumer.pid and consumer.host == socket.gethostname():
         return not psutil.pid_exists(consumer.pid)

@@ -195,7 +195,7 @@ class _Reader(CoordinatedReads, WorkerLossTracking, ExactlyOnceReceipts, TaskFet
         )
         self.incarnation = joined.incarnation
         self.options.compression = join.read_compression(self.options.compression, joined)
-        self.heartbeat_s = max(0.05, min(0.5, joined.client_timeout_ms / 5000))
+        self.heartbeat_s = join.heartbeat_s(joined.client_timeout_ms)
         self.coordination_timeout_s = joined.client_timeout_ms / 1000
         iteration = joined.iteration
         self.client_id, self.iteration_id = iteration.iteration_client_id, iteration.iteration_id

@@ -419,17 +419,24 @@ def definition_fingerprint(data: bytes, definition: Any = None) -> str:
     `DatasetDef` (refused when registered), it is the SHA-256 of `data`.
     `definition`, if given, is `parse(data)` (not changed), saving a parse.
     """
-    if definition is None:
+    given = definition is not None
+    if not given:
         try:
             definition = parse(data)
         except InvalidArgumentError:
             definition = None
     if definition is None or not definition.code_paths:
         return hashlib.sha256(data).hexdigest()
-    without_paths = dataset_pb2.DatasetDef()
-    without_paths.CopyFrom(definition)
-    without_paths.ClearField("code_paths")
-    return hashlib.sha256(without_paths.SerializeToString(deterministic=True)).hexdigest()
+    if given:  # the caller's: cleared on a copy (its buffers too)
+        definition = _copy(definition)
+    definition.ClearField("code_paths")
+    return hashlib.sha256(definition.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _copy(definition: Any) -> Any:
+    copy = dataset_pb2.DatasetDef()
+    copy.CopyFrom(definition)
+    return copy
 
 
 def _op(node: Dataset) -> str:

@@ -49,12 +49,6 @@ from dataservice.worker.splits import split_sources
 from dataservice.worker.task_runner import DEFAULT_BUFFER_BYTES, TaskRunner
 
 DEFAULT_CROSS_TRAINER_CACHE_BYTES = 1 << 30
-# glibc malloc on a worker (`_proc.tune_malloc`): fixed thresholds, the consumer's
-# (32 MiB mmap, 64 MiB trim; a task's buffers go back to the kernel when it ends,
-# `_proc.release_free_memory`). With glibc's moving thresholds, 150 KB elements over
-# gRPC ran at ~600 MB/s in some worker processes and ~1,200-1,600 in others, for
-# their whole life; under a lower mmap threshold each 9.6 MB element is a fresh
-# mapping (page faults and the kernel's zeroing).
 _STOP_JOIN_S = 2.0  # how long stop() waits for its tasks' producer threads, in all
 # How long a WatchTasks call may be held by the dispatcher (`_watch_loop`).
 _WATCH_MS = 30_000
@@ -177,6 +171,12 @@ class WorkerServer(ElementServing):
         on_first_element: Callable[[], None] | None = None,
         join_running_dynamic_only: bool = False,
     ) -> None:
+        # glibc malloc on a worker: fixed thresholds, the consumer's (32 MiB mmap,
+        # 64 MiB trim; a task's buffers go back to the kernel when it ends,
+        # `_proc.release_free_memory`). With glibc's moving thresholds, 150 KB
+        # elements over gRPC ran at ~600 MB/s in some worker processes and
+        # ~1,200-1,600 in others, for their whole life; under a lower mmap threshold
+        # each 9.6 MB element is a fresh mapping (page faults and the kernel's zeroing).
         _proc.tune_malloc()
         self._config = config
         self._lazy_tasks = lazy_tasks

@@ -46,6 +46,21 @@ class InProcessCluster:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _forget_earlier_tests_workers() -> None:
+    """Each test starts with no memory of earlier tests' workers. This process
+    remembers per worker address which transfer protocol it served
+    (`client.connect._SERVED`) and which warnings it logged once (`_waits`); a
+    test's in-process worker may get the port of an earlier test's, and would
+    then be taken for it (a fallback logged at DEBUG, not its one WARNING)."""
+    from dataservice import _waits
+    from dataservice.client import connect
+
+    connect._SERVED.clear()
+    with _waits._ONCE_MU:
+        _waits._ONCE_KEYS.clear()
+
+
 @pytest.fixture
 def make_cluster() -> Iterator:
     made: list[InProcessCluster] = []

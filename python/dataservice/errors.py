@@ -153,8 +153,10 @@ class WorkerError(DataServiceError):
     of these errors, or a user's class importable by its module and name): its
     type is a subclass of both, named as the original, so `except ValueError`,
     `except KeyError` or `except my_module.BadRecord` catch it, and it carries
-    the original `args` (and attributes) when the exception could be pickled.
-    Otherwise it is a plain `WorkerError` whose `type_name` names the original.
+    the original `args` and those of its attributes that pickle (an exception
+    whose class cannot be rebuilt from its args, as `CodeError(code, msg)` with
+    `args == (msg,)`, still gets its `code`). Otherwise it is a plain
+    `WorkerError` whose `type_name` names the original.
 
     `str()` is the original message once (its type's name when it has none: a
     bare `KeyboardInterrupt()`; prefixed by it for the types that come as a plain
@@ -374,9 +376,16 @@ def capture(err: BaseException) -> RemoteErrorInfo:
         pickled = b""
     if not pickled:
         # The class cannot travel (defined in the training script, shipped by
-        # value): its args alone still can, for the consumer's class of that name.
+        # value, or a constructor that takes other arguments than its args): its
+        # args and those of its attributes that pickle alone still can, for the
+        # consumer's class of that name (`e.code` of a `CodeError(code, msg)`).
         try:
-            data = pickle.dumps((_ARGS_MARK, tuple(err.args)), protocol=pickle.HIGHEST_PROTOCOL)
+            attrs = _picklable_attrs(err)
+            data = pickle.dumps(
+                (_ARGS_MARK, tuple(err.args), attrs), protocol=pickle.HIGHEST_PROTOCOL
+            )
+            if len(data) > _MAX_PICKLE_BYTES and attrs:
+                data = pickle.dumps((_ARGS_MARK, tuple(err.args)), protocol=pickle.HIGHEST_PROTOCOL)
             if len(data) <= _MAX_PICKLE_BYTES:
                 pickle.loads(data)
                 pickled = data
@@ -388,6 +397,21 @@ def capture(err: BaseException) -> RemoteErrorInfo:
         _cut(tb, _MAX_TRACEBACK_CHARS),
         pickled,
     )
+
+
+def _picklable_attrs(err: BaseException) -> dict[str, Any]:
+    """The instance attributes of `err` whose values pickle and unpickle alone (a
+    lock or a socket among them stays behind)."""
+    out: dict[str, Any] = {}
+    for name, value in getattr(err, "__dict__", {}).items():
+        if not isinstance(name, str):
+            continue
+        try:
+            pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:
+            continue
+        out[name] = value
+    return out
 
 
 _REMOTE_CLASSES: dict[type, type[WorkerError]] = {}
@@ -525,20 +549,23 @@ def remote_error(
 
     The result is a `WorkerError` and, when the original class can be found
     here (see `WorkerError`), also an instance of that class, with the original
-    `args` when `pickled` holds the exception. Its `__cause__` is a
+    `args` and attributes that `pickled` holds (`capture`). Its `__cause__` is a
     `RemoteTraceback` of `traceback`. Never raises: whatever goes wrong in
     rebuilding the original gives a plain `WorkerError` naming its type.
     """
     traceback = _resolve_dynamic_code(traceback)
     original: BaseException | None = None
     args_only: tuple[Any, ...] | None = None
+    attrs_only: dict[str, Any] = {}
     if pickled:
         try:
             loaded = pickle.loads(pickled)
             if isinstance(loaded, BaseException):
                 original = loaded
-            elif isinstance(loaded, tuple) and len(loaded) == 2 and loaded[0] == _ARGS_MARK:
+            elif isinstance(loaded, tuple) and len(loaded) in (2, 3) and loaded[0] == _ARGS_MARK:
                 args_only = tuple(loaded[1])
+                if len(loaded) == 3 and isinstance(loaded[2], dict):
+                    attrs_only = loaded[2]
         except Exception:  # the class is not importable here, or changed
             original = None
     cls = _remote_class(type(original) if original is not None else _find_class(type_name))
@@ -554,6 +581,7 @@ def remote_error(
                 except Exception:  # a constructor that takes other arguments
                     err = cls.__new__(cls)
                     err.args = args_only
+                err.__dict__.update(attrs_only)
             else:
                 err = cls.__new__(cls)
                 err.args = (message,)

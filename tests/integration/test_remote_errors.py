@@ -99,6 +99,8 @@ def check(err: BaseException, fn_name: str, worker_addresses: list[str]) -> None
     assert where in str(cause), str(cause)
     if cls is errors.WorkerError:
         assert type(err) is errors.WorkerError and err.type_name.endswith("LocalOnly")
+    if cls is BadRecord:  # not rebuilt from its args: its attribute still came
+        assert err.index == FAIL_AT
 
 
 def read_until_error(dataset) -> tuple[list[int], BaseException]:
@@ -396,9 +398,21 @@ class LocalErr(Exception):
     pass
 
 
+class CodeError(Exception):
+    def __init__(self, code, message):  # not rebuilt from its args, ("message",)
+        super().__init__(message)
+        self.code = code
+
+
 def parse(x):
     if x == 3:
         raise LocalErr("local class", np.int64(x))
+    return np.int64(x)
+
+
+def parse_code(x):
+    if x == 3:
+        raise CodeError(42, "code forty-two")
     return np.int64(x)
 
 
@@ -408,13 +422,19 @@ with ds.LocalCluster(num_workers=1) as cluster:  # a worker process: another __m
         list(dataset)
     except LocalErr as err:
         print("ARGS", repr(err.args))
+    dataset = ds.Dataset.range(10).map(parse_code).apply(ds.distribute("off", cluster.target))
+    try:
+        list(dataset)
+    except CodeError as err:
+        print("CODE", repr(err.args), err.code)
 """
 
 
 def test_an_exception_class_of_the_training_script_keeps_its_args(tmp_path):
     """The class travels by value with the pipeline and cannot be pickled by
-    reference on the worker: its args travel alone and the consumer builds its
-    own class of that name with them (they arrived as one string)."""
+    reference on the worker: its args (and attributes) travel alone and the
+    consumer builds its own class of that name with them (they arrived as one
+    string; a class whose constructor takes other arguments lost its `code`)."""
     script = tmp_path / "train_script.py"
     script.write_text(SCRIPT_CLASS)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -423,3 +443,4 @@ def test_an_exception_class_of_the_training_script_keeps_its_args(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ARGS ('local class', np.int64(3))" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "CODE ('code forty-two',) 42" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -123,6 +123,8 @@ def test_importable_user_class_with_other_constructor_arguments():
     assert isinstance(err, BadRecord) and isinstance(err, errors.WorkerError)
     assert err.type_name == f"{__name__}.BadRecord"
     assert type(err).__qualname__ == "BadRecord" and type(err).__module__ == __name__
+    # Not rebuilt from its args (its constructor takes others): its attributes still come.
+    assert (err.index, err.reason, err.args) == (7, "truncated", ("record 7: truncated",))
     assert_reads_well(err, "record 7: truncated")
 
 
@@ -135,11 +137,15 @@ def test_user_class_that_pickles_keeps_its_attributes():
 
 
 def test_exception_that_cannot_be_pickled_still_arrives_by_name():
-    info, _ = raise_and_capture(HoldsLock("held"))
-    # The exception (and its lock) could not travel; its args alone do.
+    exc = HoldsLock("held")
+    exc.path = "/data/shard-3"  # set on the worker, not by the constructor
+    info, _ = raise_and_capture(exc)
+    # The exception (and its lock) could not travel; its args and path do.
     assert not isinstance(pickle.loads(info.pickled), BaseException)
     err = over_the_wire(info)
     assert isinstance(err, HoldsLock) and err.args == ("held",)
+    # The worker's lock stayed behind (the consumer's constructor made one of its own).
+    assert err.path == "/data/shard-3" and err.lock is not exc.lock
     assert_reads_well(err, "held")
 
 

@@ -14,13 +14,13 @@ Imports only `rpc` of the project (and psutil: is an earlier consumer's process 
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
+from dataservice.client.stats import HOST
 from dataservice.rpc import service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,6 @@ def _gone(consumer: Any, client_timeout_ms: int) -> bool:
     3 of its heartbeat intervals (`heartbeat_s`)."""
     if consumer.silent_ms > 3000 * heartbeat_s(client_timeout_ms):
         return True
-    if consumer.pid and consumer.host == socket.gethostname():
+    if consumer.pid and consumer.host == HOST:
         return not psutil.pid_exists(consumer.pid)
     return False

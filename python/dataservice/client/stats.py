@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 # The read logs under one name, the reader's, whichever module does the work.
 log = logging.getLogger("dataservice.client.reader")
 
-_HOST = socket.gethostname()
+# This host's name as the consumer's counters send it (and `join` compares).
+HOST = socket.gethostname()
 
 
 @dataclass
@@ -100,7 +101,7 @@ class ReadStats:
             bytes=self.bytes,
             wait_s=self.wait_s_now(),
             active_s=self.wall_s(),
-            host=_HOST,
+            host=HOST,
             pid=os.getpid(),
             consumer_index=consumer_index if consumer_index >= 0 else -1,
             left_unreturned=self.left_unreturned,

@@ -89,7 +89,7 @@ def _run_cluster(num_workers: int, **kw) -> ds.LocalCluster:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("num_workers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_off_crash_at_the_same_element_each_restart_gives_up(num_workers: int, caplog) -> None:
     """OFF, a map that calls os._exit(3) at element 500 of range(1000) in every
     process (60 KB elements, copied: below the 64 KiB zero-copy threshold;
@@ -131,6 +131,7 @@ def test_off_crash_at_the_same_element_each_restart_gives_up(num_workers: int, c
     assert took < 60, f"gave up {took:.1f} s after the start"
 
 
+@pytest.mark.slow  # 18 s of crashes; in CI: the crash-loop tests above
 @pytest.mark.timeout(120)
 def test_rare_crashes_are_restarted_past_max_worker_restarts(tmp_path) -> None:
     """A crash once per healthy_uptime_s or less often (scaled down here: up

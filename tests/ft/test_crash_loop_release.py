@@ -33,7 +33,9 @@ def _element_of(nbytes: int):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nbytes", [100_000, 1_000], ids=["zero_copy", "copied"])
+@pytest.mark.parametrize(
+    "nbytes", [100_000, pytest.param(1_000, marks=pytest.mark.slow)], ids=["zero_copy", "copied"]
+)
 def test_crash_loop_leaves_no_ring_behind_once_the_iterator_is_dropped(nbytes: int) -> None:
     """OFF, a map that calls os._exit(3) at element 500 of range(1000) in every
     process, LocalCluster(1, max_worker_restarts=2): the read ends in

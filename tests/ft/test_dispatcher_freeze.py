@@ -113,7 +113,10 @@ def _freeze_mid_epoch(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "mode,protocol",
-    [(ds.ShardingPolicy.OFF, "auto"), (ds.ShardingPolicy.DYNAMIC, "grpc")],
+    [
+        pytest.param(ds.ShardingPolicy.OFF, "auto", marks=pytest.mark.slow),
+        (ds.ShardingPolicy.DYNAMIC, "grpc"),
+    ],
     ids=["off-shm", "dynamic-grpc"],
 )
 def test_frozen_dispatcher_keeps_its_consumers_and_workers(

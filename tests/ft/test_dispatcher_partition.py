@@ -473,6 +473,7 @@ def ns_cluster(
     return netns, dispatcher, workers
 
 
+@pytest.mark.slow  # 18 s; in CI: a dispatcher cut off past its timeouts (above)
 @pytest.mark.timeout(180)
 def test_a_dispatcher_whose_link_goes_down_loses_no_worker(
     ns_cluster: tuple[_Netns, Server, list[Server]],

@@ -82,7 +82,7 @@ def _epoch_with_kills(n: int, kills: int, seed: int, protocol: str | None) -> No
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", [None, pytest.param("grpc", marks=pytest.mark.slow)])
 def test_each_element_once_under_random_sigkills(protocol) -> None:
     _epoch_with_kills(n=600, kills=3, seed=17, protocol=protocol)
 
@@ -138,7 +138,7 @@ def test_a_shared_job_delivers_each_element_once_across_its_consumers() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_each_element_once_across_a_fault_tolerant_dispatcher_restart(
     servers: Servers, tmp_path, seed: int
 ) -> None:
@@ -354,8 +354,16 @@ def _shared_eo(target: str, n: int, protocol: str | None, name: str = "shared") 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-@pytest.mark.parametrize("how", ["close", "del"])
+@pytest.mark.parametrize(
+    ("how", "protocol"),
+    [
+        ("close", None),
+        pytest.param("close", "grpc", marks=pytest.mark.slow),
+        pytest.param("del", None, marks=pytest.mark.slow),
+        ("del", "grpc"),
+    ],
+    ids=["close-None", "close-grpc", "del-None", "del-grpc"],
+)
 def test_a_consumer_leaving_mid_epoch_leaves_what_it_did_not_return_to_the_others(
     how, protocol
 ) -> None:

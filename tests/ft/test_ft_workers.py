@@ -28,14 +28,14 @@ WORKER_TIMEOUT_MS = 2_000
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "fault",
+    ("mode", "n", "fault"),
     [
-        "sigkill",
-        "sigstop",
+        (ds.ShardingPolicy.OFF, 3_000, "sigkill"),
+        pytest.param(ds.ShardingPolicy.OFF, 3_000, "sigstop", marks=pytest.mark.slow),
+        pytest.param(ds.ShardingPolicy.DYNAMIC, 100_000, "sigkill", marks=pytest.mark.slow),
+        (ds.ShardingPolicy.DYNAMIC, 100_000, "sigstop"),
     ],
-)
-@pytest.mark.parametrize(
-    ("mode", "n"), [(ds.ShardingPolicy.OFF, 3_000), (ds.ShardingPolicy.DYNAMIC, 100_000)]
+    ids=["0-3000-sigkill", "0-3000-sigstop", "1-100000-sigkill", "1-100000-sigstop"],
 )
 def test_losing_one_of_three_workers_mid_job(servers: Servers, fault: str, mode, n: int) -> None:
     """One of three workers is SIGKILLed or frozen after it delivered 200

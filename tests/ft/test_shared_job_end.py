@@ -141,7 +141,7 @@ def _check_round(
     [
         (ds.ShardingPolicy.DYNAMIC, 2),
         pytest.param(ds.ShardingPolicy.DYNAMIC, 3, marks=pytest.mark.slow),  # 12 s
-        (ds.ShardingPolicy.OFF, 3),
+        pytest.param(ds.ShardingPolicy.OFF, 3, marks=pytest.mark.slow),  # 14 s
     ],
     ids=["dynamic-2", "dynamic-3", "off-3"],
 )
@@ -160,7 +160,9 @@ def test_shared_job_consumers_yield_every_received_element(
 
 
 @pytest.mark.parametrize(
-    "policy", [ds.ShardingPolicy.DYNAMIC, ds.ShardingPolicy.OFF], ids=["dynamic", "off"]
+    "policy",
+    [ds.ShardingPolicy.DYNAMIC, pytest.param(ds.ShardingPolicy.OFF, marks=pytest.mark.slow)],
+    ids=["dynamic", "off"],
 )
 def test_shared_job_consumers_exact_over_grpc(monkeypatch: pytest.MonkeyPatch, policy: Any) -> None:
     late = _LateLastReplies(monkeypatch)
@@ -225,7 +227,7 @@ def test_a_consumer_leaving_mid_epoch_says_what_the_others_will_not_get(
     300 elements with elements fetched and not returned (and maybe a fetch on
     its way): it says how many, and the other's stats() and end-of-epoch
     WARNING count exactly the elements neither returned."""
-    n = 20000
+    n = 6000
     with ds.LocalCluster(num_workers=2) as cluster:
         iterators = [
             iter(

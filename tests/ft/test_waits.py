@@ -22,6 +22,7 @@ from dataservice.client import reader as reader_module
 from dataservice.locality import host_id
 from dataservice.sharding import ShardingPolicy
 from dataservice.transfer import base as transfer
+from dataservice.transfer import shm
 
 from .conftest import Servers, wait_until
 
@@ -132,11 +133,12 @@ def test_consumer_and_dispatcher_say_they_wait_for_a_worker(
 
 
 @pytest.mark.timeout(60)
-def test_the_falling_back_line_is_logged_once_per_worker(caplog) -> None:
+def test_the_falling_back_line_is_logged_once_per_worker(caplog, monkeypatch) -> None:
     """A same-host worker whose shared-memory socket refuses (e.g. it is
     restarting) is retried on every reconnect: "falling back" is one WARNING
     per worker address, later ones are DEBUG."""
     caplog.set_level(logging.DEBUG)
+    monkeypatch.setattr(shm, "_CONNECT_RETRY_S", 0.3)  # each refused connect's retries (3 s)
     if "shm" not in transfer.available_protocols():
         pytest.skip("no shared-memory transfer on this platform")
     reader = reader_module._Reader(
@@ -154,7 +156,7 @@ def test_the_falling_back_line_is_logged_once_per_worker(caplog) -> None:
     )
     addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     try:
-        for _ in range(3):  # each try waits out a refused connect (~2.6 s)
+        for _ in range(3):  # each try waits out a refused connect
             for i, address in enumerate(addresses):
                 endpoint = transfer.TaskEndpoint(4000 + i, address, address, host_id())
                 try:

@@ -230,7 +230,7 @@ def _inprocess_dispatcher(**kw) -> ds.DispatchServer:
     return ds.DispatchServer(ds.DispatcherConfig(**kw))
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", [pytest.param("grpc", marks=pytest.mark.slow), "shm"])
 def test_sigkill_of_one_of_two_cli_workers_ends_a_dynamic_epoch_promptly(
     servers: Servers, protocol: str, caplog
 ) -> None:
@@ -538,7 +538,7 @@ def test_an_in_process_worker_that_stops_mid_epoch_is_found_and_reported(
         dispatcher.stop()
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", ["grpc", pytest.param("shm", marks=pytest.mark.slow)])
 def test_a_worker_stopped_while_its_split_fetch_retries_fails_no_read(
     protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -147,7 +147,10 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("scenario", ["pool_terminate", "pool_close", "pool_terminate_busy"])
+@pytest.mark.parametrize(
+    "scenario",
+    [pytest.param("pool_terminate", marks=pytest.mark.slow), "pool_close", "pool_terminate_busy"],
+)
 def test_fork_pool_children_read_and_leave_the_cluster_serving(scenario: str) -> None:
     out = _run(scenario)
     assert out["child_reads"] == [100, 100]
@@ -161,7 +164,13 @@ def test_fork_pool_children_read_and_leave_the_cluster_serving(scenario: str) ->
 
 
 @pytest.mark.parametrize(
-    "scenario", ["fork_sys_exit", "fork_os_exit", "fork_sys_exit_midread", "fork_os_exit_midread"]
+    "scenario",
+    [
+        pytest.param("fork_sys_exit", marks=pytest.mark.slow),
+        "fork_os_exit",
+        "fork_sys_exit_midread",
+        pytest.param("fork_os_exit_midread", marks=pytest.mark.slow),
+    ],
 )
 def test_os_fork_child_exit_leaves_the_cluster_serving(scenario: str) -> None:
     out = _run(scenario)

@@ -352,7 +352,7 @@ def test_a_read_cancelled_mid_element_leaves_nothing_behind(make_cluster, monkey
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proxy = TcpProxy(port, down_rate=4e6)
+    proxy = TcpProxy(port, down_rate=16e6)  # an 8 MiB element in ~0.5 s
     threads_before = {t.ident for t in threading.enumerate()}
     try:
         config = ds.WorkerConfig(

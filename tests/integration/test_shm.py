@@ -174,6 +174,7 @@ def test_forced_protocols(cluster, protocol):
 
 
 def test_auto_falls_back_to_grpc_with_one_warning(cluster, monkeypatch, caplog):
+    monkeypatch.setattr(shm, "_CONNECT_RETRY_S", 0.3)  # a refused connect's retries (3 s)
     monkeypatch.setattr(shm, "shm_socket_name", lambda address: "\0dataservice/nowhere")
     with caplog.at_level(logging.WARNING):
         it = iter(dist(ds.Dataset.range(50), cluster))
@@ -184,6 +185,7 @@ def test_auto_falls_back_to_grpc_with_one_warning(cluster, monkeypatch, caplog):
 
 
 def test_forced_shm_fails_clearly_when_unavailable(cluster, monkeypatch):
+    monkeypatch.setattr(shm, "_CONNECT_RETRY_S", 0.3)  # a refused connect's retries (3 s)
     monkeypatch.setattr(shm, "shm_socket_name", lambda address: "\0dataservice/nowhere")
     with pytest.raises(errors.UnavailableError, match="'shm' cannot reach worker"):
         list(dist(ds.Dataset.range(5), cluster, data_transfer_protocol="shm"))

@@ -37,8 +37,17 @@ def _read_until_error(dataset) -> tuple[list, BaseException | None, float]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", [DATA, FILE_OR_DATA])
-@pytest.mark.parametrize("target_workers", ["ANY", "LOCAL", "AUTO"])
+@pytest.mark.parametrize(
+    ("mode", "target_workers"),
+    [
+        (DATA, "ANY"),
+        pytest.param(FILE_OR_DATA, "ANY", marks=pytest.mark.slow),
+        pytest.param(DATA, "LOCAL", marks=pytest.mark.slow),
+        (FILE_OR_DATA, "LOCAL"),
+        pytest.param(DATA, "AUTO", marks=pytest.mark.slow),
+        (FILE_OR_DATA, "AUTO"),
+    ],
+)
 def test_unregistered_listed_worker_fails_the_read_naming_it(make_cluster, mode, target_workers):
     c = static_cluster(make_cluster, 2, live=[0])
     missing = c.dispatcher_config.worker_addresses[1]

@@ -63,6 +63,7 @@ def run_ranks(cluster, tmp_path: Path, recipe: str, *extra: str) -> list[dict]:
     return reports
 
 
+@pytest.mark.slow  # 14 s; in CI: test_torchrun.py's DYNAMIC over two torchrun nodes
 def test_dynamic_shared_job_reads_every_element_once_over_the_ranks(cluster, tmp_path):
     reports = run_ranks(cluster, tmp_path, "dynamic")
     ids = [[i for step in r["steps"] for i in step["ids"]] for r in reports]
@@ -101,7 +102,9 @@ def test_off_per_rank_reads_the_whole_dataset_in_its_seeded_order(cluster, tmp_p
     assert orders[0] != orders[1]  # seed + rank: each rank its own order
 
 
-@pytest.mark.parametrize("given", ["grpc://127.0.0.1:5999", "no-port-here"])
+@pytest.mark.parametrize(
+    "given", [pytest.param("grpc://127.0.0.1:5999", marks=pytest.mark.slow), "no-port-here"]
+)
 def test_broadcast_service_hands_rank_0s_dispatcher_and_token_to_rank_1(tmp_path, given):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("DATASERVICE_AUTH_TOKEN", None)

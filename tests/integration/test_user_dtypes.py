@@ -81,7 +81,7 @@ print(got[2].dtype.name, float(got[2][0]), float(got[2][1]))
 """
 
 
-@pytest.mark.parametrize("protocol", ["shm", "grpc"])
+@pytest.mark.parametrize("protocol", ["shm", pytest.param("grpc", marks=pytest.mark.slow)])
 def test_a_consumer_that_never_imported_ml_dtypes_gets_them(protocol: str) -> None:
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_CONSUMER), protocol],

@@ -154,6 +154,7 @@ def test_dynamic_each_image_reaches_one_rank_once(cluster: Cluster, tmp_path: Pa
     assert all(read), f"a rank read nothing: {[len(r) for r in read]}"
 
 
+@pytest.mark.slow  # 12 s; in CI: test_torch_ddp.py's coordinated reads on one host
 def test_coordinated_reads_give_each_rank_a_batch_per_step(
     cluster: Cluster, tmp_path: Path
 ) -> None:

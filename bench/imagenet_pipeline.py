@@ -228,9 +228,7 @@ def main() -> int:
 
         if "service" in only or "service_torch" in only:
             t0 = time.monotonic()
-            with ds.LocalCluster(
-                num_workers=args.workers, worker_options={"heartbeat_interval_ms": 100}
-            ) as cluster:
+            with ds.LocalCluster(num_workers=args.workers) as cluster:
                 start_s = time.monotonic() - t0
                 if autogroup_nice:
                     _set_autogroup_nice(

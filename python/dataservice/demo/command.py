@@ -219,7 +219,6 @@ def _run(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             with ds.LocalCluster(
                 num_workers=args.workers,
-                worker_options={"heartbeat_interval_ms": 100},
                 forward_output=args.verbose,
                 log_level="INFO" if args.verbose else "WARNING",
             ) as cluster:

@@ -156,18 +156,18 @@ class DispatcherStub:
             return
         except grpc.FutureTimeoutError:
             pass
-        reason = [self._why_not_connected()]
+        reason = self._why_not_connected()
 
-        def describe() -> str:
-            return f"{what}: no connection to {self.address} yet ({reason[0]})"
+        def describe() -> str:  # reads `reason` as the loop last set it
+            return f"{what}: no connection to {self.address} yet ({reason})"
 
         slow = _waits.SlowWait(logging.getLogger(__name__), describe, start=start)
         while True:
             # Every try, not only the first: a name with several addresses
             # (localhost: ::1 refused, 127.0.0.1 an HTTP server) reports whichever
             # failed last, and only some tries show the mismatch.
-            mismatch = rpc_util.tls_error(self.address, what, reason[0]) or (
-                rpc_util.not_grpc_error(self.address, what, reason[0])
+            mismatch = rpc_util.tls_error(self.address, what, reason) or (
+                rpc_util.not_grpc_error(self.address, what, reason)
             )
             if mismatch is not None:
                 future.cancel()
@@ -175,14 +175,12 @@ class DispatcherStub:
             left = deadline - time.monotonic()
             if left <= 0:
                 future.cancel()
-                raise rpc_util.unreachable_error(
-                    what, self.address, timeout_ms, reason[0]
-                ) from None
+                raise rpc_util.unreachable_error(what, self.address, timeout_ms, reason) from None
             try:
                 future.result(timeout=min(left, 0.5))
             except grpc.FutureTimeoutError:
                 slow.check()
-                reason[0] = self._why_not_connected()
+                reason = self._why_not_connected()
                 continue
             slow.done(f"{what}: connected to {self.address}")
             return

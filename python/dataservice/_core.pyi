@@ -257,10 +257,12 @@ class ElementCheck:
 
 @final
 class ShmRingProducer:
-    """The producer (worker) end of a shared-memory ring: creates a sealed, pre-faulted
-    memfd (nothing in /dev/shm). One producer thread (a concurrent call raises
-    RuntimeError "in use"); the GIL is released for every wait and for copies of at least
-    256 KiB.
+    """The producer (worker) end of a shared-memory ring: creates a sealed memfd (nothing
+    in /dev/shm) with its first 1 MiB allocated and pre-faulted; the rest is allocated
+    (with the GIL released) as the first lap of frames reaches it, in doubling steps, and
+    should a step not fit the memory cgroup, the ring runs on within what it has. One
+    producer thread (a concurrent call raises RuntimeError "in use"); the GIL is released
+    for every wait and for copies of at least 256 KiB.
 
     Args:
         capacity_bytes: Data bytes, a power of two in [64 KiB, 4 GiB]. Frames up to a
@@ -269,8 +271,9 @@ class ShmRingProducer:
 
     Raises:
         ValueError: `capacity_bytes` is not a supported size.
-        dataservice.errors.ResourceExhaustedError: The memory cannot be reserved (full
-            tmpfs or memory cgroup): never a later SIGBUS.
+        dataservice.errors.ResourceExhaustedError: The whole capacity does not fit the
+            memory cgroup's free bytes, or the first 1 MiB cannot be allocated (full
+            tmpfs): never a later SIGBUS.
     """
 
     def __new__(cls, capacity_bytes: int, max_element_bytes: int = 1 << 40) -> Self: ...
@@ -278,6 +281,10 @@ class ShmRingProducer:
         """The ring's memfd, owned by this object (send a copy with `socket.send_fds`)."""
     @property
     def capacity_bytes(self) -> int: ...
+    @property
+    def reserved_bytes(self) -> int:
+        """Data bytes allocated so far, from the start (`capacity_bytes` once the first
+        lap reached the end)."""
     @property
     def max_frame_bytes(self) -> int: ...
     @property
@@ -299,6 +306,8 @@ class ShmRingProducer:
             dataservice.errors.UnavailableError: The consumer is gone.
             dataservice.errors.ElementTooLargeError: An element exceeds
                 `max_element_bytes` (the message names both sizes).
+            dataservice.errors.ResourceExhaustedError: The ring could not allocate
+                more memory and a frame does not fit what it has (none of it written).
         """
     def put_error(self, type_name: str, message: str, timeout_ms: int | None = None) -> bool:
         """Writes an ERROR frame (a worker-side exception); False on timeout."""

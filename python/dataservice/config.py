@@ -241,7 +241,9 @@ class WorkerConfig:
             (Once registered, the worker keeps serving its tasks meanwhile.)
         data_transfer_protocol: None/"auto" (shared memory to same-host clients,
             gRPC otherwise), "grpc" or "shm".
-        shm_ring_bytes: Size of each shared-memory ring (bytes).
+        shm_ring_bytes: Size of each shared-memory ring (bytes; 64 MiB by
+            default). Its memory is allocated as elements first reach it (1 MiB
+            at first, then doubling), so small elements hold little of it.
         cross_trainer_cache_size_bytes: Bound of the cross-trainer cache (bytes).
         host: Interface to bind, "127.0.0.1" unless told otherwise; "0.0.0.0"
             or "::" binds every interface (see `worker_address`).

@@ -42,7 +42,14 @@ struct ProducerState {
     elements: u64,
 }
 
-/// The producer (worker) end of a ring: creates the sealed memfd. One producer thread.
+/// Ring memory allocated when a ring is made (bytes); the rest is allocated as the first
+/// lap of frames reaches it, in steps that double (`Segment::reserve`).
+const FIRST_RESERVE_BYTES: u64 = 1 << 20;
+
+/// The producer (worker) end of a ring: creates the sealed memfd, with its first 1 MiB
+/// allocated; the rest is allocated (zeroed by the kernel, ~1 ms per MiB) as frames first
+/// reach it, so making a ring costs ~1 ms, not one per MiB of its capacity. Should a step
+/// not fit the memory cgroup, the ring runs on within what it has.
 ///
 /// Args:
 ///     capacity_bytes: Data bytes, a power of two in [64 KiB, 4 GiB].
@@ -50,7 +57,8 @@ struct ProducerState {
 ///         `ElementTooLargeError`); elements above capacity/4 travel in chunks.
 ///
 /// Raises:
-///     ResourceExhaustedError: The memory could not be reserved (full tmpfs, cgroup).
+///     ResourceExhaustedError: The whole capacity does not fit the memory cgroup's free
+///         bytes, or the first 1 MiB cannot be allocated (full tmpfs).
 #[pyclass(name = "ShmRingProducer", module = "dataservice._core")]
 pub struct PyRingProducer {
     state: Mutex<Option<ProducerState>>,
@@ -66,7 +74,8 @@ impl PyRingProducer {
     #[pyo3(signature = (capacity_bytes, max_element_bytes = 1u64 << 40))]
     fn new(py: Python<'_>, capacity_bytes: u64, max_element_bytes: u64) -> PyResult<Self> {
         let nonce = random_nonce();
-        let mapping = py.detach(|| Mapping::create(capacity_bytes, nonce))?;
+        let mapping =
+            py.detach(|| Mapping::create_reserving(capacity_bytes, nonce, FIRST_RESERVE_BYTES))?;
         let writer = FrameWriter::new(Producer::new(mapping.clone()), Peer::none("consumer"));
         Ok(PyRingProducer {
             fd: mapping.fd().as_raw_fd(),
@@ -92,6 +101,13 @@ impl PyRingProducer {
     #[getter]
     fn capacity_bytes(&self) -> u64 {
         self.capacity
+    }
+
+    /// Data bytes of the ring allocated so far (from the start; `capacity_bytes` once the
+    /// first lap reached the end).
+    #[getter]
+    fn reserved_bytes(&self) -> u64 {
+        self.mapping.reserved_bytes()
     }
 
     #[getter]
@@ -130,6 +146,8 @@ impl PyRingProducer {
     ///     UnavailableError: The consumer is gone.
     ///     ElementTooLargeError: An element exceeds `max_element_bytes` (nothing of it is
     ///         written; the elements before it are).
+    ///     ResourceExhaustedError: The ring could not allocate more memory and a frame
+    ///         does not fit what it has (nothing of it is written).
     #[pyo3(signature = (elements, timeout_ms = None))]
     fn put_many(
         &self,

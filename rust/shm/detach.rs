@@ -89,7 +89,7 @@ mod tests {
     use crate::shm::ring::{Producer, FRAME_MAGIC};
 
     fn push(p: &mut Producer, len: u64, byte: u8) -> bool {
-        let Some(slot) = p.try_reserve(len, 64) else {
+        let Some(slot) = p.try_reserve(len, 64).unwrap() else {
             return false;
         };
         let ptr = p.slot_ptr(slot);

@@ -69,6 +69,19 @@ pub unsafe trait Region: Send + Sync {
     fn header(&self) -> &RingHeader;
     fn data(&self) -> *mut u8;
     fn capacity(&self) -> u64;
+
+    /// Data-area bytes, from the start, whose memory is allocated (all of a region that
+    /// does not grow).
+    fn reserved_bytes(&self) -> u64 {
+        self.capacity()
+    }
+
+    /// Allocates the data area up to at least `end` bytes (a segment allocated in parts,
+    /// `Segment::reserve`); the producer calls it before writing past `reserved_bytes`.
+    fn reserve(&self, end: u64) -> Result<(), Error> {
+        let _ = end;
+        Ok(())
+    }
 }
 
 /// Bytes needed for a frame of `len` bytes, rounded to the frame alignment.
@@ -99,6 +112,11 @@ pub struct Producer {
     published: u64,
     /// Last `read_pos` seen (a lower bound of the real one).
     cached_read: u64,
+    /// The region's `reserved_bytes` as of the last reserve (only this producer grows it).
+    reserved: u64,
+    /// Why allocating more of the region failed, once it did: from then on the ring runs
+    /// within the `reserved` bytes it has (`try_reserve`).
+    capped: Option<Error>,
 }
 
 impl Producer {
@@ -106,6 +124,8 @@ impl Producer {
         let cap = region.capacity();
         let write = region.header().producer.write_pos.load(Ordering::Relaxed);
         Producer {
+            reserved: region.reserved_bytes(),
+            capped: None,
             region,
             cap,
             write,
@@ -145,12 +165,43 @@ impl Producer {
     /// Reserves a frame of `len` bytes (a multiple of 64, at most capacity/2) and returns
     /// its slot, or None if the ring has no room now. If the frame would straddle the end
     /// (or `align` > 64 and the slot is not aligned), PAD frames fill the gap first.
-    pub fn try_reserve(&mut self, len: u64, align: u64) -> Option<u64> {
+    ///
+    /// On the first lap of a region allocated in parts, the memory under the frame is
+    /// allocated first (up to `storage_end`; a caller that must not block here allocates
+    /// it beforehand, without its lock, and tells [`Producer::storage_failed`] if that
+    /// failed). Should allocating fail, the ring runs on within the memory it has: a PAD
+    /// over the rest of the lap, and the frame at the start (the consumer skips PADs, as
+    /// at any lap's end), so a worker short of memory serves on, only with less buffered.
+    ///
+    /// Raises `ShmExhausted` when allocating failed and the frame cannot fit the memory
+    /// the ring has (nothing reserved).
+    pub fn try_reserve(&mut self, len: u64, align: u64) -> Result<Option<u64>, Error> {
         debug_assert!(len % FRAME_ALIGN == 0 && len >= MIN_FRAME && len <= self.cap / 2);
         let slot = self.write & (self.cap - 1);
-        let pad = pad_before(slot, len, align, self.cap);
+        let mut pad = pad_before(slot, len, align, self.cap);
+        let end = self.storage_end(len, align);
+        if end > self.reserved && self.capped.is_none() {
+            if let Err(err) = self.region.reserve(end) {
+                self.capped = Some(err);
+            }
+            self.reserved = self.region.reserved_bytes();
+        }
+        if end > self.reserved {
+            // Allocating failed: restart the lap at slot 0, which needs `len` bytes of
+            // this lap read (`slot >= len`), and the next PAD's header room after it.
+            // `slot + MIN_FRAME <= reserved` holds: every frame left that much after it.
+            if slot < len || len + MIN_FRAME > self.reserved {
+                let err = self.capped.clone().unwrap_or(Error::ShmExhausted {
+                    requested_bytes: end,
+                    available_bytes: self.reserved,
+                    source: std::io::Error::other("ring memory not allocated"),
+                });
+                return Err(err);
+            }
+            pad = self.cap - slot;
+        }
         if self.free_bytes(pad + len) < pad + len {
-            return None;
+            return Ok(None);
         }
         if pad > 0 {
             write_pad(self.region.data(), slot, pad);
@@ -158,7 +209,32 @@ impl Producer {
         }
         let slot = self.write & (self.cap - 1);
         self.write += len;
-        Some(slot)
+        Ok(Some(slot))
+    }
+
+    /// Data-area bytes, from the start, that must be allocated before the next frame of
+    /// `len` (aligned to `align`) is written: its end, plus a PAD header's room after it
+    /// (so a lap can always be cut short there, `try_reserve`), at most the capacity.
+    pub fn storage_end(&self, len: u64, align: u64) -> u64 {
+        let slot = self.write & (self.cap - 1);
+        let pad = pad_before(slot, len, align, self.cap);
+        let frame_slot = (self.write + pad) & (self.cap - 1);
+        (frame_slot + len + MIN_FRAME).min(self.cap)
+    }
+
+    /// True when the next frame of `len` would first have to allocate ring memory (never
+    /// once allocating failed: the ring runs within what it has).
+    pub fn needs_storage(&self, len: u64, align: u64) -> bool {
+        self.capped.is_none() && self.storage_end(len, align) > self.reserved
+    }
+
+    /// Records that allocating the memory for the next frame failed (`err`), or that it
+    /// succeeded (`None`), after the caller ran `Region::reserve` itself.
+    pub fn storage_failed(&mut self, err: Option<Error>) {
+        if self.capped.is_none() {
+            self.capped = err;
+        }
+        self.reserved = self.region.reserved_bytes();
     }
 
     /// Pointer to `slot` in the data area; only `[slot, slot+len)` of a frame just reserved

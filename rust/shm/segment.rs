@@ -2,16 +2,21 @@
 //! (TRANSPORT.md §3): a sealed, pre-faulted memfd, and its mappings.
 //!
 //! `memfd_create` (no name in /dev/shm, so a crash at any instant leaks nothing: the pages
-//! go with the last fd and mapping), `fallocate` of the whole size (a full tmpfs or memory
-//! cgroup gives ENOSPC/ENOMEM now instead of SIGBUS on a later write), then seals
-//! SHRINK|GROW|SEAL so no one can truncate it under a mapping.
+//! go with the last fd and mapping), sized once and sealed SHRINK|GROW|SEAL so no one can
+//! truncate it under a mapping. Its memory is allocated (`fallocate`, so a full tmpfs or
+//! memory cgroup gives ENOSPC/ENOMEM instead of SIGBUS on a later write) either whole at
+//! creation (the window) or, for a ring, a first part at creation and the rest as the
+//! producer's first lap reaches it ([`Segment::reserve`]): allocating is zeroing, ~1 ms per
+//! MiB on a small VM, and a consumer that connects to 8 workers on one host would otherwise
+//! wait for 16 x 64 MiB of it (rings and spare rings) before its first element.
 
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
-use rustix::mm::{MapFlags, MprotectFlags, MremapFlags, ProtFlags};
+use rustix::mm::{Advice, MapFlags, MprotectFlags, MremapFlags, ProtFlags};
 
 use crate::error::Error;
 use crate::shm::holds::LeafMapping;
@@ -69,6 +74,9 @@ pub struct Segment<H: SegmentHeader> {
     len: usize,
     header_bytes: u64,
     capacity: u64,
+    /// Data-area bytes allocated from the start (`capacity` for a peer's mapping, which
+    /// never grows the segment); only the creator's writer raises it (`reserve`).
+    reserved: AtomicU64,
     fd: Arc<OwnedFd>,
     _header: PhantomData<fn() -> H>,
 }
@@ -101,16 +109,20 @@ fn os_error<H: SegmentHeader>(op: &'static str, err: rustix::io::Errno) -> Error
 }
 
 impl<H: SegmentHeader> Segment<H> {
-    /// Maps the whole segment. The creator's mapping is pre-faulted (`MAP_POPULATE`: it
-    /// writes from the start); a peer's mapping is not: its pages exist already
-    /// (fallocate), so a first read of one is a minor fault, and mapping a 64 MiB ring
-    /// takes 0.1 ms instead of ~13 ms, which a handshake waits for. A peer that writes only
-    /// the header page (`!H::PEER_WRITES_DATA`) maps the data area read-only.
+    /// Maps the whole segment. The creator's mapping of a wholly allocated segment is
+    /// pre-faulted (`MAP_POPULATE`: it writes from the start; of a partly allocated one,
+    /// `MAP_POPULATE` would allocate the rest: `reserve` pre-faults each part instead); a
+    /// peer's mapping is not: its pages exist already (fallocate), so a first read of one
+    /// is a minor fault, and mapping a 64 MiB ring takes 0.1 ms instead of ~13 ms, which a
+    /// handshake waits for. A peer that writes only the header page
+    /// (`!H::PEER_WRITES_DATA`) maps the data area read-only. `reserved` is the data bytes
+    /// allocated (`capacity` for a peer).
     fn map(
         fd: Arc<OwnedFd>,
         header_bytes: u64,
         capacity: u64,
         creator: bool,
+        reserved: u64,
     ) -> Result<Self, Error> {
         let len = (header_bytes + capacity) as usize;
         let writes_all = creator || H::PEER_WRITES_DATA;
@@ -119,7 +131,7 @@ impl<H: SegmentHeader> Segment<H> {
         } else {
             ProtFlags::READ
         };
-        let flags = if creator {
+        let flags = if creator && reserved == capacity {
             MapFlags::SHARED | MapFlags::POPULATE
         } else {
             MapFlags::SHARED
@@ -152,22 +164,38 @@ impl<H: SegmentHeader> Segment<H> {
             len,
             header_bytes,
             capacity,
+            reserved: AtomicU64::new(reserved),
             fd,
             _header: PhantomData,
         })
     }
 
-    /// A new sealed, pre-faulted memfd segment of `capacity_bytes` with a fresh header;
-    /// the creator's (producer's, worker's) side.
+    /// A new sealed, pre-faulted memfd segment of `capacity_bytes`, all of it allocated,
+    /// with a fresh header; the creator's (producer's, worker's) side.
     ///
     /// Raises `InvalidRingSize` for an unsupported size and `ShmExhausted` when the memory
     /// cannot be reserved (full tmpfs, memory cgroup).
     pub fn create(capacity_bytes: u64, nonce: [u8; 16]) -> Result<Arc<Self>, Error> {
+        Self::create_reserving(capacity_bytes, nonce, capacity_bytes)
+    }
+
+    /// As [`Segment::create`], with only the first `reserve_bytes` of the data area
+    /// allocated (rounded up to a page, at most `capacity_bytes`); its writer allocates
+    /// the rest with [`Segment::reserve`] before it writes there. The whole size is still
+    /// checked against the memory cgroup's free bytes now.
+    pub fn create_reserving(
+        capacity_bytes: u64,
+        nonce: [u8; 16],
+        reserve_bytes: u64,
+    ) -> Result<Arc<Self>, Error> {
         if !H::valid_capacity(capacity_bytes) {
             return Err(Error::InvalidRingSize { capacity_bytes });
         }
         let header_bytes = page_bytes().max(4096);
         let total = header_bytes + capacity_bytes;
+        let reserved = reserve_bytes
+            .next_multiple_of(page_bytes())
+            .min(capacity_bytes);
         let fd = rustix::fs::memfd_create(
             H::MEMFD_NAME,
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
@@ -175,29 +203,66 @@ impl<H: SegmentHeader> Segment<H> {
         .map_err(|e| os_error::<H>("creating", e))?;
         // A memory cgroup at its limit answers fallocate on shmem with its OOM killer, not
         // ENOMEM: refuse up front what the cgroup cannot hold.
-        if let Some(free) = cgroup_free_bytes() {
-            if total > free {
-                return Err(Error::ShmExhausted {
-                    requested_bytes: total,
-                    available_bytes: free.min(mem_available_bytes()),
-                    source: std::io::Error::from_raw_os_error(libc_enomem()),
-                });
-            }
-        }
-        if let Err(err) = rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, total) {
-            return Err(Error::ShmExhausted {
-                requested_bytes: total,
-                available_bytes: mem_available_bytes(),
-                source: err.into(),
-            });
-        }
+        check_cgroup(total)?;
+        rustix::fs::ftruncate(&fd, total).map_err(|e| os_error::<H>("sizing", e))?;
+        allocate(&fd, 0, header_bytes + reserved)?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .map_err(|e| os_error::<H>("sealing", e))?;
-        let map = Segment::<H>::map(Arc::new(fd), header_bytes, capacity_bytes, true)?;
+        let map = Segment::<H>::map(Arc::new(fd), header_bytes, capacity_bytes, true, reserved)?;
+        if reserved < capacity_bytes {
+            map.prefault(0, reserved);
+        }
         // SAFETY: the mapping starts page-aligned with a whole header page, and no other
         // process has the fd yet.
         unsafe { H::init(map.ptr, header_bytes, capacity_bytes, nonce) };
         Ok(Arc::new(map))
+    }
+
+    /// Data-area bytes allocated so far, from the start.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reserved.load(Ordering::Relaxed)
+    }
+
+    /// Allocates (and pre-faults in this mapping) the data area up to at least `end`
+    /// bytes: twice what is allocated, or `end` if more, rounded up to 1 MiB, at most the
+    /// capacity, so a ring's first lap allocates in a few steps. The creator's writer
+    /// calls it before it writes past [`Segment::reserved_bytes`]; a no-op below it.
+    ///
+    /// Raises `ShmExhausted` when the memory cannot be allocated (full tmpfs, or more
+    /// than the memory cgroup has free: its OOM killer would answer the fallocate).
+    pub fn reserve(&self, end: u64) -> Result<(), Error> {
+        let have = self.reserved.load(Ordering::Relaxed);
+        if end <= have {
+            return Ok(());
+        }
+        let want = end
+            .max(2 * have)
+            .next_multiple_of(RESERVE_STEP_BYTES)
+            .min(self.capacity);
+        check_cgroup(want - have)?;
+        allocate(&self.fd, self.header_bytes + have, want - have)?;
+        self.prefault(have, want - have);
+        self.reserved.fetch_max(want, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Maps data bytes `[offset, offset + len)` of this mapping to their (allocated)
+    /// pages now (`MADV_POPULATE_WRITE`), so the writer's copies into them take no page
+    /// faults; best effort (before Linux 5.14, or for a read-only mapping, they fault on
+    /// first touch instead).
+    fn prefault(&self, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        // SAFETY: [offset, offset + len) lies inside our data area (callers pass allocated
+        // parts of it); MADV_POPULATE_WRITE only faults pages in, it changes no contents.
+        unsafe {
+            let _ = rustix::mm::madvise(
+                self.ptr.add((self.header_bytes + offset) as usize).cast(),
+                len as usize,
+                Advice::LinuxPopulateWrite,
+            );
+        }
     }
 
     /// Maps a segment fd received from a peer, after checking its seals, size and header
@@ -222,7 +287,7 @@ impl<H: SegmentHeader> Segment<H> {
         }
         // Read the constants through a header-page-only mapping first.
         let fd = Arc::new(fd);
-        let probe = Segment::<H>::map(fd.clone(), page, 0, false)?;
+        let probe = Segment::<H>::map(fd.clone(), page, 0, false, 0)?;
         // SAFETY: the probe maps a full page, page-aligned and readable.
         let (capacity, header_nonce) = unsafe { H::check(probe.ptr, page, size) }?;
         drop(probe);
@@ -232,7 +297,9 @@ impl<H: SegmentHeader> Segment<H> {
                 H::WHAT
             )));
         }
-        Ok(Arc::new(Segment::<H>::map(fd, page, capacity, false)?))
+        Ok(Arc::new(Segment::<H>::map(
+            fd, page, capacity, false, capacity,
+        )?))
     }
 
     /// A fresh (peer-side) mapping of the same memfd (used after a detach).
@@ -242,6 +309,7 @@ impl<H: SegmentHeader> Segment<H> {
             self.header_bytes,
             self.capacity,
             false,
+            self.capacity,
         )?))
     }
 
@@ -463,6 +531,12 @@ unsafe impl Region for Segment<RingHeader> {
     fn capacity(&self) -> u64 {
         self.capacity
     }
+    fn reserved_bytes(&self) -> u64 {
+        Segment::reserved_bytes(self)
+    }
+    fn reserve(&self, end: u64) -> Result<(), Error> {
+        Segment::reserve(self, end)
+    }
 }
 
 /// 16 random bytes naming a segment in its handshake (a peer checks them against the
@@ -491,6 +565,32 @@ pub fn mem_available_bytes() -> u64 {
 
 fn libc_enomem() -> i32 {
     rustix::io::Errno::NOMEM.raw_os_error()
+}
+
+/// What [`Segment::reserve`] rounds each allocation step up to.
+const RESERVE_STEP_BYTES: u64 = 1 << 20;
+
+/// `fallocate` of `[offset, offset + len)` of a segment's memfd (its size is set).
+fn allocate(fd: &OwnedFd, offset: u64, len: u64) -> Result<(), Error> {
+    rustix::fs::fallocate(fd, FallocateFlags::empty(), offset, len).map_err(|err| {
+        Error::ShmExhausted {
+            requested_bytes: len,
+            available_bytes: mem_available_bytes(),
+            source: err.into(),
+        }
+    })
+}
+
+/// `ShmExhausted` if this process's memory cgroup has less than `bytes` free.
+fn check_cgroup(bytes: u64) -> Result<(), Error> {
+    match cgroup_free_bytes() {
+        Some(free) if bytes > free => Err(Error::ShmExhausted {
+            requested_bytes: bytes,
+            available_bytes: free.min(mem_available_bytes()),
+            source: std::io::Error::from_raw_os_error(libc_enomem()),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Memory limit minus usage of this process's cgroup (v2 `memory.max`/`memory.current`, or

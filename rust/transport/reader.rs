@@ -112,7 +112,7 @@ mod tests {
     fn put(p: &mut Producer, kind: u32, seq: u64, body: &[u8]) {
         let mut plan = FramePlan::simple(kind, 3, body);
         plan.set_seq(seq);
-        let slot = p.try_reserve(plan.total_bytes, 64).unwrap();
+        let slot = p.try_reserve(plan.total_bytes, 64).unwrap().unwrap();
         // SAFETY: the slot was just reserved for plan.total_bytes.
         unsafe { plan.copy_range(0, plan.total_bytes, p.slot_ptr(slot)) };
         p.publish();
@@ -161,7 +161,7 @@ mod tests {
         let piece = crate::transport::chunk::pieces(4096, 1024).next().unwrap();
         let mut chunk = crate::transport::chunk::prefix(&piece, 4096, 0, 3);
         chunk.extend(std::iter::repeat_n(0u8, piece.n as usize));
-        let slot = p.try_reserve(piece.frame_bytes, 64).unwrap();
+        let slot = p.try_reserve(piece.frame_bytes, 64).unwrap().unwrap();
         // SAFETY: reserved for piece.frame_bytes >= chunk.len().
         unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), p.slot_ptr(slot), chunk.len()) };
         p.publish();

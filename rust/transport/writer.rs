@@ -126,11 +126,28 @@ impl FrameWriter {
         }
     }
 
+    /// Allocates the ring memory the next frame of `len` needs (its first lap) with the
+    /// caller's lock released, so that `try_reserve` finds it allocated (or knows it
+    /// cannot be, and runs the ring within what it has).
+    fn reserve_storage<U: Unlock>(&mut self, u: &U, len: u64, align: u64) {
+        if !self.ring.needs_storage(len, align) {
+            return;
+        }
+        let end = self.ring.storage_end(len, align);
+        let region = self.ring.region().clone();
+        let result = u.unlocked(move || region.reserve(end));
+        self.ring.storage_failed(result.err());
+    }
+
     /// Reserves a slot for `plan` (and gives it its sequence number) if the ring has room
     /// now, and queues its copy; None (nothing reserved) when it has not. The caller keeps
     /// the plan's payload buffers alive and pinned until the next [`FrameWriter::flush`].
     pub fn try_push(&mut self, mut plan: FramePlan<'static>) -> Result<(), FramePlan<'static>> {
-        let Some(slot) = self.ring.try_reserve(plan.total_bytes, align_of(&plan)) else {
+        let (len, align) = (plan.total_bytes, align_of(&plan));
+        if self.ring.needs_storage(len, align) {
+            return Err(plan); // `write` allocates it unlocked (and raises what that fails with)
+        }
+        let Ok(Some(slot)) = self.ring.try_reserve(len, align) else {
             return Err(plan);
         };
         plan.set_seq(self.next_seq());
@@ -183,8 +200,9 @@ impl FrameWriter {
     ) -> Result<bool, U::Err> {
         self.flush(u);
         let (len, align) = (plan.total_bytes, align_of(plan));
+        self.reserve_storage(u, len, align);
         let slot = loop {
-            if let Some(slot) = self.ring.try_reserve(len, align) {
+            if let Some(slot) = self.ring.try_reserve(len, align)? {
                 break slot;
             }
             let need = self.ring.need_for(len, align);
@@ -218,8 +236,9 @@ impl FrameWriter {
         let total = plan.total_bytes;
         for piece in chunk::pieces(total, self.max_frame) {
             let len = piece.frame_bytes;
+            self.reserve_storage(u, len, 64);
             let slot = loop {
-                if let Some(slot) = self.ring.try_reserve(len, 64) {
+                if let Some(slot) = self.ring.try_reserve(len, 64)? {
                     break slot;
                 }
                 let need = self.ring.need_for(len, 64);
@@ -388,6 +407,156 @@ mod tests {
         let seqs: Vec<u64> = frames.iter().map(|f| f.1).collect();
         assert_eq!(seqs, [0, 1, 2, 3], "consecutive sequence numbers");
         assert!(frames[3].2.windows(100).any(|w| w.iter().all(|&b| b == 2)));
+    }
+
+    #[cfg(not(loom))]
+    #[test]
+    fn a_ring_allocated_in_parts_allocates_as_its_first_lap_reaches_it() {
+        use crate::shm::segment::Mapping;
+        use std::os::fd::AsFd;
+        let cap = 8u64 << 20;
+        let m = Mapping::create_reserving(cap, [3; 16], 1 << 20).unwrap();
+        let header = m.header_bytes();
+        let allocated = || rustix::fs::fstat(m.fd().as_fd()).unwrap().st_blocks as u64 * 512;
+        assert_eq!(m.reserved_bytes(), 1 << 20);
+        assert_eq!(
+            allocated(),
+            header + (1 << 20),
+            "only the first MiB is allocated"
+        );
+        let r: Arc<dyn Region> = m.clone();
+        let mut w = FrameWriter::new(Producer::new(r.clone()), Peer::none("consumer"));
+        let mut c = Consumer::new(r);
+        let frame = plan(100_000, 0).total_bytes;
+        // Frames that fit in the allocated part go the batched way; the first past it is
+        // refused there (its memory is allocated by `write`, with the lock released).
+        let mut batched = 0u64;
+        while w.try_push(plan(100_000, 0)).is_ok() {
+            batched += 1;
+        }
+        assert!(batched >= 8 && batched * frame <= 1 << 20, "{batched}");
+        assert_eq!(m.reserved_bytes(), 1 << 20);
+        w.flush(&Inline);
+        w.ring.publish();
+        drain(&mut c);
+        let written = || {
+            m.header()
+                .producer
+                .write_pos
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let mut steps = vec![m.reserved_bytes()];
+        for i in 1..=(2 * cap / frame) {
+            let byte = (i % 251) as u8;
+            assert!(w.write(&Inline, &mut plan(100_000, byte), None).unwrap());
+            w.ring.publish();
+            let reserved = m.reserved_bytes();
+            if written() < cap - frame {
+                // Never more than twice what the first lap reached, rounded to 1 MiB.
+                assert!(
+                    reserved <= (2 * written()).next_multiple_of(1 << 20),
+                    "{reserved}"
+                );
+            }
+            if reserved != *steps.last().unwrap() {
+                steps.push(reserved);
+            }
+            let frames = drain(&mut c);
+            let data: Vec<_> = frames.iter().filter(|f| f.0 == 1).collect();
+            assert_eq!(data.len(), 1);
+            assert!(data[0].2[64..]
+                .windows(4096)
+                .any(|x| x.iter().all(|&b| b == byte)));
+        }
+        assert_eq!(
+            steps,
+            [1 << 20, 2 << 20, 4 << 20, 8 << 20],
+            "doubling steps"
+        );
+        assert_eq!(m.reserved_bytes(), cap);
+        assert_eq!(allocated(), header + cap, "after the first lap, all of it");
+    }
+
+    /// A heap region whose memory can be allocated only up to `limit` data bytes.
+    struct Limited {
+        heap: Arc<HeapRegion>,
+        reserved: std::sync::atomic::AtomicU64,
+        limit: u64,
+        /// Calls of `reserve`.
+        calls: std::sync::atomic::AtomicU64,
+    }
+
+    // SAFETY: forwards to the heap region, which stays alive with self.
+    unsafe impl Region for Limited {
+        fn header(&self) -> &crate::shm::layout::RingHeader {
+            self.heap.header()
+        }
+        fn data(&self) -> *mut u8 {
+            self.heap.data()
+        }
+        fn capacity(&self) -> u64 {
+            self.heap.capacity()
+        }
+        fn reserved_bytes(&self) -> u64 {
+            self.reserved.load(std::sync::atomic::Ordering::Relaxed)
+        }
+        fn reserve(&self, end: u64) -> Result<(), Error> {
+            self.calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if end > self.limit {
+                return Err(Error::ShmExhausted {
+                    requested_bytes: end,
+                    available_bytes: 0,
+                    source: std::io::Error::from_raw_os_error(28), // ENOSPC
+                });
+            }
+            let want = end.max(self.reserved_bytes()).next_multiple_of(4096);
+            self.reserved
+                .fetch_max(want, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_ring_that_cannot_allocate_more_runs_within_what_it_has() {
+        let cap = 1u64 << 20;
+        let limited = Arc::new(Limited {
+            heap: HeapRegion::new(cap),
+            reserved: 4096.into(),
+            limit: 200_000,
+            calls: 0.into(),
+        });
+        let r: Arc<dyn Region> = limited.clone();
+        let mut w = FrameWriter::new(Producer::new(r.clone()), Peer::none("consumer"));
+        let mut c = Consumer::new(r);
+        let mut seen = Vec::new();
+        for i in 0..40u8 {
+            // 30 KB frames: the sixth needs memory past the 200 KB limit.
+            assert!(w.write(&Inline, &mut plan(30_000, i), None).unwrap());
+            w.ring.publish();
+            for (kind, _, bytes) in drain(&mut c) {
+                if kind == 1 {
+                    let frame_slot = c.next_read().wrapping_sub(bytes.len() as u64) & (cap - 1);
+                    assert!(frame_slot + bytes.len() as u64 <= limited.reserved_bytes());
+                    seen.push(bytes[200]);
+                }
+            }
+        }
+        assert_eq!(seen, (0..40u8).collect::<Vec<_>>(), "every frame, in order");
+        let reserved = limited.reserved_bytes();
+        assert!((150_000..=200_000).contains(&reserved), "{reserved}");
+        // One failed allocation, then no more tries.
+        let calls = limited.calls.load(std::sync::atomic::Ordering::Relaxed);
+        w.write(&Inline, &mut plan(30_000, 0), None).unwrap();
+        assert_eq!(
+            limited.calls.load(std::sync::atomic::Ordering::Relaxed),
+            calls
+        );
+        // A frame bigger than the memory the ring has is a clear error, nothing written.
+        let before = w.ring.unpublished_bytes();
+        let e = w.write(&Inline, &mut plan(250_000, 1), None).err().unwrap();
+        assert!(matches!(e, Error::ShmExhausted { .. }), "{e}");
+        assert_eq!(w.ring.unpublished_bytes(), before);
     }
 
     #[test]

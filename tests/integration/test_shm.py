@@ -581,6 +581,74 @@ _CGROUP_SCRIPT = textwrap.dedent(
 )
 
 
+_CGROUP_GROWTH_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, threading
+    import numpy as np
+    from dataservice import _core
+    cg, limit_file = sys.argv[1], sys.argv[2]
+    usage_file = {"memory.max": "memory.current"}.get(limit_file, "memory.usage_in_bytes")
+    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+    def usage():
+        with open(os.path.join(cg, usage_file)) as f:
+            return int(f.read())
+
+    limit = usage() + (120 << 20)
+    with open(os.path.join(cg, limit_file), "w") as f:
+        f.write(str(limit))
+    p = _core.ShmRingProducer(64 << 20)  # the whole 64 MiB fits the cgroup now
+    c = _core.ShmRingConsumer(p.fileno(), nonce=p.nonce, zero_copy=False)
+    ballast = np.ones(limit - usage() - (24 << 20), np.uint8)  # then 24 MiB are left
+    got = []
+
+    def consume():
+        while len(got) < 160:
+            out, _, _, err = c.get_many(1, 5000)  # one 250 KB copy at a time
+            assert err is None, err
+            got.extend(int(x[0]) for x in out)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    for i in range(160):  # 40 MB, in 250 KB elements
+        assert p.put_many([np.full(250_000, i % 256, np.uint8)], 10_000) == 1
+    t.join()
+    assert got == [i % 256 for i in range(160)], got
+    print(p.reserved_bytes >> 20, usage() <= limit)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_ring_short_of_memory_serves_within_what_it_has():
+    """A ring allocates its memory as frames first reach it; when the memory cgroup
+    cannot give more (whose OOM killer would answer the allocation), the ring runs on
+    within what it has, every element delivered: here a 64 MiB ring with 24 MiB left
+    to the cgroup stops at 16 MiB (a step to 32 MiB would need 16 MiB more)."""
+    made = _child_memory_cgroup()
+    if made is None:
+        pytest.skip("cannot create a memory cgroup here")
+    child, limit_file = made
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        out = subprocess.run(
+            [sys.executable, "-c", _CGROUP_GROWTH_SCRIPT, child, limit_file],
+            capture_output=True, text=True, timeout=100, cwd=root,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        reserved_mib, within = out.stdout.split()
+        assert int(reserved_mib) in (8, 16), out.stdout
+        assert within == "True"
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(child)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 def _child_memory_cgroup() -> tuple[str, str] | None:
     try:
         with open("/proc/self/cgroup") as f:

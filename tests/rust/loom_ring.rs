@@ -28,7 +28,7 @@ fn ring(cap: u64) -> Arc<Ring> {
 }
 
 fn push(p: &mut Producer, r: &Ring, len: u64, value: u64) -> bool {
-    let Some(slot) = p.try_reserve(len, 64) else {
+    let Some(slot) = p.try_reserve(len, 64).unwrap() else {
         return false;
     };
     let ptr = p.slot_ptr(slot);

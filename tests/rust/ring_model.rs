@@ -13,7 +13,7 @@ use proptest::prelude::*;
 const KIND_DATA: u32 = 1;
 
 fn write_frame(p: &mut Producer, len: u64, tag: u8) -> bool {
-    let Some(slot) = p.try_reserve(len, 64) else {
+    let Some(slot) = p.try_reserve(len, 64).unwrap() else {
         return false;
     };
     let ptr = p.slot_ptr(slot);

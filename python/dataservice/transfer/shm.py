@@ -13,7 +13,7 @@ with stays open for `IDLE_CONNECTION_S`, and the process's next iterator with a
 task on that worker moves it to its task with one REBIND message (`reuse_idle`):
 streams on such a connection end by the reply's END_FLAG alone, so its ring
 goes on, and a new iterator's first element waits for no handshake and no new
-ring (a 64 MiB memfd takes ~90 ms to allocate and pre-fault). Any local process can connect to
+ring. Any local process can connect to
 an abstract name, so the worker's accept thread first checks the peer's uid
 (SO_PEERCRED: the worker's own, root, or `shm_allowed_uids`) and sends a
 random challenge; the client (having checked the worker's uid the same way)
@@ -350,7 +350,7 @@ class ShmTransferClient(base.TransferClient):
     def rebind(self, endpoint: base.TaskEndpoint) -> None:
         """Moves this connection and its ring to `endpoint`'s task (same worker): one
         REBIND message and its answer instead of a new connection, token handshake
-        and ring (a new ring is a fallocated memfd of tens of MiB: tens of ms).
+        and ring.
 
         Raises:
             TransferUnavailable: The worker refused (e.g. it does not run the task)

@@ -566,9 +566,10 @@ class ShmTransferServer(base.TransferServer):
         for it if it is being made), else a new one (`create_ring`); then a new
         spare is made on a thread of its own.
 
-        Making a ring is fallocate-ing and pre-faulting a memfd of
-        `shm_ring_bytes` (64 MiB: ~90 ms on a loaded 2-core VM), which a consumer's
-        first element would otherwise wait for. A ring is never reused: a consumer
+        Making a ring is a memfd of `shm_ring_bytes` with its first 1 MiB allocated
+        and pre-faulted (~1.5 ms; the rest is allocated as the producer's first lap
+        reaches it), which a consumer's first element would otherwise wait for. A
+        ring is never reused: a consumer
         gone from a ring may still hold views of it (zero-copy leaves stay valid
         after its close), so only a memfd no consumer has seen is handed out. The
         spare is made only after the first connection (a worker whose consumers are

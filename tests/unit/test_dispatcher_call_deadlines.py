@@ -3,6 +3,12 @@ take, by the size of its request."""
 
 from __future__ import annotations
 
+import re
+
+import grpc
+import pytest
+
+from dataservice import errors
 from dataservice.rpc import service_pb2 as pb
 from dataservice.rpc import util as rpc_util
 
@@ -47,6 +53,42 @@ def test_a_large_request_gets_time_for_its_bytes_even_past_the_client_timeout() 
     (timeout_s,) = stub.timeouts
     sending_s = nbytes / rpc_util.LARGE_REQUEST_BYTES_PER_S
     assert sending_s - 0.5 <= timeout_s <= sending_s + 0.01, (timeout_s, sending_s)
+
+
+class _StuckStub:
+    """A dispatcher that answered before and now lets every try run out of its deadline."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def GetDatasetDef(self, request, timeout, metadata):  # noqa: N802 (a gRPC method)
+        self.timeouts.append(timeout)
+        raise _DeadlineExceeded()
+
+
+class _DeadlineExceeded(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
+def test_a_stuck_dispatcher_is_named_with_the_deadline_its_last_try_had() -> None:
+    """A call whose budget (0.3 s) is shorter than one attempt's deadline (10 s):
+    each try gets what is left of the budget, and the error names the last one's
+    deadline, not the 10 s none of them had."""
+    stub = _StuckStub()
+    address = "127.0.0.1:2"
+    rpc_util.mark_reached(address)
+    with pytest.raises(errors.UnavailableError, match=r"within 300 ms \(the last try had") as e:
+        rpc_util.call_dispatcher(
+            stub, "GetDatasetDef", pb.GetDatasetDefRequest(dataset_id="1"),
+            address=address, metadata=None, timeout_ms=300,
+        )  # fmt: skip
+    assert stub.timeouts[0] <= 0.3 and all(t <= 0.3 for t in stub.timeouts), stub.timeouts
+    said = float(re.search(r"last try had ([0-9.]+) s", str(e.value)).group(1))
+    assert said == round(stub.timeouts[-1], 1), (said, stub.timeouts)
 
 
 def test_registering_a_large_definition_warns_and_names_the_way_out(monkeypatch, caplog) -> None:

@@ -581,6 +581,7 @@ def call_with_retries(
     backoff = Backoff()
     last = [""]
     attempt_s = attempt_timeout_s
+    tried_s = 0.0  # the last attempt's deadline (s): attempt_s, or less near the end
 
     def describe() -> str:
         longer = ""
@@ -603,8 +604,8 @@ def call_with_retries(
             if attempt_s is None:
                 result = fn()
             else:
-                fn_timeout_s = min(attempt_s, max(0.05, end - time.monotonic()))
-                result = fn(fn_timeout_s)
+                tried_s = min(attempt_s, max(0.05, end - time.monotonic()))
+                result = fn(tried_s)
         except grpc.RpcError as err:
             if server_answered(err):
                 mark_reached(address)
@@ -633,7 +634,7 @@ def call_with_retries(
                     # (UnavailableError as before: callers treat it as the dispatcher gone)
                     raise errors.UnavailableError(
                         f"{what}: {address} gave no complete answer within {timeout_ms} ms "
-                        f"(the last try had {attempt_s:.0f} s; {details}): the server is "
+                        f"(the last try had {tried_s:.1f} s; {details}): the server is "
                         "stuck, or the request or answer is too large for the link"
                     ) from None
                 raise errors.UnavailableError(

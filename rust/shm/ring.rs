@@ -168,10 +168,11 @@ impl Producer {
     ///
     /// On the first lap of a region allocated in parts, the memory under the frame is
     /// allocated first (up to `storage_end`; a caller that must not block here allocates
-    /// it beforehand, without its lock, and tells [`Producer::storage_failed`] if that
-    /// failed). Should allocating fail, the ring runs on within the memory it has: a PAD
-    /// over the rest of the lap, and the frame at the start (the consumer skips PADs, as
-    /// at any lap's end), so a worker short of memory serves on, only with less buffered.
+    /// it beforehand, without its lock, and hands the outcome to
+    /// [`Producer::after_reserve`]). Should allocating fail, the ring runs on within the
+    /// memory it has: a PAD over the rest of the lap, and the frame at the start (the
+    /// consumer skips PADs, as at any lap's end), so a worker short of memory serves on,
+    /// only with less buffered.
     ///
     /// Raises `ShmExhausted` when allocating failed and the frame cannot fit the memory
     /// the ring has (nothing reserved).
@@ -181,10 +182,8 @@ impl Producer {
         let mut pad = pad_before(slot, len, align, self.cap);
         let end = self.storage_end(len, align);
         if end > self.reserved && self.capped.is_none() {
-            if let Err(err) = self.region.reserve(end) {
-                self.capped = Some(err);
-            }
-            self.reserved = self.region.reserved_bytes();
+            let reserved = self.region.reserve(end);
+            self.after_reserve(reserved);
         }
         if end > self.reserved {
             // Allocating failed: restart the lap at slot 0, which needs `len` bytes of
@@ -228,11 +227,12 @@ impl Producer {
         self.capped.is_none() && self.storage_end(len, align) > self.reserved
     }
 
-    /// Records that allocating the memory for the next frame failed (`err`), or that it
-    /// succeeded (`None`), after the caller ran `Region::reserve` itself.
-    pub fn storage_failed(&mut self, err: Option<Error>) {
-        if self.capped.is_none() {
-            self.capped = err;
+    /// Takes in the outcome of a `Region::reserve` for the next frame (run by
+    /// `try_reserve`, or by a caller that released its lock for it): the memory now
+    /// allocated, and on failure that the ring runs within it from now on.
+    pub fn after_reserve(&mut self, result: Result<(), Error>) {
+        if let (None, Err(err)) = (&self.capped, result) {
+            self.capped = Some(err);
         }
         self.reserved = self.region.reserved_bytes();
     }

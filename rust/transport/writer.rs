@@ -135,8 +135,8 @@ impl FrameWriter {
         }
         let end = self.ring.storage_end(len, align);
         let region = self.ring.region().clone();
-        let result = u.unlocked(move || region.reserve(end));
-        self.ring.storage_failed(result.err());
+        let reserved = u.unlocked(move || region.reserve(end));
+        self.ring.after_reserve(reserved);
     }
 
     /// Reserves a slot for `plan` (and gives it its sequence number) if the ring has room

@@ -626,27 +626,10 @@ def test_a_ring_short_of_memory_serves_within_what_it_has():
     cannot give more (whose OOM killer would answer the allocation), the ring runs on
     within what it has, every element delivered: here a 64 MiB ring with 24 MiB left
     to the cgroup stops at 16 MiB (a step to 32 MiB would need 16 MiB more)."""
-    made = _child_memory_cgroup()
-    if made is None:
-        pytest.skip("cannot create a memory cgroup here")
-    child, limit_file = made
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-        out = subprocess.run(
-            [sys.executable, "-c", _CGROUP_GROWTH_SCRIPT, child, limit_file],
-            capture_output=True, text=True, timeout=100, cwd=root,
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr[-3000:]
-        reserved_mib, within = out.stdout.split()
-        assert int(reserved_mib) in (8, 16), out.stdout
-        assert within == "True"
-    finally:
-        for _ in range(50):
-            try:
-                os.rmdir(child)
-                break
-            except OSError:
-                time.sleep(0.1)
+    out = _run_in_child_memory_cgroup(_CGROUP_GROWTH_SCRIPT)
+    reserved_mib, within = out.stdout.split()
+    assert int(reserved_mib) in (8, 16), out.stdout
+    assert within == "True"
 
 
 def _child_memory_cgroup() -> tuple[str, str] | None:
@@ -672,12 +655,11 @@ def _child_memory_cgroup() -> tuple[str, str] | None:
     return None
 
 
-@pytest.mark.timeout(120)
-def test_c11_memory_cgroup_limit_is_a_clear_error_never_a_crash():
-    """C-11 for memory: a 256 MiB ring in a 100 MiB memory cgroup is refused with
-    ResourceExhaustedError naming the size (fallocate under a full cgroup would
-    invoke the OOM killer); a worker asked for 256 MiB rings there still serves,
-    with a smaller ring or over gRPC."""
+def _run_in_child_memory_cgroup(script: str) -> subprocess.CompletedProcess:
+    """Runs `script` (argv: the cgroup's directory and its limit file, which the
+    script writes) in a fresh child memory cgroup of this process's, from the
+    repository root, and removes the cgroup after; skips the test where none can be
+    made. Fails the test if the script does not exit 0 (an OOM kill is -9)."""
     made = _child_memory_cgroup()
     if made is None:
         pytest.skip("cannot create a memory cgroup here")
@@ -685,13 +667,11 @@ def test_c11_memory_cgroup_limit_is_a_clear_error_never_a_crash():
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
         out = subprocess.run(
-            [sys.executable, "-c", _CGROUP_SCRIPT, child, limit_file],
+            [sys.executable, "-c", script, child, limit_file],
             capture_output=True, text=True, timeout=100, cwd=root,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
-        lines = out.stdout.split("\n")
-        assert lines[0] == "refused"
-        assert lines[1] in ("['shm']", "['grpc']")
+        return out
     finally:
         for _ in range(50):
             try:
@@ -699,3 +679,15 @@ def test_c11_memory_cgroup_limit_is_a_clear_error_never_a_crash():
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+def test_c11_memory_cgroup_limit_is_a_clear_error_never_a_crash():
+    """C-11 for memory: a 256 MiB ring in a 100 MiB memory cgroup is refused with
+    ResourceExhaustedError naming the size (fallocate under a full cgroup would
+    invoke the OOM killer); a worker asked for 256 MiB rings there still serves,
+    with a smaller ring or over gRPC."""
+    out = _run_in_child_memory_cgroup(_CGROUP_SCRIPT)
+    lines = out.stdout.split("\n")
+    assert lines[0] == "refused"
+    assert lines[1] in ("['shm']", "['grpc']")

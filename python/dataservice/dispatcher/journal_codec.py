@@ -284,15 +284,17 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
     for e in snapshot.jobs_by_name:
         state.jobs_by_name[e.job_name] = st.JobId(e.job_id)
     for t in snapshot.tasks:
-        state.tasks[st.TaskId(t.task_id)] = st.Task(
-            st.TaskId(t.task_id),
-            st.IterationId(t.iteration_id),
-            t.worker_address,
-            t.worker_index,
-            host_id=t.host_id,
-            finished=t.finished,
-            removed=t.removed,
-            drained=t.drained,
+        state.add_task(
+            st.Task(
+                st.TaskId(t.task_id),
+                st.IterationId(t.iteration_id),
+                t.worker_address,
+                t.worker_index,
+                host_id=t.host_id,
+                finished=t.finished,
+                removed=t.removed,
+                drained=t.drained,
+            )
         )
     for i in snapshot.iterations:
         it = st.Iteration(st.IterationId(i.iteration_id), st.JobId(i.job_id), i.repetition, i.seed)

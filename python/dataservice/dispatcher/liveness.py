@@ -413,14 +413,10 @@ class LivenessMixin(DispatcherBase):
                     to_probe.append(worker)
             if now - self._restart_time > timeout_s and not silence:
                 # Tasks journaled for workers that never came back after a restart.
-                for task in list(self._state.tasks.values()):
-                    if (
-                        not task.finished
-                        and not task.removed
-                        and task.worker_address not in self._workers
-                        and not self._state.iterations[task.iteration_id].finished
-                    ):
-                        self._apply_locked(st.RemoveTask(task.task_id))
+                for address in self._state.task_worker_addresses():
+                    if address not in self._workers:
+                        for task in self._state.tasks_of_worker(address):
+                            self._apply_locked(st.RemoveTask(task.task_id))
         for worker in to_probe:
             threading.Thread(
                 target=self._probe, args=(worker,), name="ds-dispatcher-probe", daemon=True

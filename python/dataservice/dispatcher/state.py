@@ -350,6 +350,8 @@ class DispatcherState:
         self.clients: dict[IterationClientId, IterationId] = {}
         self.client_hosts: dict[IterationClientId, str] = {}  # a live client -> its host id
         self.tasks: dict[TaskId, Task] = {}
+        # Per worker address, its tasks that may still be live (see `tasks_of_worker`).
+        self._maybe_live_tasks: dict[str, dict[TaskId, Task]] = {}
         self.next_job_id = FIRST_JOB_ID
         self.next_iteration_id = FIRST_ITERATION_ID
         self.next_client_id = FIRST_CLIENT_ID
@@ -412,9 +414,15 @@ class DispatcherState:
 
     def _apply_CreateTask(self, u: CreateTask) -> None:
         task = Task(u.task_id, u.iteration_id, u.worker_address, u.worker_index, u.host_id)
-        self.tasks[u.task_id] = task
+        self.add_task(task)
         self.iterations[u.iteration_id].tasks[u.task_id] = task
         self.next_task_id = max(self.next_task_id, u.task_id + 1)
+
+    def add_task(self, task: Task) -> None:
+        """Adds `task` to `tasks` and to its worker's tasks (`tasks_of_worker`); the
+        journal's snapshot loader adds tasks through here too."""
+        self.tasks[task.task_id] = task
+        self._maybe_live_tasks.setdefault(task.worker_address, {})[task.task_id] = task
 
     def _apply_FinishTask(self, u: FinishTask) -> None:
         task = self.tasks.get(u.task_id)
@@ -563,11 +571,29 @@ class DispatcherState:
         return [it for it in self.iterations.values() if not it.finished]
 
     def tasks_of_worker(self, worker_address: str) -> list[Task]:
-        return [
-            t
-            for t in self.tasks.values()
-            if t.worker_address == worker_address
-            and not t.finished
-            and not t.removed
-            and not self.iterations[t.iteration_id].finished
-        ]
+        """The live tasks of worker `worker_address`: not finished, not removed, of an
+        iteration not finished. Looks only at that worker's tasks that may still be
+        live: a finished task, or one of a finished iteration, never is again (neither
+        state is undone; a removed task can be revived), so it is dropped from that set
+        here. The dispatcher keeps every task it made (`tasks`), so a scan of all of
+        them grew with every iteration ever created, on each worker heartbeat and each
+        WatchTasks answer."""
+        maybe_live = self._maybe_live_tasks.get(worker_address)
+        if not maybe_live:
+            return []
+        live = []
+        over = []
+        for task_id, t in maybe_live.items():
+            if t.finished or self.iterations[t.iteration_id].finished:
+                over.append(task_id)
+            elif not t.removed:
+                live.append(t)
+        for task_id in over:
+            del maybe_live[task_id]
+        if not maybe_live:
+            del self._maybe_live_tasks[worker_address]
+        return live
+
+    def task_worker_addresses(self) -> list[str]:
+        """The worker addresses that may have live tasks (`tasks_of_worker`)."""
+        return list(self._maybe_live_tasks)

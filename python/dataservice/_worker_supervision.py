@@ -402,7 +402,7 @@ class WorkerSupervisionMixin:
         threading.Thread(
             target=self._report_failure,
             args=(address, reason, pid, restarting),
-            name="dataservice-cluster-report",
+            name="ds-cluster-report",
             daemon=True,
         ).start()
 

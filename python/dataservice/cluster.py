@@ -452,12 +452,12 @@ class LocalCluster(WorkerSupervisionMixin, AutoscaleMixin):
         )
         # (the dispatcher's process too: with or without workers)
         self._monitor = threading.Thread(
-            target=self._monitor_workers, name="dataservice-cluster-monitor", daemon=True
+            target=self._monitor_workers, name="ds-cluster-monitor", daemon=True
         )
         self._monitor.start()
         if self._autoscale is not None:
             self._autoscaler = threading.Thread(
-                target=self._autoscale_loop, name="dataservice-cluster-autoscaler", daemon=True
+                target=self._autoscale_loop, name="ds-cluster-autoscaler", daemon=True
             )
             self._autoscaler.start()
 

@@ -1,6 +1,7 @@
 """DispatcherState's queries against what they replace: `tasks_of_worker` looks only
-at a worker's tasks that may still be live (pruned as it reads them), and must answer
-as a scan of every task the dispatcher ever made would."""
+at a worker's tasks that may still be live, `unfinished_iterations` only at iterations
+not finished when last asked (both pruned as they are read), and must answer as a scan
+of every task or iteration the dispatcher ever made would."""
 
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ def _scan(state: st.DispatcherState, address: str) -> list[st.Task]:
     ]
 
 
+def _unfinished(state: st.DispatcherState) -> list[st.Iteration]:
+    return [it for it in state.iterations.values() if not it.finished]
+
+
 @given(scenarios(max_steps=40), hs.data())
 @settings(max_examples=200, deadline=None)
-def test_tasks_of_worker_answers_as_a_scan_of_every_task(updates, data):
+def test_the_queries_answer_as_a_scan_of_every_task_and_iteration(updates, data):
     state = st.DispatcherState()
     for u in updates:
         state.apply(u)
@@ -33,8 +38,10 @@ def test_tasks_of_worker_answers_as_a_scan_of_every_task(updates, data):
         if data.draw(hs.booleans(), label="ask now"):
             for address in {t.worker_address for t in state.tasks.values()}:
                 assert state.tasks_of_worker(address) == _scan(state, address)
+            assert state.unfinished_iterations() == _unfinished(state)
     for address in {t.worker_address for t in state.tasks.values()} | {"nobody:1"}:
         assert state.tasks_of_worker(address) == _scan(state, address)
+    assert state.unfinished_iterations() == _unfinished(state)
 
 
 def test_a_removed_task_revived_is_live_again_and_a_finished_one_never():
@@ -54,6 +61,8 @@ def test_a_removed_task_revived_is_live_again_and_a_finished_one_never():
     state.apply(st.FinishTask(st.TaskId(4001)))
     assert [t.task_id for t in state.tasks_of_worker("w:1")] == [4000]
     assert state.task_worker_addresses() == ["w:1"]
+    assert [it.iteration_id for it in state.unfinished_iterations()] == [2000]
     state.apply(st.GarbageCollectIteration(st.IterationId(2000)))
+    assert state.unfinished_iterations() == []
     assert state.tasks_of_worker("w:1") == []
     assert state.task_worker_addresses() == [], "a worker with no task left is forgotten"

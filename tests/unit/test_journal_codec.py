@@ -368,6 +368,7 @@ def _assert_same_state(got: st.DispatcherState, want: st.DispatcherState) -> Non
         for task_id, task in it.tasks.items():
             if task is not got.tasks[task_id]:
                 raise AssertionError(f"task {task_id} is two objects")
+    _same(got.unfinished_iterations(), want.unfinished_iterations(), "the unfinished iterations")
     for address in {t.worker_address for t in want.tasks.values()}:
         got_live = got.tasks_of_worker(address)
         _same(got_live, want.tasks_of_worker(address), f"the live tasks of {address}")

@@ -328,7 +328,7 @@ def state_from_proto(snapshot: pb.Snapshot) -> st.DispatcherState:
         for e in i.leases:
             split: int | str = e.str_split if e.is_str else e.int_split
             it.leases[e.ordinal] = st.SplitLease(e.ordinal, st.TaskId(e.task_id), split, e.count)
-        state.iterations[it.iteration_id] = it
+        state.add_iteration(it)
     for e in snapshot.clients:
         state.clients[st.IterationClientId(e.client_id)] = st.IterationId(e.iteration_id)
     for e in snapshot.client_hosts:

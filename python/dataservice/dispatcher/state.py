@@ -352,6 +352,8 @@ class DispatcherState:
         self.tasks: dict[TaskId, Task] = {}
         # Per worker address, its tasks that may still be live (see `tasks_of_worker`).
         self._maybe_live_tasks: dict[str, dict[TaskId, Task]] = {}
+        # Iterations that may not be finished yet (see `unfinished_iterations`).
+        self._maybe_unfinished: dict[IterationId, Iteration] = {}
         self.next_job_id = FIRST_JOB_ID
         self.next_iteration_id = FIRST_ITERATION_ID
         self.next_client_id = FIRST_CLIENT_ID
@@ -392,7 +394,7 @@ class DispatcherState:
     def _apply_CreateIteration(self, u: CreateIteration) -> None:
         it = Iteration(u.iteration_id, u.job_id, u.repetition, u.seed)
         it.num_split_providers = u.num_split_providers
-        self.iterations[u.iteration_id] = it
+        self.add_iteration(it)
         self.jobs[u.job_id].iterations[u.repetition] = u.iteration_id
         self.next_iteration_id = max(self.next_iteration_id, u.iteration_id + 1)
 
@@ -417,6 +419,14 @@ class DispatcherState:
         self.add_task(task)
         self.iterations[u.iteration_id].tasks[u.task_id] = task
         self.next_task_id = max(self.next_task_id, u.task_id + 1)
+
+    def add_iteration(self, it: Iteration) -> None:
+        """Adds `it` to `iterations` and, unless it is finished, to those
+        `unfinished_iterations` looks at; the snapshot loader adds iterations through
+        here too."""
+        self.iterations[it.iteration_id] = it
+        if not it.finished:
+            self._maybe_unfinished[it.iteration_id] = it
 
     def add_task(self, task: Task) -> None:
         """Adds `task` to `tasks` and to its worker's tasks (`tasks_of_worker`); the
@@ -568,7 +578,20 @@ class DispatcherState:
         return [i for i in range(job.num_shards) if i not in done]
 
     def unfinished_iterations(self) -> list[Iteration]:
-        return [it for it in self.iterations.values() if not it.finished]
+        """The iterations not finished, oldest first. Looks only at those that were
+        not the last time (an iteration never comes back from finished) and drops the
+        ones that finished since: the dispatcher keeps every iteration it made, and the
+        liveness checks ask for these every few hundred ms."""
+        unfinished = []
+        over = []
+        for iteration_id, it in self._maybe_unfinished.items():
+            if it.finished:
+                over.append(iteration_id)
+            else:
+                unfinished.append(it)
+        for iteration_id in over:
+            del self._maybe_unfinished[iteration_id]
+        return unfinished
 
     def tasks_of_worker(self, worker_address: str) -> list[Task]:
         """The live tasks of worker `worker_address`: not finished, not removed, of an

@@ -67,8 +67,11 @@ def workers_own_memfds(workers: list[ds.WorkerServer]) -> dict[int, tuple[int, s
     for worker in workers:
         for runner in list(worker._tasks.values()):
             cache = runner.cross_trainer_cache
-            if cache is not None and cache.writer is not None:
-                fds.append(cache.writer.fileno())
+            if cache is None:
+                continue
+            with cache._mu:  # the writer is the cache's, one thread at a time
+                if cache.writer is not None:
+                    fds.append(cache.writer.fileno())
     for server in shm_server.live_servers():
         with server._mu:
             conns = list(server._connections)

@@ -279,6 +279,48 @@ def test_a_worker_starts_a_new_iterations_task_before_any_consumer_asks(make_clu
     assert time.monotonic() - start < 4
 
 
+def test_a_watch_is_answered_with_the_tasks_given_since_its_generation(make_cluster):
+    """A worker holding many live tasks (idle named jobs wait job_gc_timeout_ms) is
+    not sent all of them again for each new one: a watch that knows generation g
+    gets the tasks given after g; one that knows none (-1), or a generation this
+    dispatcher never reached (another incarnation's), gets every live task."""
+    from dataservice.rpc import service_pb2 as pb
+    from dataservice.sharding import sharding_policy_to_proto
+
+    cluster = make_cluster(0)
+    worker = cluster.add_worker(heartbeat_interval_ms=60_000)
+    assert worker.wait_registered(30)
+    for k in range(1, 4):
+        dataset_id = ds.register_dataset(cluster.target, ds.Dataset.range(k, 10**9))
+        cluster.dispatcher._get_or_create_job(
+            pb.GetOrCreateJobRequest(
+                dataset_id=dataset_id,
+                processing_mode=sharding_policy_to_proto(OFF),
+                job_name=f"idle-{k}",
+                join_iteration=True,
+            )
+        )
+    wait_until(lambda: worker.num_tasks() == 3, 10, "the worker to start 3 tasks")
+
+    def answer(generation):
+        response = cluster.dispatcher._watch_tasks(
+            pb.WatchTasksRequest(
+                worker_address=worker.address,
+                generation=generation,
+                wait_ms=0,
+                worker_uid=worker._uid,
+            )
+        )
+        return response.generation, sorted(t.task_id for t in response.tasks)
+
+    generation, every_task = answer(-1)
+    assert generation == 3 and len(every_task) == 3
+    assert answer(2) == (3, every_task[2:])
+    assert answer(0) == (3, every_task)
+    assert answer(3) == (3, [])  # nothing new (the watch ran out at once)
+    assert answer(99) == (3, every_task)
+
+
 def test_a_watch_past_the_dispatchers_limit_is_refused_and_heartbeats_still_give_tasks(
     make_cluster, monkeypatch
 ):

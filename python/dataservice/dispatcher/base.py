@@ -17,6 +17,7 @@ journals it first when `fault_tolerant_mode` is on. Work that does I/O
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -117,6 +118,8 @@ class DispatcherBase:
         # WatchTasks: a worker's long poll returns when it changes), notified
         # on `_tasks_cv`; and how many watches are held now.
         self._task_generation: dict[str, int] = {}
+        # Per worker address, the last tasks given to it: (generation, task id).
+        self._tasks_given: dict[str, collections.deque[tuple[int, st.TaskId]]] = {}
         self._tasks_cv = threading.Condition(self._mu)
         self._watches = 0
         self._lost_uids: dict[str, str] = {}  # address -> uid of a worker declared lost

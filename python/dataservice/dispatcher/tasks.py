@@ -10,13 +10,14 @@ of a worker or of a consumer's host) and the `TaskInfo` a consumer gets
 
 Fields (`base.DispatcherBase`; all guarded by `self._mu`): reads `_config`,
 `_state`, `_iteration_errors`, `_lost_uids`; writes `_workers` (and its
-`_Worker` records), `_failed_workers`, `_task_generation` and `_watches`
+`_Worker` records), `_failed_workers`, `_task_generation`, `_tasks_given` and `_watches`
 (notifying `_tasks_cv`); `_state` changes only through
 `_apply_locked`. Uses worker_loss.py's `_forget_losses_of_locked`.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,10 @@ MAX_WATCH_S = 60.0
 MAX_WATCHES = 32
 # A held watch looks at the dispatcher's stop this often.
 _WATCH_CHECK_S = 0.5
+# How many of the last tasks given to a worker are remembered, so that a watch that
+# knows an earlier generation is answered with the tasks given since, not all the
+# worker's live tasks (`_watch_answer_locked`).
+_TASKS_GIVEN_KEPT = 1024
 
 
 class WorkerTasksMixin(DispatcherBase):
@@ -98,7 +103,7 @@ class WorkerTasksMixin(DispatcherBase):
                 task_id, iteration.iteration_id, worker.address, worker.index, worker.host_id
             )
         )
-        self._task_given_locked(worker.address)
+        self._task_given_locked(worker.address, task_id)
 
     def _has_task_locked(self, iteration: st.Iteration, worker: _Worker) -> bool:
         """Whether `worker` runs or ran a task in `iteration` (one cut short by
@@ -232,7 +237,7 @@ class WorkerTasksMixin(DispatcherBase):
                         and not self._host_part_over_locked(task)
                     ):
                         self._apply_locked(st.ReviveTask(task.task_id))
-                        self._task_given_locked(address)
+                        self._task_given_locked(address, task.task_id)
                 self._forget_losses_of_locked(request.worker_uid)
                 log.info("worker %s is back (it was only slow)", address)
             if worker is None or worker.uid != request.worker_uid:
@@ -297,10 +302,15 @@ class WorkerTasksMixin(DispatcherBase):
             exactly_once=job.exactly_once,
         )
 
-    def _task_given_locked(self, address: str) -> None:
-        """A task was created or revived on worker `address`: wakes its watch
+    def _task_given_locked(self, address: str, task_id: st.TaskId) -> None:
+        """Task `task_id` was created or revived on worker `address`: wakes its watch
         (`_watch_tasks`)."""
-        self._task_generation[address] = self._task_generation.get(address, 0) + 1
+        generation = self._task_generation.get(address, 0) + 1
+        self._task_generation[address] = generation
+        given = self._tasks_given.get(address)
+        if given is None:
+            given = self._tasks_given[address] = collections.deque(maxlen=_TASKS_GIVEN_KEPT)
+        given.append((generation, task_id))
         self._tasks_cv.notify_all()
 
     def _watch_tasks(self, request: Any, active: Callable[[], bool] = lambda: True) -> Any:
@@ -349,7 +359,17 @@ class WorkerTasksMixin(DispatcherBase):
         )
         worker = self._workers.get(request.worker_address)
         if worker is not None and worker.uid == request.worker_uid and not worker.restarting:
-            for task in self._state.tasks_of_worker(worker.address):
+            tasks = self._state.tasks_of_worker(worker.address)
+            given = self._tasks_given.get(worker.address)
+            known = request.generation
+            if 0 <= known <= generation and given and given[0][0] <= known + 1:
+                # Every task given since the worker's generation is remembered: those,
+                # not all its live tasks (a worker may hold many idle ones: named jobs
+                # wait job_gc_timeout_ms for their consumers). Its heartbeats still
+                # list every task it lacks.
+                since = {task_id for g, task_id in given if g > known}
+                tasks = [t for t in tasks if t.task_id in since]
+            for task in tasks:
                 self._add_task_def_locked(response.tasks, task)
         return response
 

@@ -638,7 +638,8 @@ class WorkerServer(ElementServing):
         they would anyway; a dispatcher without WatchTasks (an older version)
         ends the loop."""
         interval_s = self._config.heartbeat_interval_ms_or_default / 1000
-        known = -1
+        known = -1  # the generation of the last answer: the dispatcher sends what is newer
+        watched = ""  # the dispatcher incarnation that answered last
         while not self._stop_event.is_set():
             stub = self._stub
             if stub is None or not self._registered.is_set():
@@ -672,6 +673,12 @@ class WorkerServer(ElementServing):
                 continue
             finally:
                 self._watch_call = None
+            if watched and response.incarnation_id != watched:
+                # Another incarnation counts its generations afresh: an answer to a
+                # generation of the old one may leave tasks out; ask for all of them.
+                watched, known = response.incarnation_id, -1
+                continue
+            watched = response.incarnation_id
             if response.generation != known:
                 known = response.generation
                 self._start_watched_tasks(response)

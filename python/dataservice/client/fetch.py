@@ -287,6 +287,15 @@ class TaskFetching:
                     # The worker may be restarting, or lost: the dispatcher decides
                     # (told now, it checks whether the worker's port is still open).
                     log.debug("fetch from %s failed: %s", endpoint.worker_address, err)
+                    if self._stop.is_set():
+                        # The reader was closed while this fetch waited (e.g. its
+                        # cluster stopped right after): the error is nobody's to hear.
+                        if client is not None and not client.retry_in_place:
+                            client.close()
+                            client = None
+                        if self._outstanding is not None:
+                            self._outstanding.release()
+                        return
                     state.fetch_error = f"{type(err).__name__}: {err}"
                     dispatcher = self.options.dispatcher_address
                     if rpc_util.gone_with_its_workers(dispatcher):

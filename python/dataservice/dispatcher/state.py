@@ -540,7 +540,8 @@ class DispatcherState:
         if ended and not it.live_tasks():
             it.finished = True
 
-    # Queries (no mutation).
+    # Queries: they change no state (`tasks_of_worker` and `unfinished_iterations` prune
+    # their own private indexes of what cannot come back).
     def job_of_iteration(self, iteration_id: IterationId) -> Job:
         return self.jobs[self.iterations[iteration_id].job_id]
 
